@@ -1,0 +1,27 @@
+"""The phase registry: phase number -> the module that exports its `Engine`.
+
+A new phase joins every shared test and the front door (`LLM(phase=N)`) by adding one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+PHASES: dict[int, str] = {
+    1: "phases.p01_naive_attention",
+}
+
+
+def latest_phase() -> int:
+    return max(PHASES)
+
+
+def get_engine_class(phase: int | None = None) -> type:
+    """The Engine class of `phase` (None: the newest)."""
+    if phase is None:
+        phase = latest_phase()
+    if isinstance(phase, bool) or not isinstance(phase, int):
+        raise TypeError(f"phase must be an int or None, got {phase!r}")
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase}")
+    return importlib.import_module(PHASES[phase]).Engine

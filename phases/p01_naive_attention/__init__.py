@@ -1,0 +1,6 @@
+"""Phase 1: a Llama forward pass with plain attention; every step recomputes the whole sequence."""
+
+from .attention import NaiveAttention, causal_attention
+from .engine import Engine
+
+__all__ = ["Engine", "NaiveAttention", "causal_attention"]

@@ -1,0 +1,40 @@
+"""Phase 1's attention: the full score matrix with a causal mask, for one sequence.
+
+For a sequence of T tokens, every query attends to every key at or before its own position:
+
+    scores = q @ k^T / sqrt(d)            # (H, T, T): T^2 numbers per head
+    scores[i, j] = -inf   where j > i     # the causal mask: no peeking at the future
+    out = softmax(scores) @ v             # (T, H, d)
+
+Grouped-query attention: the model has fewer K/V heads than query heads; each K/V head serves
+`H // KVH` query heads, so we repeat it before the matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     num_past: int = 0) -> torch.Tensor:
+    """q: (Tq, H, d); k, v: (Tk, KVH, d) with Tk = num_past + Tq -> (Tq, H, d).
+
+    Query i sits at position num_past + i and sees keys 0 .. num_past + i.
+    """
+    tq, h, d = q.shape
+    tk, kvh, _ = k.shape
+    k = k.repeat_interleave(h // kvh, dim=1)                     # (Tk, H, d)
+    v = v.repeat_interleave(h // kvh, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * d ** -0.5      # (H, Tq, Tk)
+    q_pos = torch.arange(tq, device=q.device)[:, None] + num_past
+    k_pos = torch.arange(tk, device=q.device)[None, :]
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))    # causal mask
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v)                # (Tq, H, d)
+
+
+class NaiveAttention:
+    """The attention backend for one sequence whose every token is in the step."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return causal_attention(q, k, v)

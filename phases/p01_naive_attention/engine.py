@@ -1,0 +1,137 @@
+"""Phase 1 engine: correct and simple, and slow on purpose.
+
+Requests run one at a time. To produce each new token the engine runs the model over the
+*whole* sequence (prompt plus everything generated so far) and keeps only the last row of
+logits. Nothing is remembered between steps, so generating n tokens after a prompt of p tokens
+costs about sum_{t=p}^{p+n} t token-passes through the model, and attention over each pass builds
+a t x t score matrix: the work grows with the square of the length.
+
+The parts every later phase keeps live here too: loading the model and tokenizer, validating
+requests (`add_request`), the `step()` loop, and turning sampled tokens into outputs. Later
+phases subclass `Engine` and replace `step` (what runs) and the attention backend (how).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.download import resolve_model
+from tinyvllm.inputs import PromptType, parse_prompt
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampler import Sampler
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sequence import Sequence, SequenceGroup
+from tinyvllm.tokenizer import Tokenizer
+from tinyvllm.weights import load_model, resolve_device, resolve_dtype
+
+from .attention import NaiveAttention
+
+
+class Engine:
+    """The phase 1 engine: full recompute, one request at a time."""
+
+    phase = 1
+
+    def __init__(self, model: str | Path | None = None, **engine_args):
+        self.config = EngineConfig.from_kwargs(**engine_args)
+        self.model_path = resolve_model(model)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(self.config.max_model_len or limit, limit)
+        self.tokenizer = Tokenizer(self.model_path)
+        self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config, self.tokenizer)
+        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
+        self.sampler = Sampler(self.tokenizer)
+        self.rng = torch.Generator().manual_seed(self.config.seed)  # seeds for unseeded requests
+        self.groups: dict[str, SequenceGroup] = {}                 # unfinished requests by id
+        self.queue: deque[Sequence] = deque()                      # phase 1: one at a time, FIFO
+
+    # -- requests in ---------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> SequenceGroup:
+        """Validate a request and build its state, without adding it (raises on bad input)."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self.check_fits(len(ids), params)
+        return SequenceGroup(request_id, text, ids, params, self.tokenizer, self.eos_token_ids,
+                             self.max_model_len, self.device, self.rng, arrival_time)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Raise if a request can never run. Phase 1 has no limit beyond max_model_len."""
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request; it runs in later calls to `step`."""
+        self.add_group(self.make_request(request_id, prompt, params, arrival_time))
+
+    def add_group(self, group: SequenceGroup) -> None:
+        self.groups[group.request_id] = group
+        self.queue.extend(group.seqs)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Generate one token for the sequence at the head of the queue."""
+        if not self.queue:
+            return []
+        seq = self.queue[0]
+        if seq.group.metrics.first_scheduled_time is None:
+            seq.group.metrics.first_scheduled_time = time.perf_counter()
+        ids = torch.tensor(seq.token_ids, device=self.device)             # (T,)
+        positions = torch.arange(len(ids), device=self.device)             # (T,)
+        hidden = self.model(ids, positions, NaiveAttention())              # (T, D): all of it again
+        logits = self.model.compute_logits(hidden[-1:])                   # (1, V): only the last row
+        self.append_tokens([seq], logits)
+        if seq.is_finished:
+            self.queue.popleft()
+        return self.collect_outputs([seq.group])
+
+    def append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Sample one token per sequence from its row of logits and record it."""
+        tokens, logprobs = self.sampler(logits, seqs)
+        now = time.perf_counter()
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            seq.append_token(token, lp)
+            seq.group.record_token_time(now)
+
+    def collect_outputs(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
+        """The outputs of the groups that changed this step; forget the finished ones."""
+        outputs = []
+        for group in dict.fromkeys(groups):  # unique, in order
+            outputs.append(group.to_output())
+            if group.is_finished:
+                self.groups.pop(group.request_id, None)
+        return outputs
+
+
+def _eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: generation_config.json's (what transformers' generate uses), else
+    config.json's, plus the tokenizer's eos token."""
+    import json
+
+    ids = set(config.eos_token_id)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids = set([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

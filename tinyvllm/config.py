@@ -1,0 +1,205 @@
+"""Configuration: the model's shape (read from a Hugging Face config.json) and the engine's knobs.
+
+`ModelConfig` covers the Llama family: Llama 2/3.x, SmolLM2, TinyLlama and anything else with
+`model_type: llama` (or the same layout). It reads RoPE settings both the way most published
+checkpoints write them (`rope_theta` + `rope_scaling`) and the way transformers 5 writes them
+(`rope_parameters`).
+
+`EngineConfig` holds every engine argument any phase understands, with vLLM's names and
+defaults, and validates each one with an error that names it. A phase simply ignores the knobs
+for features it does not have yet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+# Model types whose checkpoints share Llama's layout and names.
+LLAMA_LIKE_MODEL_TYPES = ("llama", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder, as config.json describes it."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": 8.0, ...} or None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+    model_type: str = "llama"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})")
+        if self.hidden_act != "silu":
+            raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rope_type not in SUPPORTED_ROPE_TYPES:
+                raise ValueError(f"config.json: rope type {rope_type!r} is not supported "
+                                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in LLAMA_LIKE_MODEL_TYPES:
+            raise ValueError(f"config.json: model_type {model_type!r} is not a Llama-family model "
+                             f"(supported: {', '.join(LLAMA_LIKE_MODEL_TYPES)})")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        rope_scaling = cfg.get("rope_scaling")
+        # transformers 5 folds both into one dict: {"rope_type": ..., "rope_theta": ..., ...}
+        params = cfg.get("rope_parameters")
+        if isinstance(params, dict):
+            rope_theta = params.get("rope_theta", rope_theta)
+            rest = {k: v for k, v in params.items() if k != "rope_theta"}
+            if rest.get("rope_type", rest.get("type", "default")) != "default":
+                rope_scaling = rest
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", False),
+            mlp_bias=cfg.get("mlp_bias", False),
+            hidden_act=cfg.get("hidden_act", "silu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=eos_ids,
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            model_type=model_type,
+        )
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike) -> "ModelConfig":
+        path = Path(folder) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"model: no config.json in {folder}")
+        try:
+            cfg = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model: {path} is not valid JSON: {e}") from None
+        try:
+            return cls.from_dict(cfg)
+        except KeyError as e:
+            raise ValueError(f"model: {path} lacks the field {e.args[0]!r}") from None
+
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Every engine argument, with vLLM's names. Phases read the ones they use.
+
+    Memory for the KV cache (phase 2 on): `num_kv_blocks` sets the pool exactly (vLLM's
+    `num_gpu_blocks_override`); otherwise `kv_cache_memory` bytes, or on a GPU
+    `gpu_memory_utilization` of its memory, divided by the bytes one block takes.
+    """
+
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    # phase 2: paged KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    # phase 3: continuous batching
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    # later phases
+    enforce_eager: bool = False
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    speculative_config: dict | None = None
+    # front door
+    disable_log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu")
+                                                     or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        _check_int("seed", self.seed, 0)
+        _check_int("max_model_len", self.max_model_len, 1, optional=True)
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
+        _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not (
+                0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "disable_log_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unknown engine argument(s): {', '.join(unknown)} "
+                            f"(known: {', '.join(sorted(known))})")
+        return cls(**kwargs)
+
+
+def _check_int(name: str, value: Any, low: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def is_finite_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -1,0 +1,99 @@
+"""The front door: `LLM`, as in vLLM.
+
+    from tinyvllm import LLM, SamplingParams
+    llm = LLM()                                     # the default model, the newest phase
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+
+`LLM(phase=N)` runs an earlier phase's engine. `generate` validates every prompt before it adds
+any, so a bad one raises and leaves the engine as it was, ready for the next call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tinyvllm.inputs import PromptType
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """An engine plus a tokenizer, with vLLM's offline API."""
+
+    def __init__(self, model: str | None = None, phase: int | None = None, **engine_args: Any):
+        import phases  # the registry; imported here so the foundation never imports phases
+
+        self.phase = phase if phase is not None else phases.latest_phase()
+        engine_cls = phases.get_engine_class(phase)
+        self.llm_engine = engine_cls(model, **engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for one prompt or a list; returns one RequestOutput per prompt,
+        in order. `sampling_params` is one SamplingParams for all, or a list with one each."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a token prompt dict, or a list of them, "
+                            f"got {type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
+            params_list = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
+        engine = self.llm_engine
+        # Validate all first: one bad prompt must not leave half the batch queued.
+        groups = [engine.make_request(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params_list)]
+        for g in groups:
+            engine.add_group(g)
+        wanted = {g.request_id: i for i, g in enumerate(groups)}
+        results: list[RequestOutput | None] = [None] * len(groups)
+        for out in self._run(len(groups), use_tqdm):
+            if out.finished and out.request_id in wanted:
+                results[wanted[out.request_id]] = out
+        return results  # type: ignore[return-value]
+
+    def chat(self, messages: Conversation | list[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate a reply to a conversation (or to each of a list of conversations), using the
+        model's chat template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tok = self.get_tokenizer()
+        prompts = [{"prompt": (text := tok.apply_chat_template(c, add_generation_prompt)),
+                    "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> Iterator[RequestOutput]:
+        engine = self.llm_engine
+        bar = None
+        if use_tqdm and sys.stderr.isatty():
+            from tqdm import tqdm
+            bar = tqdm(total=num_requests, desc="Processed prompts", unit="req", dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and bar is not None:
+                        bar.update(1)
+                    yield out
+        finally:
+            if bar is not None:
+                bar.close()

@@ -1,0 +1,196 @@
+"""A Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+The model works on a *flat* batch of tokens, the way vLLM does: `input_ids` and `positions` are
+1-D tensors of N tokens that may belong to several sequences. The model never needs to know how
+the tokens are grouped: that knowledge lives in the *attention backend* passed to `forward`.
+Every phase of tinyvllm plugs in its own backend (naive attention, paged attention, Triton
+kernels, ...) and leaves the rest of the model untouched.
+
+    backend(layer_idx, q, k, v) -> out      # q: (N, H, d)  k, v: (N, KVH, d)  out: (N, H, d)
+
+Parameter names match Hugging Face's `LlamaForCausalLM`, so a checkpoint loads by name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tinyvllm.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    """What a phase plugs into the model: attention over whatever tokens the step holds."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embedding
+# ---------------------------------------------------------------------------------------------
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies, with Llama 3.x ("llama3") or linear scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if not scaling:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    # llama3: low frequencies (long wavelengths) are slowed by `factor`, high ones kept, and the
+    # band between is blended smoothly. Same formula as Meta's reference and transformers.
+    low_ff = float(scaling.get("low_freq_factor", 1.0))
+    high_ff = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_len / low_ff
+    high_freq_wavelen = old_len / high_ff
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to `max_positions`, looked up per token."""
+
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config, self.max_positions = config, max_positions
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inv_freq(self.config)
+        t = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)                       # (P, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)                # (P, d): Hugging Face's half layout
+        return emb.cos(), emb.sin()
+
+    def reset_tables(self) -> None:
+        """Recompute the tables (after the model was built on the meta device)."""
+        cos, sin = self._tables()
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)     # (N, 1, d)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()  # the variance in float32, as the reference does, whatever the model dtype
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                attn: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)      # (N, H, d)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)   # (N, KVH, d)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)   # (N, KVH, d)
+        q, k = rope(positions, q, k)
+        out = attn(self.layer_idx, q, k, v)                             # (N, H, d)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(h, i, bias=bias)
+        self.up_proj = nn.Linear(h, i, bias=bias)
+        self.down_proj = nn.Linear(i, h, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, positions, rope, attn):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, max_positions)
+
+    def forward(self, input_ids, positions, attn):
+        x = self.embed_tokens(input_ids)                                # (N, D)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary_emb, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the LM head. `forward` returns hidden states; `compute_logits` turns the
+    rows you need (usually the last token of each sequence) into vocabulary scores."""
+
+    def __init__(self, config: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: (N,) -> hidden states (N, D)."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(M, D) -> (M, V) float32 logits."""
+        return self.lm_head(hidden).float()

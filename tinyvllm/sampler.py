@@ -1,0 +1,131 @@
+"""The one batched sampler every phase uses.
+
+    logits (B, V) --penalties, min_tokens--> --temperature, top-k, top-p, min-p--> token per row
+
+- Greedy fast path: when every row is greedy, one argmax, no softmax.
+- Top-k-only fast path: a row that uses only top-k samples among its k best tokens, without
+  sorting or normalizing the whole vocabulary.
+- Per-row randomness: each sequence owns a `torch.Generator`. A row draws its own exponential
+  noise E and picks argmax(p / E), which is an exact sample from p (the "exponential race", the
+  same trick vLLM uses). The draw depends only on the row's own generator and logits, so a seeded
+  request gives the same tokens whatever else is in the batch, and in any run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.outputs import Logprob
+from tinyvllm.sequence import Sequence
+
+
+class Sampler:
+    """Picks the next token of each sequence from its logits row."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer  # for Logprob.decoded_token
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
+                 ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """logits: (B, V) float32, one row per sequence -> (token ids, logprobs per row)."""
+        raw_logprobs = (torch.log_softmax(logits, dim=-1)
+                        if any(s.params.logprobs is not None for s in seqs) else None)
+        logits = self._apply_penalties(logits, seqs)
+        if all(s.params.is_greedy for s in seqs):
+            tokens = logits.argmax(dim=-1).tolist()
+        else:
+            tokens = self._sample(logits, seqs)
+        logprobs = [self._logprobs(raw_logprobs[i], tokens[i], s.params.logprobs)
+                    if raw_logprobs is not None and s.params.logprobs is not None else None
+                    for i, s in enumerate(seqs)]
+        return tokens, logprobs
+
+    # -- logits processing ---------------------------------------------------------------------
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows = [i for i, s in enumerate(seqs) if s.params.has_penalties or s.min_tokens_pending]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[-1]
+        for i in rows:
+            s, p, row = seqs[i], seqs[i].params, logits[i]
+            if p.has_penalties:
+                out = torch.tensor(s.output_token_ids, dtype=torch.long, device=logits.device)
+                counts = torch.bincount(out, minlength=vocab)[:vocab].to(row.dtype)
+                if p.repetition_penalty != 1.0:  # over prompt and output, as vLLM does
+                    seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                    seen[torch.tensor(s.token_ids, device=logits.device)] = True
+                    penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                    row.copy_(torch.where(seen, penalized, row))
+                row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+            if s.min_tokens_pending:
+                banned = [t for t in (*s.eos_token_ids, *p.all_stop_token_ids) if t < vocab]
+                row[banned] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep this
+        full_rows: list[int] = []
+        for i, s in enumerate(seqs):
+            p = s.params
+            if p.is_greedy:
+                continue
+            if p.top_k > 0 and p.top_p >= 1.0 and p.min_p == 0.0:
+                # top-k only: sample among the k best, no full-vocabulary sort
+                vals, idx = (logits[i] / p.temperature).topk(min(p.top_k, logits.shape[-1]))
+                probs = torch.softmax(vals, dim=-1)
+                noise = torch.empty_like(probs).exponential_(generator=s.generator)
+                tokens[i] = int(idx[(probs / noise).argmax()])
+            else:
+                full_rows.append(i)
+        if full_rows:
+            sub = logits[full_rows]
+            temps = torch.tensor([seqs[i].params.temperature for i in full_rows],
+                                 dtype=sub.dtype, device=sub.device)
+            probs = torch.softmax(sub / temps[:, None], dim=-1)
+            probs = self._filter(probs, [seqs[i] for i in full_rows])
+            noise = torch.empty_like(probs)
+            for r, i in enumerate(full_rows):
+                noise[r].exponential_(generator=seqs[i].generator)
+            for r, tok in zip(full_rows, (probs / noise).argmax(dim=-1).tolist()):
+                tokens[r] = tok
+        return tokens
+
+    @staticmethod
+    def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Zero out tokens that top-k, top-p or min-p exclude. probs: (R, V)."""
+        top_k = [s.params.top_k for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        min_p = [s.params.min_p for s in seqs]
+        if any(p > 0 for p in min_p):
+            thresh = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
+            probs = probs.masked_fill(probs < thresh * probs.max(dim=-1, keepdim=True).values, 0.0)
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+            k = torch.tensor([k if k > 0 else probs.shape[-1] for k in top_k], device=probs.device)
+            drop = rank >= k[:, None]
+            # top-p: drop a token if the tokens ranked above it already reach top_p
+            p = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
+            mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+            drop |= mass_before > p * sorted_p.sum(dim=-1, keepdim=True)
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        return probs
+
+    def _logprobs(self, row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+        """The chosen token's logprob and rank, plus the k most likely tokens'."""
+        chosen = float(row[token])
+        out: dict[int, Logprob] = {}
+        if k > 0:
+            vals, idx = row.topk(k)
+            for rank, (v, t) in enumerate(zip(vals.tolist(), idx.tolist()), start=1):
+                out[t] = Logprob(v, rank, self._decode(t))
+        if token not in out:
+            rank = int((row > chosen).sum()) + 1
+            out[token] = Logprob(chosen, rank, self._decode(token))
+        return out
+
+    def _decode(self, token: int) -> str | None:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None

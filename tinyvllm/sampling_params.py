@@ -1,0 +1,136 @@
+"""`SamplingParams`: how to pick each next token, and when to stop. Names and defaults are vLLM's,
+so code written against tinyvllm runs on vLLM unchanged.
+
+Every field is checked in `__post_init__`; a bad value raises `ValueError` (or `TypeError` for a
+wrong type) with a message that names the field and its allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Below this temperature we decode greedily (vLLM's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-5
+MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling and stopping rules for one request.
+
+    Args:
+        n: number of completions to return for the prompt.
+        temperature: 0 means greedy; higher flattens the distribution.
+        top_p: keep the smallest set of tokens whose probability adds up to top_p, in (0, 1].
+        top_k: keep the k most likely tokens; 0 or -1 keeps all.
+        min_p: drop tokens less likely than min_p times the most likely one, in [0, 1].
+        seed: a per-request seed: the same seed gives the same tokens in any batch and any run.
+        max_tokens: the most tokens to generate (None: up to the model's context length).
+        min_tokens: generate at least this many before EOS or a stop token/string may end it.
+        stop: string(s) that end generation; they are not included in the text.
+        stop_token_ids: token ids that end generation (kept in token_ids, not in text).
+        ignore_eos: keep generating after the end-of-sequence token.
+        presence_penalty, frequency_penalty: in [-2, 2], subtract from the logits of tokens
+            already generated (once, or once per occurrence).
+        repetition_penalty: > 0; above 1 discourages tokens seen in the prompt or output.
+        logprobs: also return the log-probabilities of this many most likely tokens (0 to 20),
+            plus the chosen one.
+        skip_special_tokens: leave special tokens out of the text.
+        include_stop_str_in_output: keep the matched stop string at the end of the text.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # normalized copies, filled in __post_init__
+    _stop_strings: list[str] = field(default_factory=list, repr=False)
+    _stop_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        _int("n", self.n, low=1)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _num(name, getattr(self, name))
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not _num("repetition_penalty", self.repetition_penalty) > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if _num("temperature", self.temperature) < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < _num("top_p", self.top_p) <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k, low=-1)
+        if not 0 <= _num("min_p", self.min_p) <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _int("seed", self.seed)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, low=1)
+        _int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, low=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop must not contain an empty string")
+        self._stop_strings = list(stop)
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise TypeError(f"stop_token_ids must be a list of non-negative ints, got {self.stop_token_ids!r}")
+        self._stop_token_ids = list(ids)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_strings
+
+    @property
+    def all_stop_token_ids(self) -> list[int]:
+        return self._stop_token_ids
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1.0)
+
+
+def _num(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _int(name: str, value, low: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return value

@@ -1,0 +1,178 @@
+"""One request's state as it is generated: `Sequence` (one completion stream) and
+`SequenceGroup` (the request: its prompt and its `n` sequences).
+
+This is the bookkeeping every phase shares: appending a sampled token, streaming its text, and
+deciding when to stop (EOS, stop token ids, stop strings, max_tokens, the context length).
+Phases differ only in *how* they compute the next token's logits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import torch
+
+from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One stream of generated tokens for one prompt."""
+
+    def __init__(self, group: "SequenceGroup", index: int, generator: torch.Generator | None,
+                 tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
+        self.seq_id = next(_seq_ids)
+        self.group = group
+        self.index = index
+        self.params: SamplingParams = group.params
+        self.prompt_token_ids: list[int] = group.prompt_token_ids
+        self.token_ids: list[int] = list(group.prompt_token_ids)  # prompt + output, grows
+        self.num_prompt_tokens = len(group.prompt_token_ids)
+        self.generator = generator  # None for greedy
+        self.eos_token_ids = frozenset() if self.params.ignore_eos else eos_token_ids
+        self.max_model_len = max_model_len
+        self.detokenizer = IncrementalDetokenizer(tokenizer, group.prompt_token_ids,
+                                                  self.params.skip_special_tokens)
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        # The longest stop string, less one char, is held back from streamed text: it may be the
+        # start of a stop string that the next token completes.
+        self._holdback = max((len(s) for s in self.params.stop_strings), default=1) - 1
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def min_tokens_pending(self) -> bool:
+        """True while EOS and stop tokens must not be sampled yet (min_tokens)."""
+        return self.num_output_tokens < self.params.min_tokens
+
+    # -- one new token -------------------------------------------------------------------------
+    def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> None:
+        """Record a sampled token, stream its text, and check every stop condition."""
+        self.token_ids.append(token_id)
+        if logprobs is not None and self.logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token_id].logprob
+        params = self.params
+        may_stop = self.num_output_tokens > params.min_tokens
+        if may_stop and token_id in self.eos_token_ids:
+            self._finish("stop")
+        elif may_stop and token_id in params.all_stop_token_ids:
+            self._finish("stop", token_id)
+        if not self.is_finished:  # EOS and stop token ids stay out of the text
+            delta = self.detokenizer.add_token(token_id)
+            self.text += delta
+            if may_stop and delta and params.stop_strings and not self.is_finished:
+                self._check_stop_strings(len(delta))
+        if not self.is_finished:
+            if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+                self._finish("length")
+            elif self.num_tokens >= self.max_model_len:
+                self._finish("length")
+
+    def _check_stop_strings(self, new_chars: int) -> None:
+        # Only a match that overlaps the new text can be new.
+        start = max(0, len(self.text) - new_chars - self._holdback)
+        best = None
+        for s in self.params.stop_strings:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            i, s = best
+            self.text = self.text[: i + len(s) if self.params.include_stop_str_in_output else i]
+            self._finish("stop", s)
+
+    def _finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        if reason == "length":  # nothing more will come: show any incomplete character
+            self.text += self.detokenizer.flush()
+
+    def abort(self) -> None:
+        if not self.is_finished:
+            self.finish_reason = "abort"
+
+    def visible_text(self) -> str:
+        if self.is_finished or self._holdback == 0:
+            return self.text
+        return self.text[: max(0, len(self.text) - self._holdback)]
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index, text=self.visible_text(), token_ids=self.output_token_ids,
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+
+
+class SequenceGroup:
+    """One request: a prompt, its sampling params, and `params.n` sequences."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, tokenizer: Tokenizer, eos_token_ids: frozenset[int],
+                 max_model_len: int, device: torch.device, rng: torch.Generator,
+                 arrival_time: float | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
+        self.num_cached_tokens = 0
+        self.seqs = [
+            Sequence(self, i, _make_generator(params, i, device, rng), tokenizer, eos_token_ids,
+                     max_model_len)
+            for i in range(params.n)
+        ]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+    def record_token_time(self, now: float) -> None:
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
+        if self.is_finished and self.metrics.finished_time is None:
+            self.metrics.finished_time = now
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.to_output() for s in self.seqs], finished=self.is_finished,
+            metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
+
+
+def _make_generator(params: SamplingParams, index: int, device: torch.device,
+                    rng: torch.Generator) -> torch.Generator | None:
+    """Each sequence owns its random stream, so its tokens do not depend on its batch-mates.
+
+    With `seed`, sequence i of the request is seeded with seed + i. Without one, the seed is
+    drawn from the engine's generator, itself seeded by the engine's `seed` argument, so whole
+    runs are reproducible too.
+    """
+    if params.is_greedy:
+        return None
+    seed = params.seed + index if params.seed is not None else int(
+        torch.randint(0, 2**62, (1,), generator=rng).item())
+    return torch.Generator(device=device).manual_seed(seed)

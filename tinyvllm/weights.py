@@ -1,0 +1,106 @@
+"""Load a Hugging Face checkpoint (one or many *.safetensors) into `LlamaForCausalLM`.
+
+Every tensor is checked: a name the model does not have, a parameter the files do not provide,
+a shape that differs, or a file that is truncated or corrupt raises an error that names the file
+and the tensor. Nothing is loaded half-way without saying so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tinyvllm.config import ModelConfig
+from tinyvllm.model import LlamaForCausalLM
+
+# Buffers some checkpoints carry that we compute ourselves.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
+    """'auto' means float32 on a CPU (exact, and fast enough) and bfloat16 on a GPU."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but no CUDA GPU is available")
+    return torch.device(device)
+
+
+def safetensors_files(folder: str | os.PathLike) -> list[Path]:
+    """The checkpoint's files: the ones model.safetensors.index.json names, or every *.safetensors."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"model: {index.name} names {f.name}, which is missing from {folder}")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model: no *.safetensors files in {folder}")
+    return files
+
+
+def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
+    """Copy every tensor of the checkpoint into `model`, checking names and shapes."""
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
+    expected = set(params)
+    seen: set[str] = set()
+    for path in safetensors_files(folder):
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            raise ValueError(f"model: cannot read {path.name}: {e} (truncated or corrupt?)") from None
+        with handle as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue  # some tied checkpoints still ship the copy
+                if name not in params:
+                    raise ValueError(f"model: {path.name} has tensor {name!r}, which this Llama model "
+                                     f"does not have")
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise ValueError(f"model: cannot read tensor {name!r} from {path.name}: {e} "
+                                     f"(truncated or corrupt?)") from None
+                param = params[name]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ValueError(f"model: tensor {name!r} in {path.name} has shape "
+                                     f"{tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensor)
+                seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"model: the checkpoint in {folder} lacks tensor(s) "
+                         f"{', '.join(missing[:5])}{more}")
+
+
+def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,
+               max_positions: int | None = None) -> LlamaForCausalLM:
+    """Build the model from config.json, load its weights, and move it to `device` and `dtype`."""
+    config = ModelConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, max_positions)
+    # Materialize on the CPU with empty storage (no random init to throw away), then fill it.
+    model = model.to_empty(device="cpu")
+    if config.tie_word_embeddings:  # to_empty makes new Parameters: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.reset_tables()
+    load_weights(model, folder)
+    return model.to(device=device, dtype=dtype).eval()
