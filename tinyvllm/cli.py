@@ -1,0 +1,168 @@
+"""The `tinyvllm` command: generate, chat, download.
+
+    tinyvllm generate --prompt "The capital of France is" --max-tokens 16
+    tinyvllm chat                          # interactive; streams the reply as it is generated
+    tinyvllm chat --message "Hi"           # one turn, then exit
+    tinyvllm download                      # fetch and convert the default model
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from tinyvllm.sampling_params import SamplingParams
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="path to a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--phase", type=int, default=None,
+                   help="which phase's engine to run, 1..7 (default: the newest)")
+    p.add_argument("--device", default="auto", help="'cpu', 'cuda' or 'auto' (default)")
+    p.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16 or auto: float32 on CPU, bfloat16 on GPU")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length limit (default: the model's)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling (vLLM's SamplingParams)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 picks the most likely token (greedy, default); higher is more random")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely; 0 or -1: all")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="most tokens to generate")
+    g.add_argument("--min-tokens", type=int, default=0, help="fewest tokens before EOS may stop")
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep going after end-of-sequence")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeats")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+
+
+def _sampling_params(a: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=a.temperature, top_p=a.top_p, top_k=a.top_k, min_p=a.min_p, seed=a.seed,
+        max_tokens=a.max_tokens, min_tokens=a.min_tokens, stop=a.stop, ignore_eos=a.ignore_eos,
+        repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty)
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(device=a.device, dtype=a.dtype, max_model_len=a.max_model_len)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tinyvllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete one or more prompts and print the results")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    _add_engine_args(g)
+    _add_sampling_args(g, max_tokens=64)
+
+    c = sub.add_parser("chat", help="chat with the model; replies stream as they are generated")
+    c.add_argument("--message", action="append", default=None,
+                   help="send this message and exit instead of reading from the terminal (repeatable: one turn each)")
+    c.add_argument("--system", default=None, help="a system prompt")
+    _add_engine_args(c)
+    _add_sampling_args(c, max_tokens=256)
+
+    sub.add_parser("download", help="download and convert the default model into the cache")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "download":
+            from tinyvllm.download import ensure_default_model
+            print(ensure_default_model())
+            return 0
+        params = _sampling_params(args)
+        from tinyvllm.llm import LLM
+        llm = LLM(args.model, phase=args.phase, **_engine_kwargs(args))
+        if args.command == "generate":
+            return _generate(llm, args.prompt, params)
+        return _chat(llm, args, params)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"tinyvllm: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _generate(llm, prompts: list[str], params: SamplingParams) -> int:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n = 0
+    for out in outs:
+        for c in out.outputs:
+            n += len(c.token_ids)
+            print(f"--- {out.prompt!r} ({c.finish_reason})\n{out.prompt}{c.text}")
+    print(f"[phase {llm.phase}: {n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def stream_reply(llm, messages: list[dict], params: SamplingParams, out=sys.stdout):
+    """Send one conversation through the engine's add_request/step loop, printing text as it
+    comes. Returns (reply text, number of tokens, seconds, time to first token)."""
+    tok = llm.get_tokenizer()
+    text = tok.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+    engine = llm.llm_engine
+    rid = f"chat-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, params, arrival_time=t0)
+    shown, final = 0, None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            c = o.outputs[0]
+            out.write(c.text[shown:])
+            out.flush()
+            shown = len(c.text)
+            final = o
+    out.write("\n")
+    c = final.outputs[0]
+    return c.text, len(c.token_ids), time.perf_counter() - t0, final.metrics.time_to_first_token
+
+
+def _chat(llm, args, params: SamplingParams) -> int:
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = args.message is None
+    if interactive:
+        print("tinyvllm chat: type a message; an empty line or Ctrl-D quits.", file=sys.stderr)
+    turns = iter(args.message or [])
+    while True:
+        if interactive:
+            try:
+                user = input("you> ")
+            except EOFError:
+                break
+            if not user.strip():
+                break
+        else:
+            user = next(turns, None)
+            if user is None:
+                break
+            print(f"you> {user}")
+        messages.append({"role": "user", "content": user})
+        print("assistant> ", end="", flush=True)
+        reply, n, dt, ttft = stream_reply(llm, messages, params)
+        messages.append({"role": "assistant", "content": reply})
+        decode = (n - 1) / (dt - ttft) if n > 1 and dt > ttft else float("nan")
+        print(f"[phase {llm.phase}: {n} tokens in {dt:.2f} s; first token after {ttft * 1000:.0f} ms, "
+              f"then {decode:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

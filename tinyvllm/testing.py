@@ -1,0 +1,103 @@
+"""Helpers for tests: tiny random Llama models written as real Hugging Face folders.
+
+`make_tiny_llama(folder)` writes config.json, model.safetensors, tokenizer.json and
+tokenizer_config.json (with a chat template) for a random model small enough that a test runs in
+milliseconds, but shaped like the real thing: grouped-query attention, RoPE, several layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _byte_level_tokenizer_json(vocab_size: int) -> tuple[str, int, int]:
+    """A byte-level BPE tokenizer: 3 special tokens, the 256 bytes, then merges of byte pairs up
+    to `vocab_size` tokens. Returns (tokenizer.json text, eos id, vocabulary size)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    alphabet.sort()
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    # A few merges of common letters, so text becomes fewer tokens than bytes.
+    merges = []
+    common = "etaoinshrdlu"
+    for a in common:
+        for b in common + "Ġ":
+            if len(vocab) >= vocab_size:
+                break
+            merges.append((a, b))
+            vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    return tok.to_str(), vocab["<|im_end|>"], len(vocab)
+
+
+def make_tiny_llama(folder: str | os.PathLike, *, hidden_size: int = 64, num_layers: int = 2,
+                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+                    vocab_size: int = 320, max_position_embeddings: int = 512,
+                    tie_word_embeddings: bool = False, rope_scaling: dict | None = None,
+                    seed: int = 0, std: float = 0.2) -> Path:
+    """Write a random Llama model folder and return its path.
+
+    `std` is large on purpose: random logits should be spread out, so greedy choices are clear
+    and no two ways of computing attention disagree on a near-tie.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok_json, eos_id, vocab_size = _byte_level_tokenizer_json(vocab_size)
+    head_dim = hidden_size // num_heads
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab_size, "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim, "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+        "tie_word_embeddings": tie_word_embeddings, "bos_token_id": 0, "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * std  # noqa: E731
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
+    tensors = {"model.embed_tokens.weight": rand(vocab_size, hidden_size),
+               "model.norm.weight": 1 + rand(hidden_size)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": rand(q, hidden_size),
+            p + "self_attn.k_proj.weight": rand(kv, hidden_size),
+            p + "self_attn.v_proj.weight": rand(kv, hidden_size),
+            p + "self_attn.o_proj.weight": rand(hidden_size, q),
+            p + "mlp.gate_proj.weight": rand(intermediate_size, hidden_size),
+            p + "mlp.up_proj.weight": rand(intermediate_size, hidden_size),
+            p + "mlp.down_proj.weight": rand(hidden_size, intermediate_size),
+            p + "input_layernorm.weight": 1 + rand(hidden_size),
+            p + "post_attention_layernorm.weight": 1 + rand(hidden_size),
+        })
+    if not tie_word_embeddings:
+        tensors["lm_head.weight"] = rand(vocab_size, hidden_size)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    (folder / "tokenizer.json").write_text(tok_json)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": TINY_CHAT_TEMPLATE}, indent=2))
+    return folder
