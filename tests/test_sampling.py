@@ -1,0 +1,130 @@
+"""SamplingParams validation and the sampler: seeds, top-k/top-p/min-p, penalties, logprobs, n."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import phase_params
+from tinyvllm import SamplingParams
+from tinyvllm.sampler import Sampler
+
+PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 7, 250]}
+
+
+@pytest.mark.parametrize("phase", phase_params())
+def test_seed_reproducible_in_any_batch_and_run(phase, tiny_model_dir, make_llm):
+    llm = make_llm(tiny_model_dir, phase)
+    p = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(PROMPT, p, use_tqdm=False)[0].outputs[0].token_ids
+    again = llm.generate(PROMPT, p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": [9, 8, 7]}, {"prompt_token_ids": list(range(3, 40))}]
+    other_params = SamplingParams(temperature=1.3, max_tokens=16, ignore_eos=True)
+    batched = llm.generate(others + [PROMPT], [other_params, other_params, p], use_tqdm=False)
+    assert alone == again == batched[2].outputs[0].token_ids
+    different = llm.generate(PROMPT, SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True),
+                             use_tqdm=False)[0].outputs[0].token_ids
+    assert different != alone
+
+
+def test_n_returns_n_completions(tiny_model_dir, make_llm):
+    llm = make_llm(tiny_model_dir, 1)
+    out = llm.generate(PROMPT, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny_model_dir, make_llm):
+    llm = make_llm(tiny_model_dir, 1)
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for p in (SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=1e-6, seed=3, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=1.0, min_p=1.0, seed=3, max_tokens=12, ignore_eos=True)):
+        assert llm.generate(PROMPT, p, use_tqdm=False)[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+
+
+def test_logprobs(tiny_model_dir, make_llm):
+    llm = make_llm(tiny_model_dir, 1)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 5
+    total = 0.0
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and lp[tok].rank == 1  # greedy picks the most likely token
+        assert 3 <= len(lp) <= 4 and all(v.logprob <= 0 for v in lp.values())
+        total += lp[tok].logprob
+    assert math.isclose(out.cumulative_logprob, total, rel_tol=1e-6)
+
+
+class _FakeSeq:
+    def __init__(self, params, out=(), prompt=(1,)):
+        self.params = params
+        self.token_ids = list(prompt) + list(out)
+        self.output_token_ids = list(out)
+        self.eos_token_ids = frozenset({0})
+        self.generator = torch.Generator().manual_seed(params.seed or 0)
+        self.min_tokens_pending = len(out) < params.min_tokens
+
+
+def test_sampler_top_k_draws_only_from_top_k():
+    logits = torch.randn(1, 50)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    for seed in range(30):
+        toks, _ = Sampler()(logits, [_FakeSeq(SamplingParams(temperature=2.0, top_k=5, seed=seed))])
+        assert toks[0] in top5
+
+
+def test_sampler_top_p_and_min_p_filter():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    for seed in range(40):
+        t, _ = Sampler()(logits, [_FakeSeq(SamplingParams(temperature=1.0, top_p=0.7, seed=seed))])
+        assert t[0] in (0, 1)
+        t, _ = Sampler()(logits, [_FakeSeq(SamplingParams(temperature=1.0, min_p=0.35, seed=seed))])
+        assert t[0] in (0, 1)
+
+
+def test_sampler_matches_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.zeros(3)
+    seq = _FakeSeq(SamplingParams(temperature=1.0, seed=0))
+    seq.generator = g
+    for _ in range(3000):
+        t, _ = Sampler()(probs.log()[None], [seq])
+        counts[t[0]] += 1
+    assert torch.allclose(counts / 3000, probs, atol=0.03)
+
+
+def test_penalties_and_min_tokens():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.5]])
+    s = Sampler()
+    seq = _FakeSeq(SamplingParams(temperature=0, repetition_penalty=10.0), out=[1], prompt=[0])
+    assert s(logits, [seq])[0] == [2]  # tokens 0 (prompt) and 1 (output) are both penalized
+    seq = _FakeSeq(SamplingParams(temperature=0, frequency_penalty=0.75), out=[0, 0])
+    assert s(logits, [seq])[0] == [1]  # once per occurrence: 5 - 2 * 0.75 = 3.5 < 4
+    seq = _FakeSeq(SamplingParams(temperature=0, presence_penalty=0.75), out=[0, 0])
+    assert s(logits, [seq])[0] == [0]  # once: 5 - 0.75 = 4.25 > 4
+    seq = _FakeSeq(SamplingParams(temperature=0, min_tokens=2), out=[3])
+    assert s(logits, [seq])[0] == [1]  # EOS (id 0 here) is banned until min_tokens are out
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(presence_penalty=3), "presence_penalty"),
+    (dict(repetition_penalty=0), "repetition_penalty"), (dict(logprobs=50), "logprobs"),
+    (dict(stop=[""]), "stop"), (dict(stop=3), "stop"), (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(seed=1.5), "seed"), (dict(max_tokens="8"), "max_tokens"),
+])
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises((ValueError, TypeError), match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_match_vllm():
+    p = SamplingParams()
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens) == (1, 1.0, 1.0, 0, 0.0, 16, 0)
+    assert p.stop is None and p.seed is None and p.ignore_eos is False and p.logprobs is None

@@ -1,0 +1,77 @@
+"""Weight loading checks every tensor by name and shape; sharded checkpoints load; errors name
+the file and the tensor."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tinyvllm.config import ModelConfig
+from tinyvllm.weights import load_model
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_sharded_checkpoint_loads_the_same(tiny_model_dir, tmp_path):
+    ref = load_model(tiny_model_dir, torch.float32, torch.device("cpu"))
+    d = _copy(tiny_model_dir, tmp_path / "sharded")
+    tensors = load_file(str(d / "model.safetensors"))
+    (d / "model.safetensors").unlink()
+    names = sorted(tensors)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        fname = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in part}, str(d / fname))
+        weight_map.update({n: fname for n in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = load_model(d, torch.float32, torch.device("cpu"))
+    for (n, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_missing_tensor(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path / "missing")
+    t = load_file(str(d / "model.safetensors"))
+    del t["model.layers.1.mlp.up_proj.weight"]
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(d, torch.float32, torch.device("cpu"))
+
+
+def test_wrong_shape(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path / "shape")
+    t = load_file(str(d / "model.safetensors"))
+    t["model.norm.weight"] = torch.ones(3)
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.norm.weight.*\(3,\)"):
+        load_model(d, torch.float32, torch.device("cpu"))
+
+
+def test_missing_shard_named(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path / "noshard")
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "gone.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match="gone.safetensors"):
+        load_model(d, torch.float32, torch.device("cpu"))
+
+
+def test_rope_parameters_and_llama3_scaling():
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=2, num_key_value_heads=1)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    old = ModelConfig.from_dict({**base, "rope_theta": 500000.0, "rope_scaling": scaling})
+    new = ModelConfig.from_dict({**base, "rope_parameters": {"rope_theta": 500000.0, **scaling}})
+    assert old.rope_theta == new.rope_theta == 500000.0
+    assert old.rope_scaling["rope_type"] == new.rope_scaling["rope_type"] == "llama3"
+    plain = ModelConfig.from_dict({**base, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    assert plain.rope_scaling is None and plain.head_dim == 4
+    with pytest.raises(ValueError, match="yarn"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ValueError, match="model_type"):
+        ModelConfig.from_dict({**base, "model_type": "gpt2"})
