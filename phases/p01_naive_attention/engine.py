@@ -86,8 +86,14 @@ class Engine:
         return bool(self.groups)
 
     def get_stats(self) -> dict[str, float]:
-        """Counters for `tinyvllm bench` (KV blocks, prefix cache, ...). Phase 1 keeps no cache."""
+        """Counters for `tinyvllm bench`. Phase 1 keeps no cache, so it has none. Later phases add
+        num_kv_blocks, block_size, peak_kv_blocks_used, peak_kv_tokens_reserved,
+        peak_kv_tokens_used, contiguous_kv_tokens_reserved, prefix_cache_queries,
+        prefix_cache_hits and num_preemptions."""
         return {}
+
+    def reset_stats(self) -> None:
+        """Zero the counters and peaks of `get_stats` (between benchmark runs)."""
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
