@@ -45,6 +45,10 @@ class Sequence:
         # The longest stop string, less one char, is held back from streamed text: it may be the
         # start of a stop string that the next token completes.
         self._holdback = max((len(s) for s in self.params.stop_strings), default=1) - 1
+        # KV-cache bookkeeping, used from phase 2 on: how many of token_ids have their K/V in the
+        # cache, and which cache blocks hold them.
+        self.num_computed_tokens = 0
+        self.block_table = None
 
     # -- sizes ---------------------------------------------------------------------------------
     @property

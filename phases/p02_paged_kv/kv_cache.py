@@ -1,0 +1,77 @@
+"""The KV cache: one tensor holding every block of every layer.
+
+Layout (phase 4's kernels read it the same way):
+
+    kv:  (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+              |       |      |            |            |
+              |       |      |            |            +-- one head's vector
+              |       |      |            +-- KV heads side by side
+              |       |      +-- a block: block_size consecutive tokens
+              |       +-- the pool
+              +-- 0 = K, 1 = V
+
+Seen flat, `kv[layer, 0].view(num_blocks * block_size, num_kv_heads, head_dim)` has one row per
+*slot*; slot = block_id * block_size + offset. Writing a token's K/V is one indexed copy into
+the rows of its slots (`slot_mapping`).
+
+How many blocks: `num_kv_blocks` if given (vLLM's num_gpu_blocks_override); otherwise a memory
+budget (`kv_cache_memory` bytes; on a GPU `gpu_memory_utilization` of its memory less what is
+already used; on a CPU 2 GiB) divided by the bytes of one block, and never more than the blocks
+`max_num_seqs` sequences of `max_model_len` tokens could use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.config import EngineConfig, ModelConfig
+
+from .block_allocator import cdiv
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V, every layer, every KV head, for block_size tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * elem
+
+
+def num_kv_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, dtype: torch.dtype,
+                  device: torch.device) -> int:
+    """How many blocks the pool gets (see the module docstring)."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = bytes_per_block(model, config.block_size, dtype)
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = int(total * config.gpu_memory_utilization) - (total - free)
+    else:
+        budget = DEFAULT_CPU_KV_CACHE_BYTES
+    blocks = budget // per_block
+    if blocks < 1:
+        raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each)")
+    return min(blocks, config.max_num_seqs * cdiv(max_model_len, config.block_size))
+
+
+class KVCache:
+    """K and V for every slot of every layer."""
+
+    def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        # torch.empty: pages the OS never touches cost no memory, so a big pool is cheap to make
+        self.kv = torch.empty(model.num_hidden_layers, 2, num_blocks, block_size,
+                              model.num_key_value_heads, model.head_dim, dtype=dtype, device=device)
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of one layer, each (num_blocks, block_size, KVH, d)."""
+        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V: k, v (N, KVH, d) into the rows `slot_mapping` (N,)."""
+        k_cache, v_cache = self.layer(layer_idx)
+        k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
+        v_cache.view(-1, *v.shape[1:])[slot_mapping] = v

@@ -1,0 +1,91 @@
+"""Paged attention in PyTorch: each sequence attends over its own blocks of the cache.
+
+The step's tokens come flat, as in phase 1's model: q (N, H, d), sequence after sequence.
+`AttentionMetadata` says how they are grouped:
+
+    query_start_loc (B+1,)  sequence b's queries are q[query_start_loc[b] : query_start_loc[b+1]]
+    seq_lens        (B,)    tokens of sequence b in the cache *after* this step's write
+    block_tables    (B, M)  sequence b's block ids, padded with 0 past its last block
+    slot_mapping    (N,)    where each new token's K/V is written
+
+The backend first writes the new K/V into their slots, then, for each sequence, gathers its
+`seq_len` cached keys and values through its block table and attends. A query at position p
+sees cached positions 0..p, so the causal mask is phase 1's, shifted by the tokens already
+cached: we reuse phase 1's `causal_attention` for it.
+
+Decode rows (one query each) are the common case and run together: their blocks are gathered
+into one padded batch and masked by length, in a handful of batched ops instead of a loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from phases.p01_naive_attention import causal_attention
+
+from .kv_cache import KVCache
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flat tokens of one step map to sequences and cache slots."""
+
+    slot_mapping: torch.Tensor     # (N,) int64
+    query_start_loc: torch.Tensor  # (B+1,) int64, on the CPU: used for Python slicing
+    seq_lens: torch.Tensor         # (B,) int64, on the CPU
+    block_tables: torch.Tensor     # (B, M) int64, on the device
+    query_lens: list[int]          # (B,) tokens of each sequence in this step
+    decode_rows: list[int]         # sequences with exactly one query (decodes)
+    prefill_rows: list[int]        # the others (prompts, or chunks of prompts)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """q: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d) -> (N, H, d)."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    starts = meta.query_start_loc.tolist()
+    lens = meta.seq_lens.tolist()
+    for b in meta.prefill_rows:  # long queries: one sequence at a time
+        blocks = meta.block_tables[b, : -(-lens[b] // block_size)]
+        k = k_cache[blocks].flatten(0, 1)[: lens[b]]                  # (L, KVH, d)
+        v = v_cache[blocks].flatten(0, 1)[: lens[b]]
+        qb = q[starts[b]: starts[b + 1]]
+        out[starts[b]: starts[b + 1]] = causal_attention(qb, k, v, num_past=lens[b] - len(qb))
+    if meta.decode_rows:
+        rows = meta.decode_rows
+        idx = torch.tensor([starts[b] for b in rows], device=q.device)
+        out[idx] = decode_attention(q[idx], k_cache, v_cache, meta.block_tables[rows],
+                                    meta.seq_lens[rows].to(q.device))
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """One query per sequence. q: (B, H, d); block_tables: (B, M); seq_lens: (B,) -> (B, H, d)."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[2]
+    max_blocks = -(-int(seq_lens.max()) // k_cache.shape[1])
+    bt = block_tables[:, :max_blocks]
+    k = k_cache[bt].flatten(1, 2)                                     # (B, T, KVH, d), T = M * block_size
+    v = v_cache[bt].flatten(1, 2)
+    qg = q.view(b, kvh, h // kvh, d)                                  # query heads grouped by KV head
+    scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * d ** -0.5       # (B, KVH, G, T)
+    pad = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[:, None]  # (B, T)
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return torch.einsum("bkgt,btkd->bkgd", probs, v).reshape(b, h, d)
+
+
+class PagedAttention:
+    """The attention backend for a step: write this step's K/V, then attend over the cache."""
+
+    def __init__(self, cache: KVCache, meta: AttentionMetadata):
+        self.cache, self.meta = cache, meta
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+        k_cache, v_cache = self.cache.layer(layer_idx)
+        return paged_attention(q, k_cache, v_cache, self.meta)
