@@ -117,25 +117,15 @@ class Engine(Phase1Engine):
             slots += [seq.block_table.slot(p, bs) for p in range(start, start + n)]
             query_lens.append(n)
             seq_lens.append(start + n)
-        max_blocks = max(len(seq.block_table) for seq, _ in batch)
-        tables = [seq.block_table.block_ids + [0] * (max_blocks - len(seq.block_table)) for seq, _ in batch]
-        query_start_loc = torch.tensor([0] + query_lens).cumsum(0)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
-            query_start_loc=query_start_loc,
-            seq_lens=torch.tensor(seq_lens),
-            block_tables=torch.tensor(tables, device=self.device),
-            query_lens=query_lens,
-            decode_rows=[i for i, n in enumerate(query_lens) if n == 1],
-            prefill_rows=[i for i, n in enumerate(query_lens) if n != 1],
-        )
+        meta = AttentionMetadata.build(slots, query_lens, seq_lens,
+                                       [seq.block_table.block_ids for seq, _ in batch], self.device)
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device),
                             PagedAttention(self.kv_cache, meta))                   # (N, D)
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in batch:
             seq.num_computed_tokens += n
-        last_rows = (query_start_loc[1:] - 1)[done].to(self.device)
+        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in done], device=self.device)
         return self.model.compute_logits(hidden[last_rows]), [batch[i][0] for i in done]
 
     # -- numbers for the bench -----------------------------------------------------------------

@@ -30,15 +30,35 @@ from .kv_cache import KVCache
 
 @dataclass
 class AttentionMetadata:
-    """How the flat tokens of one step map to sequences and cache slots."""
+    """How the flat tokens of one step map to sequences and cache slots. Built once per step
+    (`build`), read by every layer."""
 
     slot_mapping: torch.Tensor     # (N,) int64
-    query_start_loc: torch.Tensor  # (B+1,) int64, on the CPU: used for Python slicing
-    seq_lens: torch.Tensor         # (B,) int64, on the CPU
-    block_tables: torch.Tensor     # (B, M) int64, on the device
-    query_lens: list[int]          # (B,) tokens of each sequence in this step
-    decode_rows: list[int]         # sequences with exactly one query (decodes)
-    prefill_rows: list[int]        # the others (prompts, or chunks of prompts)
+    query_start_loc: list[int]     # (B+1,) sequence b's queries: [query_start_loc[b], query_start_loc[b+1])
+    seq_lens: list[int]            # (B,) cached tokens of each sequence after this step
+    block_tables: torch.Tensor     # (B, M) int64, padded with 0
+    prefill_rows: list[int]        # sequences with several queries (prompts, or chunks of them)
+    # the decode rows (one query each), ready for decode_attention
+    decode_token_idx: torch.Tensor     # (Bd,) their query's index in the flat batch
+    decode_block_tables: torch.Tensor  # (Bd, M)
+    decode_seq_lens: torch.Tensor      # (Bd,)
+
+    @classmethod
+    def build(cls, slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
+              block_tables: list[list[int]], device: torch.device) -> "AttentionMetadata":
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], device=device)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        decode = [b for b, n in enumerate(query_lens) if n == 1]
+        return cls(
+            slot_mapping=torch.tensor(slot_mapping, device=device), query_start_loc=starts,
+            seq_lens=seq_lens, block_tables=tables,
+            prefill_rows=[b for b, n in enumerate(query_lens) if n != 1],
+            decode_token_idx=torch.tensor([starts[b] for b in decode], device=device),
+            decode_block_tables=tables[decode],
+            decode_seq_lens=torch.tensor([seq_lens[b] for b in decode], device=device))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -46,19 +66,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d) -> (N, H, d)."""
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
-    starts = meta.query_start_loc.tolist()
-    lens = meta.seq_lens.tolist()
+    starts, lens = meta.query_start_loc, meta.seq_lens
     for b in meta.prefill_rows:  # long queries: one sequence at a time
         blocks = meta.block_tables[b, : -(-lens[b] // block_size)]
         k = k_cache[blocks].flatten(0, 1)[: lens[b]]                  # (L, KVH, d)
         v = v_cache[blocks].flatten(0, 1)[: lens[b]]
         qb = q[starts[b]: starts[b + 1]]
         out[starts[b]: starts[b + 1]] = causal_attention(qb, k, v, num_past=lens[b] - len(qb))
-    if meta.decode_rows:
-        rows = meta.decode_rows
-        idx = torch.tensor([starts[b] for b in rows], device=q.device)
-        out[idx] = decode_attention(q[idx], k_cache, v_cache, meta.block_tables[rows],
-                                    meta.seq_lens[rows].to(q.device))
+    if len(meta.decode_token_idx):
+        idx = meta.decode_token_idx
+        out[idx] = decode_attention(q[idx], k_cache, v_cache, meta.decode_block_tables,
+                                    meta.decode_seq_lens)
     return out
 
 
