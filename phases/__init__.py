@@ -10,6 +10,7 @@ import importlib
 PHASES: dict[int, str] = {
     1: "phases.p01_naive_attention",
     2: "phases.p02_paged_kv",
+    3: "phases.p03_continuous_batching",
 }
 
 

@@ -1,0 +1,112 @@
+"""Phase 3 engine: continuous batching.
+
+Phase 2 ran requests in static batches: a batch started together and the next one waited until
+its *last* request ended, while finished requests' seats stood empty. Here the batch is remade at
+every step (iteration-level scheduling): a request joins the step after it arrives and leaves the
+step it ends. The `Scheduler` decides each step's batch; the model runs it as one flat batch of
+prefill chunks and decodes, through phase 2's paged attention (`run_model` is phase 2's).
+
+Also new: preemption when the cache runs out, chunked prefill, prefix caching, and the
+streaming API (`add_request`, `step`, `abort_request`, `has_unfinished_requests`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phases.p02_paged_kv import BlockAllocator
+from phases.p02_paged_kv import Engine as Phase2Engine
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sequence import SequenceGroup
+
+from .prefix_cache import PrefixCachingBlockAllocator
+from .scheduler import Scheduler
+
+# vLLM's default step budget is 2048 tokens on a GPU; on a CPU a smaller chunk keeps decodes
+# flowing while a long prompt is prefilled, and is still large enough for efficient matmuls.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
+class Engine(Phase2Engine):
+    """The phase 3 engine: a scheduler that remakes the batch every step."""
+
+    phase = 3
+
+    def __init__(self, model=None, **engine_args):
+        super().__init__(model, **engine_args)
+        c = self.config
+        budget = c.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(self.device.type, 2048)
+        if not c.enable_chunked_prefill:
+            # without chunks, a whole sequence (prompt + output, on a recompute) must fit one step
+            if c.max_num_batched_tokens is not None and c.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_model_len "
+                    f"({self.max_model_len}) when enable_chunked_prefill is False")
+            budget = max(budget, self.max_model_len)
+        self.scheduler = Scheduler(self.allocator, c.max_num_seqs, budget, c.enable_chunked_prefill)
+
+    def make_allocator(self, num_blocks: int) -> BlockAllocator:
+        if self.config.enable_prefix_caching:
+            return PrefixCachingBlockAllocator(num_blocks, self.block_size)
+        return BlockAllocator(num_blocks, self.block_size)
+
+    # -- requests in and out -------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: the prompt ({num_prompt_tokens} tokens) plus max_tokens "
+                f"({params.max_tokens}) is more than max_model_len ({self.max_model_len})")
+        super().check_fits(num_prompt_tokens, params)  # and within the whole pool of blocks
+
+    def add_group(self, group: SequenceGroup) -> None:
+        self.groups[group.request_id] = group
+        for seq in group.seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop a request (or several) now and free its blocks. Unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                seq.abort()
+                self.scheduler.finish(seq)
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the flat batch, sample where a sequence's last token was computed."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        self.update_stats()
+        logits, sampled = self.run_model(out.scheduled)
+        self.append_tokens(sampled, logits)
+        if self.config.enable_prefix_caching:
+            for seq, _ in out.scheduled:
+                self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        for seq in sampled:
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+        return self.collect_outputs([s.group for s in sampled])
+
+    # -- numbers for the bench -----------------------------------------------------------------
+    def running_sequences(self):
+        return self.scheduler.running
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        if hasattr(self, "scheduler"):
+            self.scheduler.num_preemptions = 0
+        if isinstance(self.allocator, PrefixCachingBlockAllocator):
+            self.allocator.num_queries = self.allocator.num_hits = 0
+
+    def get_stats(self) -> dict[str, float]:
+        stats = super().get_stats()
+        stats["num_preemptions"] = self.scheduler.num_preemptions
+        if isinstance(self.allocator, PrefixCachingBlockAllocator):
+            stats["prefix_cache_queries"] = self.allocator.num_queries
+            stats["prefix_cache_hits"] = self.allocator.num_hits
+        return stats

@@ -1,0 +1,175 @@
+"""The scheduler: at every step, decide which sequences run and how many tokens each.
+
+Rules, in order (close to vLLM's V1 scheduler):
+
+1. Running sequences go first, oldest first. A decode needs 1 token of the step's budget
+   (`max_num_batched_tokens`); a prompt still being prefilled needs the rest of it, or, with
+   chunked prefill, as much as the budget has left (a *chunk*).
+2. A running sequence that needs a new block when none is free *preempts* the newest running
+   sequence: that one gives back all its blocks and returns to the front of the waiting queue,
+   to be recomputed later (its tokens so far are kept, so its output is unchanged). If it is the
+   newest itself, it is the one that waits.
+3. Then, if nothing was preempted, waiting sequences are admitted in arrival order while there
+   is budget, a seat (`max_num_seqs`) and blocks: with prefix caching, the blocks of their
+   longest cached prefix are shared and only the rest is prefilled.
+
+The result is one flat batch that mixes prefills (or chunks of them) and decodes, with no padding.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from phases.p02_paged_kv import BlockAllocator
+from tinyvllm.sequence import Sequence
+
+from .prefix_cache import PrefixBlockTable, PrefixCachingBlockAllocator
+
+
+class SequenceStatus(IntEnum):
+    """Where a sequence is in its life. An IntEnum: hot checks are integer compares."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def finished(reason: str) -> "SequenceStatus":
+        return {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH,
+                "abort": SequenceStatus.FINISHED_ABORTED}[reason]
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step: (sequence, number of its tokens to compute) in batch order."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+    """Waiting and running queues, a token budget, a seat limit, and the block allocator."""
+
+    def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool):
+        self.allocator = allocator
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.prefix_caching = isinstance(allocator, PrefixCachingBlockAllocator)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the policy ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        # 1. running sequences, oldest first
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = self._num_new_tokens(seq, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while not self._can_grow(seq, num_new):
+                victim = self.running[-1]  # the newest running sequence
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # it preempted itself: nothing newer is left to run
+            self.allocator.allocate(seq.block_table, num_new)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+            i += 1
+        # 2. waiting sequences, in arrival order (not in a step that had to preempt)
+        while (not out.preempted and self.waiting and budget > 0
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            table = PrefixBlockTable()
+            cached = self.allocator.match_prefix(seq.token_ids) if self.prefix_caching else []
+            num_cached = len(cached) * self.allocator.block_size
+            num_new = self._limit(seq.num_tokens - num_cached, budget)
+            if num_new == 0:
+                self._undo_lookup(seq, cached)
+                break
+            extra = self.allocator.blocks_needed(num_cached + num_new) - len(cached)
+            if extra > self.allocator.num_free_blocks - self._evictable_in(cached):
+                self._undo_lookup(seq, cached)
+                break
+            self.waiting.popleft()
+            if cached:
+                self.allocator.allocate_cached(table, cached)
+            self.allocator.allocate(table, num_new)
+            seq.block_table = table
+            seq.num_computed_tokens = num_cached
+            seq.group.num_cached_tokens = max(seq.group.num_cached_tokens, num_cached)
+            if seq.group.metrics.first_scheduled_time is None:
+                seq.group.metrics.first_scheduled_time = time.perf_counter()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, num_new))
+            budget -= num_new
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _limit(self, remaining: int, budget: int) -> int:
+        """Tokens to run now out of `remaining`: all, a chunk, or none (no chunking, no room)."""
+        if remaining <= budget:
+            return remaining
+        return budget if self.enable_chunked_prefill else 0
+
+    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        return self._limit(seq.num_tokens - seq.num_computed_tokens, budget)
+
+    def _can_grow(self, seq: Sequence, num_new: int) -> bool:
+        table = seq.block_table
+        return self.allocator.blocks_needed(table.num_tokens + num_new) - len(table) <= self.allocator.num_free_blocks
+
+    def _evictable_in(self, blocks: list[int]) -> int:
+        """Cached blocks about to be shared stop being free: don't count them twice."""
+        if not self.prefix_caching:
+            return 0
+        return sum(1 for b in blocks if b in self.allocator.evictable)
+
+    def _undo_lookup(self, seq: Sequence, cached: list[int]) -> None:
+        if self.prefix_caching:  # the lookup did not lead to a run: do not count it
+            self.allocator.num_queries -= seq.num_tokens
+            self.allocator.num_hits -= len(cached) * self.allocator.block_size
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the sequence's cache; it restarts from the waiting queue."""
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # -- the end of a sequence -----------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """Free a finished (or aborted) sequence's blocks and seat at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_table is not None:
+            self.allocator.free(seq.block_table)
+        seq.status = SequenceStatus.finished(seq.finish_reason or "abort")
