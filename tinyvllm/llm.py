@@ -24,7 +24,16 @@ Conversation = list[dict[str, Any]]
 
 
 class LLM:
-    """An engine plus a tokenizer, with vLLM's offline API."""
+    """An engine plus a tokenizer, with vLLM's offline API.
+
+    Args:
+        model: a local Hugging Face folder of a Llama-family model; None: the default model
+            (SmolLM2-135M-Instruct), downloaded and converted on first use.
+        phase: which phase's engine runs it, 1 to the newest; None: the newest.
+        **engine_args: engine arguments with vLLM's names (`dtype`, `device`, `max_model_len`,
+            `block_size`, `enable_prefix_caching`, ...); see `EngineConfig`. A phase ignores
+            the ones for features it does not have yet.
+    """
 
     def __init__(self, model: str | None = None, phase: int | None = None, **engine_args: Any):
         import phases  # the registry; imported here so the foundation never imports phases

@@ -31,8 +31,10 @@ class SamplingParams:
         stop: string(s) that end generation; they are not included in the text.
         stop_token_ids: token ids that end generation (kept in token_ids, not in text).
         ignore_eos: keep generating after the end-of-sequence token.
-        presence_penalty, frequency_penalty: in [-2, 2], subtract from the logits of tokens
-            already generated (once, or once per occurrence).
+        presence_penalty: in [-2, 2], subtracted once from the logits of every token already
+            generated.
+        frequency_penalty: in [-2, 2], subtracted from the logits of every token already
+            generated, once per occurrence.
         repetition_penalty: > 0; above 1 discourages tokens seen in the prompt or output.
         logprobs: also return the log-probabilities of this many most likely tokens (0 to 20),
             plus the chosen one.

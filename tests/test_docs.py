@@ -1,0 +1,314 @@
+"""The documentation site: it builds with `mkdocs build --strict`, every internal link of the
+built site resolves, and its pages render in headless Chromium without a console error.
+
+`pytest -m docs` runs only these. The site is served from a temporary folder by a local HTTP
+server on 127.0.0.1; Chromium (Debian's `chromium`, which scripts/setup.sh installs) is driven
+over the DevTools protocol, which reports console messages, uncaught exceptions and failed loads.
+Chromium resolves no host but 127.0.0.1, so a page that needs the network fails here, as it would
+for a learner offline.
+
+Set TINYVLLM_DOCS_SCREENSHOTS=<folder> to keep a screenshot of every page the browser opens.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from html.parser import HTMLParser
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urldefrag, urljoin, urlsplit
+
+import pytest
+
+pytestmark = pytest.mark.docs
+
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--disable-extensions", "--disable-dev-shm-usage", "--window-size=1280,1600",
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
+
+
+def _first_heading(markdown: str) -> str:
+    return next(line[2:].strip() for line in markdown.splitlines() if line.startswith("# "))
+
+
+# -- build and serve -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    for module in ("mkdocs", "material", "mkdocstrings_handlers.python", "mkdocs_jupyter",
+                   "mkdocs_include_markdown_plugin"):
+        pytest.importorskip(module, reason="the docs need the dev extras: pip install -e '.[dev]'")
+    out = tmp_path_factory.mktemp("site")
+    env = {k: v for k, v in os.environ.items() if k not in ("SITE_URL", "REPO_URL")}
+    env["NO_MKDOCS_2_WARNING"] = "1"
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+                        "-f", str(REPO / "mkdocs.yml"), "-d", str(out)],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    return out
+
+
+class _QuietHandler(SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError):  # a browser that hung up early
+            super().handle_error(request, client_address)
+
+
+@pytest.fixture(scope="module")
+def base_url(site):
+    server = _Server(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(site)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/"
+    server.shutdown()
+    server.server_close()
+
+
+def test_site_has_every_lesson_and_notebook(site):
+    """A lesson page for every phase README, a page for every notebook, the glossary, the API."""
+    for readme in sorted(REPO.glob("phases/p[0-9][0-9]_*/README.md")):
+        number, slug = readme.parent.name[1:3], readme.parent.name[4:].replace("_", "-")
+        page = site / "phases" / f"{number}-{slug}" / "index.html"
+        assert page.is_file(), f"no lesson page for {readme.relative_to(REPO)}: add docs/phases/{number}-{slug}.md"
+        assert _first_heading(readme.read_text()) in page.read_text()
+    for nb in sorted(REPO.glob("notebooks/*.ipynb")):
+        assert (site / "notebooks" / nb.stem / "index.html").is_file(), f"no page for {nb.name}"
+    for page in ("glossary", "api/llm", "api/engines"):
+        assert (site / page / "index.html").is_file(), page
+
+
+# -- links -------------------------------------------------------------------------------------
+class _Links(HTMLParser):
+    """The ids of a page, and every URL it links to or loads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[str] = set()
+        self.urls: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        for name in ("id", "name"):
+            if a.get(name) and (name == "id" or tag == "a"):
+                self.ids.add(a[name])
+        if tag in ("a", "link") and a.get("href"):
+            self.urls.append(a["href"])
+        if tag in ("script", "img", "iframe", "source") and a.get("src"):
+            self.urls.append(a["src"])
+
+
+def test_no_broken_internal_links(site, base_url):
+    """Every link and resource of every built page resolves (served over HTTP), and every
+    #fragment names an element of its target page."""
+    pages: dict[str, _Links] = {}
+    for html in sorted(site.rglob("*.html")):
+        parser = _Links()
+        parser.feed(html.read_text(encoding="utf-8"))
+        rel = html.relative_to(site).as_posix()
+        url = urljoin(base_url, rel[: -len("index.html")] if rel.endswith("index.html") else rel)
+        pages[url] = parser
+    status: dict[str, int] = {}
+    broken = []
+    for page_url, parser in pages.items():
+        for link in parser.urls:
+            target, frag = urldefrag(urljoin(page_url, link))
+            if not target.startswith(base_url):
+                continue  # another site: not ours to check (and the network is closed)
+            if target not in status:
+                try:
+                    with urllib.request.urlopen(target, timeout=10) as resp:
+                        status[target] = resp.status
+                except urllib.error.HTTPError as e:
+                    status[target] = e.code
+            if status[target] != 200:
+                broken.append(f"{page_url}: {link} -> HTTP {status[target]}")
+            elif frag and target in pages and unquote(frag) not in pages[target].ids:
+                broken.append(f"{page_url}: {link} -> no id {frag!r} in the target")
+    assert len(pages) > 10 and len(status) > 20, (len(pages), len(status))
+    assert not broken, f"{len(broken)} broken internal links:\n" + "\n".join(broken[:50])
+
+
+# -- the browser ---------------------------------------------------------------------------------
+class Chromium:
+    """A headless Chromium with one tab, driven over the DevTools protocol (websocket-client)."""
+
+    def __init__(self, binary: str, profile: Path):
+        import websocket
+
+        self.proc = subprocess.Popen(
+            [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--remote-debugging-port=0",
+             "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        port_file = profile / "DevToolsActivePort"
+        deadline = time.monotonic() + 60
+        while not (port_file.is_file() and len(port_file.read_text().split()) >= 2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"{binary} did not start (exit code {self.proc.returncode})")
+            time.sleep(0.1)
+        port = int(port_file.read_text().split()[0])
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
+            tab = next(t for t in json.load(resp) if t["type"] == "page")
+        self.ws = websocket.create_connection(tab["webSocketDebuggerUrl"], timeout=30,
+                                              suppress_origin=True)
+        self.next_id = 0
+        self.events: list[dict] = []
+        for domain in ("Page", "Runtime", "Log"):
+            self.send(f"{domain}.enable")
+
+    def close(self) -> None:
+        if getattr(self, "ws", None) is not None:
+            self.ws.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def _recv(self, timeout: float) -> dict | None:
+        import websocket
+
+        self.ws.settimeout(max(timeout, 0.01))
+        try:
+            return json.loads(self.ws.recv())
+        except websocket.WebSocketTimeoutException:
+            return None
+
+    def send(self, method: str, params: dict | None = None, timeout: float = 30) -> dict:
+        self.next_id += 1
+        self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params or {}}))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            msg = self._recv(deadline - time.monotonic())
+            if msg is None:
+                continue
+            if msg.get("id") == self.next_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+            if "method" in msg:
+                self.events.append(msg)
+        raise TimeoutError(f"{method}: no answer in {timeout} s")
+
+    def wait_for(self, event: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(e["method"] == event for e in self.events):
+                return
+            msg = self._recv(deadline - time.monotonic())
+            if msg is not None and "method" in msg:
+                self.events.append(msg)
+        raise TimeoutError(f"no {event} in {timeout} s")
+
+    def drain(self, seconds: float) -> None:
+        """Keep collecting events for `seconds` (scripts that run after the load event)."""
+        deadline = time.monotonic() + seconds
+        while (remaining := deadline - time.monotonic()) > 0:
+            msg = self._recv(remaining)
+            if msg is not None and "method" in msg:
+                self.events.append(msg)
+
+    def open(self, url: str) -> None:
+        self.events.clear()
+        result = self.send("Page.navigate", {"url": url})
+        if result.get("errorText"):
+            raise AssertionError(f"{url}: {result['errorText']}")
+        self.wait_for("Page.loadEventFired")
+        self.drain(0.5)
+
+    def evaluate(self, expression: str):
+        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True})
+        if "exceptionDetails" in result:
+            raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    def screenshot(self, path: Path) -> None:
+        data = self.send("Page.captureScreenshot", {"format": "png"})["data"]
+        path.write_bytes(base64.b64decode(data))
+
+    def console_errors(self) -> list[str]:
+        errors = []
+        for e in self.events:
+            p = e.get("params", {})
+            if e["method"] == "Runtime.exceptionThrown":
+                d = p["exceptionDetails"]
+                errors.append(f"uncaught: {d.get('exception', {}).get('description') or d.get('text')}")
+            elif e["method"] == "Runtime.consoleAPICalled" and p.get("type") in ("error", "assert"):
+                errors.append("console.error: " + " ".join(
+                    str(a.get("value", a.get("description", ""))) for a in p.get("args", [])))
+            elif e["method"] == "Log.entryAdded" and p["entry"]["level"] == "error":
+                errors.append(f"{p['entry']['source']}: {p['entry']['text']} {p['entry'].get('url', '')}")
+        return errors
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    pytest.importorskip("websocket", reason="the browser test needs websocket-client: pip install -e '.[dev]'")
+    binary = next((b for name in CHROMIUM_NAMES if (b := shutil.which(name))), None)
+    if binary is None:
+        pytest.skip("Chromium is not installed (on Debian, scripts/setup.sh installs it)")
+    chrome = Chromium(binary, tmp_path_factory.mktemp("chromium-profile"))
+    yield chrome
+    chrome.close()
+
+
+def _pages_to_open() -> list:
+    """(path, texts the page must show): the home page, a lesson, a notebook, and more."""
+    lesson = REPO / "phases" / "p01_naive_attention" / "README.md"
+    pages = [
+        ("", ["The phase ladder", "make demo", "make test"]),
+        ("phases/01-naive-attention/", [_first_heading(lesson.read_text()), "The checkpoint"]),
+        ("glossary/", ["KV cache", "Block table", "Chunked prefill", "TPOT"]),
+        ("api/llm/", ["LLM", "SamplingParams", "max_tokens"]),
+    ]
+    notebooks = sorted(REPO.glob("notebooks/[0-9][0-9]_*.ipynb"))
+    lessons = [nb for nb in notebooks if not nb.name.startswith("00_")]
+    for nb in (lessons or notebooks)[:1]:
+        cells = json.loads(nb.read_text())["cells"]
+        heading = _first_heading("\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown"))
+        pages.append((f"notebooks/{nb.stem}/", [heading]))
+    return [pytest.param(path, texts, id=path.strip("/") or "home") for path, texts in pages]
+
+
+@pytest.mark.parametrize("path, texts", _pages_to_open())
+def test_page_renders_without_console_errors(browser, base_url, path, texts):
+    browser.open(base_url + path)
+    shots = os.environ.get("TINYVLLM_DOCS_SCREENSHOTS")
+    if shots:
+        Path(shots).mkdir(parents=True, exist_ok=True)
+        browser.screenshot(Path(shots) / f"{path.strip('/').replace('/', '_') or 'home'}.png")
+    text = browser.evaluate("document.body.innerText")
+    for expected in texts:
+        assert expected in text, f"{path or '/'}: {expected!r} is not on the page"
+    # Material's layout ran: the navigation and the search box exist
+    assert browser.evaluate("!!document.querySelector('nav.md-nav--primary') && "
+                            "!!document.querySelector('.md-search__input')")
+    if path.startswith("notebooks/"):
+        nb = REPO / "notebooks" / f"{path.split('/')[1]}.ipynb"
+        cells = json.loads(nb.read_text())["cells"]
+        if any(c.get("outputs") for c in cells if c["cell_type"] == "code"):
+            assert browser.evaluate("document.querySelectorAll('.jp-OutputArea-output').length") > 0, \
+                f"{nb.name} has outputs, but its page shows none"
+    errors = browser.console_errors()
+    assert not errors, f"{path or '/'}: console errors:\n" + "\n".join(errors)
