@@ -125,7 +125,8 @@ class Engine(Phase1Engine):
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in batch:
             seq.num_computed_tokens += n
-        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in done], device=self.device)
+        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in done], dtype=torch.long,
+                                 device=self.device)
         return self.model.compute_logits(hidden[last_rows]), [batch[i][0] for i in done]
 
     # -- numbers for the bench -----------------------------------------------------------------

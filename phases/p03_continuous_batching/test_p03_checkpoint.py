@@ -1,0 +1,253 @@
+"""Phase 3 checkpoint: the scheduler's rules, and the same tokens as phase 2 and transformers
+under any arrival order, heavy preemption, any chunk size, and prefix caching on or off. Every
+block is free again after each run."""
+
+import random
+
+import pytest
+import torch
+
+from phases.p02_paged_kv import BlockAllocator, BlockTable
+from phases.p03_continuous_batching import PrefixCachingBlockAllocator, Scheduler, SequenceStatus
+from tinyvllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(n, seed, lo=1, hi=60):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(3, 300) for _ in range(rng.randint(lo, hi))]} for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return _prompts(10, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(tiny_model_dir, prompts):
+    """transformers' greedy tokens on the tiny model: the reference."""
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # ignore_eos: EOS may come, and does not stop
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p["prompt_token_ids"]])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                                 do_sample=False, pad_token_id=0)
+            out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def _all_blocks_free(engine):
+    a = engine.allocator
+    return a.num_free_blocks == a.num_blocks and not any(a.ref_counts)
+
+
+def _run(engine, prompts, params, order, arrive_every=1):
+    """Add requests in `order`, a new one every `arrive_every` steps, and run to the end."""
+    pending = list(order)
+    results = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % arrive_every == 0:
+            i = pending.pop(0)
+            engine.add_request(f"r{i}", prompts[i], params)
+        for out in engine.step():
+            if out.finished:
+                results[int(out.request_id[1:])] = out.outputs[0].token_ids
+        step += 1
+    return [results[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_any_arrival_order_equals_transformers_and_phase2(seed, tiny_model_dir, prompts, hf_tokens, make_llm):
+    engine = LLM(str(tiny_model_dir), phase=3, max_num_seqs=4).llm_engine
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    got = _run(engine, prompts, GREEDY, order, arrive_every=seed + 1)
+    assert got == hf_tokens
+    phase2 = make_llm(tiny_model_dir, 2).generate(prompts, GREEDY, use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in phase2]
+    assert _all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_heavy_preemption_keeps_outputs(prefix_caching, tiny_model_dir, prompts, hf_tokens):
+    # 12 blocks of 8: ~2 sequences at a time; 10 requests arrive together and fight for them
+    engine = LLM(str(tiny_model_dir), phase=3, num_kv_blocks=12, block_size=8,
+                 enable_prefix_caching=prefix_caching).llm_engine
+    got = _run(engine, prompts, GREEDY, range(len(prompts)), arrive_every=1)
+    assert got == hf_tokens
+    assert engine.get_stats()["num_preemptions"] >= 5
+    assert _all_blocks_free(engine)
+
+
+def test_seeded_sampling_survives_preemption(tiny_model_dir, prompts):
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=24, ignore_eos=True)
+    roomy = LLM(str(tiny_model_dir), phase=3).generate(prompts, params, use_tqdm=False)
+    tight_llm = LLM(str(tiny_model_dir), phase=3, num_kv_blocks=12, block_size=8)
+    tight = tight_llm.generate(prompts, params, use_tqdm=False)
+    assert tight_llm.llm_engine.get_stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_prefill_any_chunk_size(chunk, tiny_model_dir, prompts, hf_tokens):
+    engine = LLM(str(tiny_model_dir), phase=3, max_num_batched_tokens=chunk).llm_engine
+    assert _run(engine, prompts, GREEDY, range(len(prompts))) == hf_tokens
+    assert _all_blocks_free(engine)
+
+
+def test_long_prompt_does_not_stall_running_requests(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir), phase=3, max_num_batched_tokens=32).llm_engine
+    engine.add_request("short", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()  # the short one is running
+    engine.add_request("long", {"prompt_token_ids": list(range(3, 303))}, SamplingParams(max_tokens=2, ignore_eos=True))
+    steps_of_long_prefill = 0
+    while engine.groups.get("long") and engine.groups["long"].seqs[0].num_output_tokens == 0:
+        before = engine.groups["short"].seqs[0].num_output_tokens
+        engine.step()
+        steps_of_long_prefill += 1
+        assert engine.groups["short"].seqs[0].num_output_tokens == before + 1  # a token every step
+    assert steps_of_long_prefill >= 300 // 32  # the 300-token prompt went in chunks
+
+
+def test_prefix_cache_full_hit_on_block_multiple(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), phase=3, block_size=16)
+    off = LLM(str(tiny_model_dir), phase=3, block_size=16, enable_prefix_caching=False)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": list(range(40, 72))}  # 32 tokens: exactly 2 blocks
+    computed = []
+    hook = engine.model.register_forward_pre_hook(lambda m, a: computed.append(len(a[0])))
+    first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    n_first = sum(computed)
+    computed.clear()
+    second = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+    hook.remove()
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert second.outputs[0].token_ids == off.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    # the first block is a hit; the last block is recomputed to get the last token's logits
+    assert second.num_cached_tokens == 16 and first.num_cached_tokens == 0
+    assert sum(computed) == n_first - 16
+    stats = engine.get_stats()
+    assert stats["prefix_cache_queries"] == 64 and stats["prefix_cache_hits"] == 16
+    assert _all_blocks_free(engine)
+
+
+def test_prefix_cache_shares_a_system_prompt(tiny_model_dir):
+    system = list(range(3, 3 + 64))  # 4 blocks of 16
+    prompts = [{"prompt_token_ids": system + [100 + i, 200 + i]} for i in range(4)]
+    llm = LLM(str(tiny_model_dir), phase=3)
+    ref = LLM(str(tiny_model_dir), phase=1).generate(prompts, GREEDY, use_tqdm=False)
+    llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    outs = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref[1:]]
+    assert all(o.num_cached_tokens == 64 for o in outs)
+
+
+def test_abort_frees_blocks_at_once(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir), phase=3).llm_engine
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 60))}, SamplingParams(max_tokens=50))
+    engine.add_request("b", {"prompt_token_ids": [4, 5, 6]}, SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.step()
+    used = engine.allocator.num_used_blocks
+    engine.abort_request("a")
+    assert engine.allocator.num_used_blocks < used and "a" not in engine.groups
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert [o.request_id for o in outs if o.finished] == ["b"]
+    assert len(outs[-1].outputs[0].token_ids) == 5
+    assert _all_blocks_free(engine)
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), phase=3, num_kv_blocks=4, block_size=8, max_model_len=200)
+    ok = {"prompt_token_ids": [7, 8, 9]}
+    with pytest.raises(ValueError, match="max_tokens"):  # over the whole pool of 32 slots
+        llm.generate(ok, SamplingParams(max_tokens=40), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(ok, SamplingParams(max_tokens=199), use_tqdm=False)
+    assert len(llm.generate(ok, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids) == 8
+
+
+# -- the scheduler's rules, with fake sequences ---------------------------------------------------
+
+class _Group:
+    def __init__(self):
+        self.num_cached_tokens = 0
+        self.metrics = type("M", (), {"first_scheduled_time": None})()
+
+
+class _Seq:
+    def __init__(self, n_prompt):
+        self.token_ids = list(range(1, n_prompt + 1))
+        self.num_computed_tokens = 0
+        self.block_table = None
+        self.group = _Group()
+        self.finish_reason = None
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+    def decode_one(self):  # what the engine does after a step: the prompt is computed, a token appended
+        self.token_ids.append(7)
+
+
+def _sched(blocks=100, block_size=4, max_seqs=8, budget=32, chunked=True, prefix=False):
+    alloc = (PrefixCachingBlockAllocator if prefix else BlockAllocator)(blocks, block_size)
+    return Scheduler(alloc, max_seqs, budget, chunked)
+
+
+def _step(s):
+    out = s.schedule()
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.decode_one()
+    return out
+
+
+def test_token_budget_and_chunks():
+    s = _sched(budget=32)
+    a, b = _Seq(20), _Seq(20)
+    s.add(a), s.add(b)
+    out = _step(s)
+    assert [(x, n) for x, n in out.scheduled] == [(a, 20), (b, 12)] and out.num_batched_tokens == 32
+    out = _step(s)  # a decodes (1 token), b finishes its prompt (8)
+    assert [(x, n) for x, n in out.scheduled] == [(a, 1), (b, 8)]
+
+
+def test_no_chunking_waits_for_room():
+    s = _sched(budget=32, chunked=False)
+    a, b = _Seq(20), _Seq(20)
+    s.add(a), s.add(b)
+    assert [x for x, _ in _step(s).scheduled] == [a]  # b does not fit the rest of the budget
+    assert [x for x, _ in _step(s).scheduled] == [a, b]
+
+
+def test_max_num_seqs():
+    s = _sched(max_seqs=2, budget=100)
+    seqs = [_Seq(3) for _ in range(3)]
+    for x in seqs:
+        s.add(x)
+    assert [x for x, _ in _step(s).scheduled] == seqs[:2]
+    assert seqs[2].status == SequenceStatus.WAITING
+    seqs[0].finish_reason = "stop"
+    s.finish(seqs[0])
+    assert [x for x, _ in _step(s).scheduled] == [seqs[1], seqs[2]]  # the freed seat, at once
+
+
+def test_preemption_takes_the_newest_first():
+    s = _sched(blocks=3, block_size=4, budget=100)
+    a, b, c = _Seq(4), _Seq(3), _Seq(3)
+    for x in (a, b, c):
+        s.add(x)
+    _step(s)  # a, b, c hold one block each (a's is full)
+    out = _step(s)  # a needs a second block: c (newest) is preempted, not b
+    assert out.preempted == [c] and c.status == SequenceStatus.PREEMPTED and s.waiting[0] is c
+    assert c.num_computed_tokens == 0 and len(c.token_ids) == 4  # its sampled token is kept
+    assert [x for x, _ in out.scheduled] == [a, b]
