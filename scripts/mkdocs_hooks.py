@@ -12,6 +12,8 @@ notebooks and code on the site without copying them into docs/.
   in a page or a notebook, to a repository file outside docs/ is pointed at that file's page on
   the site: a phase README or folder -> its lesson page, a notebook -> its page, code -> its
   source page. A link to a file the site does not publish is left alone, and `--strict` fails.
+- Lesson notebooks: on a lesson page `phases/NN-slug.md`, the line `<!-- notebook -->` becomes a
+  link to `notebooks/NN_slug.ipynb` once that notebook exists (and disappears while it does not).
 - Optional pages: a nav entry in `OPTIONAL_PAGES` (owned by another part of the project and
   written later) is dropped, with a note, while its file does not exist.
 """
@@ -41,6 +43,8 @@ SOURCE_PREFIX = "source/"
 MD_LINK = re.compile(r"(!?\[[^\]\n]*\]\()(<?)([^)\s>]+)(>?)((?:\s+\"[^\"]*\")?\))")
 HTML_LINK = re.compile(r"""(\s(?:href|src)=)(["'])([^"']+)\2""")
 PHASE_DIR = re.compile(r"^phases/p(\d\d)_([a-z0-9_]+)$")
+LESSON_PAGE = re.compile(r"^phases/(\d\d)-([a-z0-9-]+)\.md$")
+NOTEBOOK_MARK = re.compile(r"^<!-- notebook\b.*-->$", re.M)
 
 
 def _notebooks() -> list[Path]:
@@ -164,7 +168,20 @@ def on_page_markdown(markdown: str, page, config, files: Files) -> str:
         rel = posixpath.relpath(path, here or ".")
         return f"{m.group(1)}{m.group(2)}{rel}{frag}{m.group(4)}{m.group(5)}"
 
-    return MD_LINK.sub(fix, markdown)
+    return MD_LINK.sub(fix, _notebook_link(markdown, page, files))
+
+
+def _notebook_link(markdown: str, page, files: Files) -> str:
+    m = LESSON_PAGE.match(page.file.src_uri)
+    if not m or not NOTEBOOK_MARK.search(markdown):
+        return markdown
+    nb = f"notebooks/{m.group(1)}_{m.group(2).replace('-', '_')}.ipynb"
+    note = ""
+    if files.get_file_from_path(nb):
+        note = (f'!!! tip "Run it step by step"\n'
+                f"    The notebook [{posixpath.basename(nb)}](../{nb}) runs this lesson on the default "
+                f"model, one step at a time, with pictures and measurements.")
+    return NOTEBOOK_MARK.sub(lambda _: note, markdown)
 
 
 def on_page_content(html: str, page, config, files: Files) -> str:

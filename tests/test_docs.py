@@ -91,7 +91,11 @@ def test_site_has_every_lesson_and_notebook(site):
         number, slug = readme.parent.name[1:3], readme.parent.name[4:].replace("_", "-")
         page = site / "phases" / f"{number}-{slug}" / "index.html"
         assert page.is_file(), f"no lesson page for {readme.relative_to(REPO)}: add docs/phases/{number}-{slug}.md"
-        assert _first_heading(readme.read_text()) in page.read_text()
+        html = page.read_text()
+        assert _first_heading(readme.read_text()) in html
+        notebook = REPO / "notebooks" / f"{number}_{readme.parent.name[4:]}.ipynb"
+        if notebook.is_file():
+            assert f"notebooks/{notebook.stem}/" in html, f"the {number} lesson does not link to {notebook.name}"
     for nb in sorted(REPO.glob("notebooks/*.ipynb")):
         assert (site / "notebooks" / nb.stem / "index.html").is_file(), f"no page for {nb.name}"
     for page in ("glossary", "api/llm", "api/engines"):
