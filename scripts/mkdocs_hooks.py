@@ -212,4 +212,13 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         url = get_relative_url(file.url, page.url)
         return f"{m.group(1)}{m.group(2)}{url}{new_frag}{m.group(2)}"
 
-    return HTML_LINK.sub(fix, html)
+    return _download_button(page) + HTML_LINK.sub(fix, html)
+
+
+def _download_button(page) -> str:
+    """A "download the .ipynb" button (mkdocs-jupyter's include_source copies the notebook
+    beside the page), in Material's style for page actions."""
+    name = posixpath.basename(page.file.src_uri)
+    return (f'<a href="{name}" download title="Download {name}" class="md-content__button md-icon">'
+            '<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 24 24">'
+            '<path d="M5 20h14v-2H5m14-9h-4V3H9v6H5l7 7z"/></svg></a>\n')
