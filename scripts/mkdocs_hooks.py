@@ -11,9 +11,10 @@ notebooks and code on the site without copying them into docs/.
   `[model.py](../../tinyvllm/model.py)`, `[phase 1](../p01_naive_attention/README.md)`. Any link,
   in a page or a notebook, to a repository file outside docs/ is pointed at that file's page on
   the site: a phase README or folder -> its lesson page, a notebook -> its page, code -> its
-  source page. A link to a file the site does not publish is left alone, and `--strict` fails.
-- Lesson notebooks: on a lesson page `phases/NN-slug.md`, the line `<!-- notebook -->` becomes a
-  link to `notebooks/NN_slug.ipynb` once that notebook exists (and disappears while it does not).
+  source page (GitHub's `#L10` becomes line 10 there). A link to a file the site does not
+  publish is left alone, and `--strict` fails on it.
+- Lesson notebooks: on a lesson page `phases/NN-slug.md`, a line `<!-- notebook ... -->` becomes
+  a link to `notebooks/NN_slug.ipynb` once that notebook exists (and disappears while it does not).
 - Optional pages: a nav entry in `OPTIONAL_PAGES` (owned by another part of the project and
   written later) is dropped, with a note, while its file does not exist.
 """
@@ -148,7 +149,12 @@ def _rewrite(target: str, base_dir: Path, files: Files, docs_dir: Path) -> str |
     if not path:
         return None
     src_uri = _site_src_uri((base_dir / path).resolve(), files, docs_dir)
-    return None if src_uri is None else src_uri + frag
+    if src_uri is None:
+        return None
+    line = re.fullmatch(r"#L(\d+)", frag)
+    if line and src_uri.startswith(SOURCE_PREFIX):  # GitHub's line anchors -> pymdownx's
+        frag = f"#__codelineno-0-{line.group(1)}"
+    return src_uri + frag
 
 
 def on_page_markdown(markdown: str, page, config, files: Files) -> str:
