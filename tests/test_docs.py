@@ -171,10 +171,14 @@ class Chromium:
                 raise RuntimeError(f"{binary} did not start (exit code {self.proc.returncode})")
             time.sleep(0.1)
         port = int(port_file.read_text().split()[0])
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
-            tab = next(t for t in json.load(resp) if t["type"] == "page")
-        self.ws = websocket.create_connection(tab["webSocketDebuggerUrl"], timeout=30,
-                                              suppress_origin=True)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
+                tab = next(t for t in json.load(resp) if t["type"] == "page")
+            self.ws = websocket.create_connection(tab["webSocketDebuggerUrl"], timeout=30,
+                                                  suppress_origin=True)
+        except Exception:
+            self.close()
+            raise
         self.next_id = 0
         self.events: list[dict] = []
         for domain in ("Page", "Runtime", "Log"):
