@@ -14,7 +14,7 @@ sees cached positions 0..p, so the causal mask is phase 1's, shifted by the toke
 cached: we reuse phase 1's `causal_attention` for it.
 
 Decode rows (one query each) are the common case and run together: their blocks are gathered
-into one padded batch and masked by length, in a handful of batched ops instead of a loop.
+into one padded batch, masked by length, and handed to PyTorch's fused attention.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from phases.p01_naive_attention import causal_attention
 
@@ -82,19 +83,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """One query per sequence. q: (B, H, d); block_tables: (B, M); seq_lens: (B,) -> (B, H, d)."""
-    b, h, d = q.shape
-    kvh = k_cache.shape[2]
+    """One query per sequence. q: (B, H, d); block_tables: (B, M); seq_lens: (B,) -> (B, H, d).
+
+    Gather each sequence's blocks into a padded (B, T) batch, mask the padding, and let PyTorch's
+    fused attention (`scaled_dot_product_attention`, grouped-query aware) do the math: the same
+    softmax(q k^T / sqrt(d)) v as phase 1, without materializing the repeated K/V heads.
+    """
     max_blocks = -(-int(seq_lens.max()) // k_cache.shape[1])
     bt = block_tables[:, :max_blocks]
-    k = k_cache[bt].flatten(1, 2)                                     # (B, T, KVH, d), T = M * block_size
-    v = v_cache[bt].flatten(1, 2)
-    qg = q.view(b, kvh, h // kvh, d)                                  # query heads grouped by KV head
-    scores = torch.einsum("bkgd,btkd->bkgt", qg, k) * d ** -0.5       # (B, KVH, G, T)
-    pad = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[:, None]  # (B, T)
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.einsum("bkgt,btkd->bkgd", probs, v).reshape(b, h, d)
+    k = k_cache[bt].flatten(1, 2).transpose(1, 2)                     # (B, KVH, T, d)
+    v = v_cache[bt].flatten(1, 2).transpose(1, 2)
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # (B, T)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
+                                         enable_gqa=True)             # (B, H, 1, d)
+    return out[:, :, 0]
 
 
 class PagedAttention:
