@@ -30,3 +30,16 @@ def test_help_explains_flags():
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--temperature", "--top-p", "--max-tokens", "--phase", "--model", "--stop"):
         assert flag in out
+
+
+def test_chat_answers_the_capital_of_france(default_model_dir, capsys):
+    """The done-when of the foundation: the newest phase answers sensibly, streamed."""
+    assert main(["chat", "--message", "What is the capital of France?", "--max-tokens", "24"]) == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_engine_never_imports_transformers(tiny_model_dir):
+    code = ("import sys; from tinyvllm import LLM, SamplingParams; "
+            f"LLM({str(tiny_model_dir)!r}).generate('hi', SamplingParams(max_tokens=3), use_tqdm=False); "
+            "assert 'transformers' not in sys.modules, 'the engine imported transformers'")
+    subprocess.run([sys.executable, "-c", code], check=True)
