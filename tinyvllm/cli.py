@@ -1,9 +1,10 @@
-"""The `tinyvllm` command: generate, chat, download.
+"""The `tinyvllm` command: generate, chat, download, bench.
 
     tinyvllm generate --prompt "The capital of France is" --max-tokens 16
     tinyvllm chat                          # interactive; streams the reply as it is generated
     tinyvllm chat --message "Hi"           # one turn, then exit
     tinyvllm download                      # fetch and convert the default model
+    tinyvllm bench latency --phases 1-3    # speed: phases side by side (see tinyvllm bench --help)
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import sys
 import time
 
+from tinyvllm.bench import add_bench_parser, run_bench_command
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(c, max_tokens=256)
 
     sub.add_parser("download", help="download and convert the default model into the cache")
+    add_bench_parser(sub)  # its flags live beside the harness, in tinyvllm/bench/cli.py
     return parser
 
 
@@ -84,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
             from tinyvllm.download import ensure_default_model
             print(ensure_default_model())
             return 0
+        if args.command == "bench":
+            return run_bench_command(args, argv)
         params = _sampling_params(args)
         from tinyvllm.llm import LLM
         llm = LLM(args.model, phase=args.phase, **_engine_kwargs(args))
@@ -108,9 +113,10 @@ def _generate(llm, prompts: list[str], params: SamplingParams) -> int:
     return 0
 
 
-def stream_reply(llm, messages: list[dict], params: SamplingParams, out=sys.stdout):
+def stream_reply(llm, messages: list[dict], params: SamplingParams, out=None):
     """Send one conversation through the engine's add_request/step loop, printing text as it
     comes. Returns (reply text, number of tokens, seconds, time to first token)."""
+    out = out or sys.stdout
     tok = llm.get_tokenizer()
     text = tok.apply_chat_template(messages, add_generation_prompt=True)
     prompt = {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
