@@ -1,0 +1,260 @@
+"""`tinyvllm bench` on a tiny model: every field of the report is there, every engine made exactly
+the tokens each request asked for, ratios come from the runs of the same invocation, and bad
+flags are clear errors. No speed is asserted: speeds live in the bench's reports, not in tests.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import statistics
+
+import pytest
+
+import phases
+from tinyvllm.bench.cli import add_engine_args, engine_args_from
+from tinyvllm.bench.harness import (
+    load_runners,
+    mean_decode_context,
+    parse_phases,
+    run_bench,
+)
+from tinyvllm.bench.machine import MachineLimits
+from tinyvllm.bench.roofline import (
+    decode_roofline,
+    flops_per_token,
+    kv_bytes_per_token,
+    weight_bytes_per_step,
+)
+from tinyvllm.bench.runners import STATS_KEYS, EngineRunner, check_token_counts
+from tinyvllm.bench.workloads import CHAT_QUESTIONS, make_workload, parse_len_range
+from tinyvllm.cli import main
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.tokenizer import Tokenizer
+
+REGISTERED = sorted(phases.PHASES)
+# Made-up limits, so tests that do not check the measurement skip its second of work.
+LIMITS = MachineLimits(memory_bandwidth=10e9, matmul_flops=50e9, matmul_dtype="float32",
+                       copy_bytes=0, matmul_size=0)
+
+ENGINE_FIELDS = ("name", "kind", "label", "dtype", "device", "requests", "prompt_tokens",
+                 "output_tokens", "wall_s", "output_tok_per_s", "total_tok_per_s", "requests_per_s",
+                 "ttft_s", "tpot_s", "ttft_cold_s", "ttft_cached_s", *STATS_KEYS,
+                 "prefix_cache_hit_rate", "kv_token_utilization", "peak_memory_bytes",
+                 "memory_increase_bytes", "roofline", "fraction_of_roofline", "runs")
+
+
+def workload_for(model_dir, name="throughput", **kw):
+    tok = Tokenizer(model_dir)
+    return make_workload(name, tok, ModelConfig.from_pretrained(model_dir).vocab_size, **kw)
+
+
+def bench(workload, runners, **kw):
+    kw.setdefault("limits", LIMITS)
+    return run_bench(workload, runners, model_name="tiny", progress=False, log=io.StringIO(), **kw)
+
+
+# -- the whole command ---------------------------------------------------------------------------
+def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, capsys):
+    report_path, plot_path = tmp_path / "r.json", tmp_path / "r.png"
+    args = ["throughput", "--dataset", "random", "--num-prompts", "4", "--input-len", "3-12",
+            "--output-len", "1-5", "--seed", "7"]
+    assert main(["bench", *args, "--model", str(tiny_model_dir), "--phases", "all", "--repeat", "2",
+                 "--block-size", "4", "--json", str(report_path), "--plot", str(plot_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    for key in ("cpu", "cores", "torch", "device"):
+        assert report["machine"][key]
+    assert report["limits"]["memory_bandwidth"] > 0 and report["limits"]["matmul_flops"] > 0
+    assert report["model"]["name"] == tiny_model_dir.name and report["model"]["num_parameters"] > 0
+    assert report["command"].startswith("tinyvllm bench throughput")
+    params = report["workload"]["params"]
+    assert (params["num_prompts"], params["input_len"], params["output_len"], params["seed"]) == (4, [3, 12], [1, 5], 7)
+
+    # The token counts the same seed asks for, computed apart from the harness.
+    wanted = workload_for(tiny_model_dir, dataset="random", num_prompts=4, input_len="3-12",
+                          output_len="1-5", seed=7)
+    engines = report["engines"]
+    assert [e["name"] for e in engines] == [f"phase{p}" for p in REGISTERED]
+    for e in engines:
+        missing = [f for f in ENGINE_FIELDS if f not in e]
+        assert not missing, f"{e['name']} lacks {missing}"
+        assert e["requests"] == 4
+        assert e["output_tokens"] == wanted.num_output_tokens == report["workload"]["output_tokens"]
+        assert e["prompt_tokens"] == wanted.num_prompt_tokens
+        assert set(e["ttft_s"]) == set(e["tpot_s"]) == {"mean", "median", "p99"}
+        assert e["ttft_s"]["median"] > 0 and e["peak_memory_bytes"] > 0
+        assert len(e["runs"]) == 2
+        assert e["output_tok_per_s"] == pytest.approx(statistics.median(r["output_tok_per_s"] for r in e["runs"]))
+        assert e["fraction_of_roofline"] == pytest.approx(e["output_tok_per_s"] / e["roofline"]["tok_per_s"])
+        if e["phase"] == 1:  # no cache: its counters are not applicable
+            assert all(e[k] is None for k in STATS_KEYS)
+        else:
+            assert e["block_size"] == 4 and e["num_kv_blocks"] > 0
+            assert 0 < e["peak_kv_tokens_used"] <= e["peak_kv_tokens_reserved"] == 4 * e["peak_kv_blocks_used"]
+
+    # Ratios: from the same rounds of this invocation, per round, then the median.
+    ratios = report["ratios"]
+    assert ratios["baseline"] == "phase1" and ratios["output_tok_per_s"]["phase1"] == 1.0
+    base = engines[0]["runs"]
+    for e in engines:
+        per_round = [r["output_tok_per_s"] / b["output_tok_per_s"] for r, b in zip(e["runs"], base)]
+        assert ratios["output_tok_per_s"][e["name"]] == pytest.approx(statistics.median(per_round))
+
+    table = capsys.readouterr().out
+    for e in engines:
+        assert e["label"] in table
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--output-len", "0"], "--output-len"),
+    (["--output-len", "five"], "--output-len"),
+    (["--phases", str(max(REGISTERED) + 1)], "--phases"),
+    (["--phases", "3-1"], "--phases"),
+    (["--repeat", "0"], "--repeat"),
+    (["--dataset", "chat", "--input-len", "8"], "--input-len"),
+    (["--max-model-len", "16", "--dataset", "random", "--input-len", "10", "--output-len", "10"],
+     "max_model_len"),
+    (["--block-size", "0"], "block_size"),
+])
+def test_bad_flags_are_clear_errors(tiny_model_dir, capsys, flags, named):
+    assert main(["bench", "--model", str(tiny_model_dir), "--no-warmup", "--phases", "1", *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
+def test_engine_flags_come_from_engine_config():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args_from(parser.parse_args([])) == {}  # unset: the engine's defaults apply
+    args = engine_args_from(parser.parse_args(["--max-num-seqs", "4", "--no-prefix-caching",
+                                               "--no-chunked-prefill", "--enforce-eager",
+                                               "--num-kv-blocks", "9"]))
+    assert args == dict(max_num_seqs=4, enable_prefix_caching=False, enable_chunked_prefill=False,
+                        enforce_eager=True, num_kv_blocks=9)
+    EngineConfig.from_kwargs(**args)
+    help_text = parser.format_help()
+    for name in ("block_size", "max_num_batched_tokens", "kv_cache_memory", "dtype"):
+        assert "--" + name.replace("_", "-") in help_text
+
+
+# -- workloads -----------------------------------------------------------------------------------
+def test_workloads_are_seeded_and_within_their_ranges(tiny_model_dir):
+    a = workload_for(tiny_model_dir, dataset="random", num_prompts=6, input_len="5-9", output_len="2-4", seed=1)
+    b = workload_for(tiny_model_dir, dataset="random", num_prompts=6, input_len="5-9", output_len="2-4", seed=1)
+    c = workload_for(tiny_model_dir, dataset="random", num_prompts=6, input_len="5-9", output_len="2-4", seed=2)
+    assert a.requests == b.requests and a.requests != c.requests
+    assert not a.sequential
+    for r in a.requests:
+        assert 5 <= len(r.prompt_token_ids) <= 9 and 2 <= r.max_tokens <= 4
+    tok = Tokenizer(tiny_model_dir)
+    chat = workload_for(tiny_model_dir, num_prompts=3, output_len="3")
+    for r in chat.requests:
+        text = tok.decode(list(r.prompt_token_ids[1:]), skip_special_tokens=False)
+        assert any(q in text for q in CHAT_QUESTIONS) and r.max_tokens == 3
+    latency = workload_for(tiny_model_dir, "latency", input_len="12", output_len="5")
+    assert latency.sequential and [(len(r.prompt_token_ids), r.max_tokens) for r in latency.requests] == [(12, 5)]
+    prefix = workload_for(tiny_model_dir, "prefix", num_prompts=3, prefix_len=10, input_len="4")
+    assert prefix.sequential and len({r.prompt_token_ids[:10] for r in prefix.requests}) == 1
+    assert len({r.prompt_token_ids[10:] for r in prefix.requests}) == 3
+
+
+def test_each_run_gets_its_own_salt(tiny_model_dir):
+    w = workload_for(tiny_model_dir, "prefix", num_prompts=2, prefix_len=8, input_len="3", output_len="6")
+    s1, s2 = w.salts(2, seed=0)
+    assert s1 != s2 and w.salts(2, seed=0) == [s1, s2]
+    run1, warm = w.for_run(s1), w.for_run(s2, max_tokens_cap=2)
+    assert all(r.prompt_token_ids[0] == s1 for r in run1.requests)
+    assert all(r1.prompt_token_ids[1:] == r2.prompt_token_ids[1:] for r1, r2 in zip(run1.requests, warm.requests))
+    assert [r.max_tokens for r in warm.requests] == [2, 2] and run1.num_output_tokens == 12
+
+
+@pytest.mark.parametrize("text, expected", [("7", (7, 7)), ("2-9", (2, 9)), (" 3-3 ", (3, 3))])
+def test_len_range(text, expected):
+    assert parse_len_range("--x", text) == expected
+
+
+def test_parse_phases():
+    assert parse_phases("all") == REGISTERED
+    assert parse_phases(f"1-{max(REGISTERED)}") == REGISTERED
+    assert parse_phases("2,1,2") == [2, 1]
+    for bad in ("", "x", "0", "2-1"):
+        with pytest.raises(ValueError, match="--phases"):
+            parse_phases(bad)
+
+
+# -- runners -------------------------------------------------------------------------------------
+def test_token_count_guard_refuses_other_counts(tiny_model_dir):
+    w = workload_for(tiny_model_dir, dataset="random", num_prompts=2, input_len="4", output_len="3")
+    check_token_counts("x", w, [3, 3])
+    with pytest.raises(RuntimeError, match="request 1 made 2 output tokens, but 3"):
+        check_token_counts("x", w, [3, 2])
+
+
+def test_hf_peer_counts_only_the_tokens_asked_for(tiny_model_dir):
+    pytest.importorskip("transformers", reason="the hf peer needs transformers: pip install -e '.[dev]'")
+    w = workload_for(tiny_model_dir, dataset="random", num_prompts=3, input_len="3-10", output_len="1-6", seed=3)
+    assert len({r.max_tokens for r in w.requests}) > 1  # one batch, rows asking for different counts
+    runners = load_runners(str(tiny_model_dir), [1], {}, ["hf"], hf_batch_size=2)
+    report = bench(w, runners, warmup=False, baseline="hf")
+    hf = report["engines"][1]
+    assert (hf["name"], hf["kind"], hf["batch_size"]) == ("hf", "hf", 2)
+    assert hf["output_tokens"] == w.num_output_tokens == report["engines"][0]["output_tokens"]
+    # left-padded batches hold every row to the batch's longest prompt and largest request
+    assert 0 < hf["peak_kv_tokens_used"] <= hf["peak_kv_tokens_reserved"]
+    assert report["ratios"]["output_tok_per_s"]["hf"] == 1.0
+
+
+def test_prefix_workload_cold_against_cached(tiny_model_dir):
+    w = workload_for(tiny_model_dir, "prefix", num_prompts=3, prefix_len=16, input_len="3", output_len="2")
+    runners = load_runners(str(tiny_model_dir), REGISTERED, dict(block_size=4), [])
+    report = bench(w, runners, repeat=2)
+    for e in report["engines"]:
+        assert e["ttft_cold_s"] > 0 and e["ttft_cached_s"] > 0
+        if e["prefix_cache_queries"] is not None:  # an engine with a prefix cache
+            # the later requests hit the 16-token prefix; the first of each run, salted, cannot
+            # hit what the warm-up or the other run left behind
+            assert 0 < e["prefix_cache_hits"] <= (w.num_requests - 1) * 16
+            assert e["prefix_cache_hits"] <= e["prefix_cache_queries"]
+    with_cache = [e["phase"] for e in report["engines"] if e["prefix_cache_queries"] is not None]
+    assert with_cache == [p for p in REGISTERED if p >= 3]
+
+
+def test_engine_runner_reports_its_own_tokens(tiny_model_dir):
+    w = workload_for(tiny_model_dir, dataset="random", num_prompts=3, input_len="4-6", output_len="2-5")
+    runner = EngineRunner(max(REGISTERED), str(tiny_model_dir), {})
+    made = []
+    result = runner.run(w.for_run(w.salts(1, 0)[0]), made.append)
+    assert result.output_tokens == sum(made) == w.num_output_tokens
+    assert len(result.ttft_s) == 3 and result.wall_s > 0
+
+
+# -- the roofline --------------------------------------------------------------------------------
+def test_roofline_is_memory_bound_small_and_compute_bound_large(tiny_model_dir):
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    kv = kv_bytes_per_token(cfg, 4)
+    assert kv == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 4
+    one = decode_roofline(LIMITS, cfg, weight_bytes=10**9, kv_bytes_per_token=kv, batch=1, mean_context=100)
+    assert one.bound == "memory"
+    assert one.tok_per_s == pytest.approx(LIMITS.memory_bandwidth / (10**9 + 100 * kv))
+    many = decode_roofline(LIMITS, cfg, weight_bytes=1, kv_bytes_per_token=0, batch=4096, mean_context=100)
+    assert many.bound == "compute"
+    assert many.tok_per_s == pytest.approx(LIMITS.matmul_flops / flops_per_token(cfg, 100))
+
+
+def test_weight_bytes_count_a_tied_table_once_and_skip_a_lookup_only_one(tiny_model_dir, tiny_model_dir_llama3):
+    for folder in (tiny_model_dir, tiny_model_dir_llama3):
+        model = EngineRunner(1, str(folder), {}).engine.model
+        cfg = model.config
+        params = {id(p): p for p in model.parameters()}.values()
+        total = sum(p.numel() * 4 for p in params)
+        embed = cfg.vocab_size * cfg.hidden_size * 4
+        expected = total if cfg.tie_word_embeddings else total - embed
+        assert weight_bytes_per_step(model) == expected
+
+
+def test_mean_decode_context(tiny_model_dir):
+    w = workload_for(tiny_model_dir, dataset="random", num_prompts=1, input_len="10", output_len="3")
+    assert mean_decode_context(w) == pytest.approx((11 + 12) / 2)  # tokens 2 and 3 see 11 and 12

@@ -1,0 +1,177 @@
+"""`tinyvllm bench`: the command line of the harness.
+
+    tinyvllm bench latency --phases 1-3 --vs hf --repeat 3 --json report.json --plot report.png
+    tinyvllm bench throughput --phases 2-3 --num-prompts 64 --output-len 32-128
+    tinyvllm bench prefix --phases 3 --no-prefix-caching
+
+Every engine argument of `EngineConfig` is a flag here, made from the dataclass itself, so an
+argument a later phase adds is available without touching this file: `max_num_seqs` is
+`--max-num-seqs N`; a switch that is on by default, `enable_prefix_caching`, is turned off by
+`--no-prefix-caching`; one that is off, `enforce_eager`, is turned on by `--enforce-eager`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import MISSING, fields
+
+from tinyvllm.config import EngineConfig, ModelConfig
+
+from .workloads import DATASETS, DEFAULTS, WORKLOADS
+
+# Engine arguments the bench does not offer: the engine's own sampling seed (the bench decodes
+# greedily; --seed seeds the workload) and log switches.
+_SKIPPED_ENGINE_ARGS = ("seed", "disable_log_stats")
+
+ENGINE_ARG_HELP = {
+    "dtype": "float32, bfloat16, float16 or auto (float32 on a CPU, bfloat16 on a GPU)",
+    "device": "'cpu', 'cuda[:N]' or 'auto' (default)",
+    "max_model_len": "context length limit (default: the model's)",
+    "block_size": "tokens per KV-cache block (phase 2 on; default 16)",
+    "num_kv_blocks": "KV-cache blocks in the pool, exactly (phase 2 on)",
+    "kv_cache_memory": "bytes for the KV cache (phase 2 on)",
+    "gpu_memory_utilization": "fraction of GPU memory for weights and KV cache (phase 2 on)",
+    "max_num_seqs": "most sequences running at once (phase 2 on; default 256); "
+                    "also --vs hf's batch size unless --hf-batch-size is given",
+    "max_num_batched_tokens": "most tokens one step may run (phase 3 on)",
+    "enable_chunked_prefill": "turn off chunked prefill (phase 3 on)",
+    "enable_prefix_caching": "turn off prefix caching (phase 3 on)",
+    "enforce_eager": "no CUDA graphs (phase 7)",
+    "quantization": "weight quantization, e.g. int8 (phase 5 on)",
+    "kv_cache_dtype": "KV-cache dtype, e.g. int8 (phase 5 on)",
+    "speculative_config": "speculative decoding, as JSON (phase 6 on)",
+}
+
+
+def _engine_flag(name: str, default) -> tuple[str, dict]:
+    """The flag and argparse keywords for one EngineConfig field."""
+    if isinstance(default, bool):
+        if default:  # on by default: --no-<name>, dropping vLLM's 'enable_' prefix
+            flag = "--no-" + name.removeprefix("enable_").replace("_", "-")
+            return flag, dict(action="store_false")
+        return "--" + name.replace("_", "-"), dict(action="store_true")
+    return "--" + name.replace("_", "-"), {}
+
+
+def _field_type(annotation: str):
+    """int, float, JSON or str, from the field's annotation ('int | None', 'dict | None', ...)."""
+    for word, kind in (("int", int), ("float", float), ("dict", json.loads)):
+        if word in str(annotation):
+            return kind
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """A flag per EngineConfig field. Unset flags stay out of the namespace (argparse.SUPPRESS),
+    so the engine's own defaults apply."""
+    g = parser.add_argument_group("engine arguments (passed to every phase's engine)")
+    for f in fields(EngineConfig):
+        if f.name in _SKIPPED_ENGINE_ARGS:
+            continue
+        default = f.default if f.default is not MISSING else None
+        flag, kwargs = _engine_flag(f.name, default)
+        if "action" not in kwargs:
+            kwargs.update(type=_field_type(f.type), metavar=f.name.upper())
+        help_text = ENGINE_ARG_HELP.get(f.name, f"engine argument {f.name}")
+        g.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=help_text, **kwargs)
+
+
+def engine_args_from(args: argparse.Namespace) -> dict:
+    """The engine arguments given on the command line (and only those)."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+            if f.name not in _SKIPPED_ENGINE_ARGS and hasattr(args, f.name)}
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to the `tinyvllm` parser's subparsers."""
+    def per_workload(key: str) -> str:
+        return ", ".join(f"{name} {values[key]}" for name, values in DEFAULTS.items())
+
+    p = subparsers.add_parser(
+        "bench", help="measure speed: phases side by side, Hugging Face, and the machine's limits",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("workload", nargs="?", default="throughput", choices=WORKLOADS,
+                   help="throughput (many requests at once), latency (one request: TTFT, TPOT), "
+                        "prefix (a shared system prompt: TTFT cold vs cached); default throughput")
+    p.add_argument("--model", default=None,
+                   help="path to a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--phases", default=None,
+                   help="phases to run, as a list or range: 1-3, 1,3, all (default: the newest)")
+    p.add_argument("--vs", action="append", default=[], choices=["hf"],
+                   help="also run a peer on the same requests: hf = Hugging Face transformers' generate")
+    p.add_argument("--hf-batch-size", type=int, default=None,
+                   help="requests per generate call for --vs hf (default: --max-num-seqs, 256)")
+
+    w = p.add_argument_group("workload (seeded: the same seed gives the same requests)")
+    w.add_argument("--num-prompts", type=int, default=None,
+                   help=f"requests (defaults: {per_workload('num_prompts')})")
+    w.add_argument("--dataset", choices=DATASETS, default=None,
+                   help="chat: chat-template prompts (throughput's default); random: random tokens")
+    w.add_argument("--input-len", default=None,
+                   help="prompt tokens of random prompts, N or LO-HI (for prefix: after the shared "
+                        "prefix) (defaults: latency 128, prefix 32, throughput 128 with --dataset random)")
+    w.add_argument("--output-len", default=None,
+                   help="output tokens per request, N or LO-HI, exact (ignore_eos) "
+                        f"(defaults: {per_workload('output_len')})")
+    w.add_argument("--prefix-len", type=int, default=None,
+                   help=f"tokens of the shared prefix (prefix workload; default {DEFAULTS['prefix']['prefix_len']})")
+    w.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
+
+    r = p.add_argument_group("runs and output")
+    r.add_argument("--repeat", type=int, default=1,
+                   help="runs per engine, interleaved between engines; the median is reported (default 1)")
+    r.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the warm-up run of each engine")
+    r.add_argument("--baseline", default=None,
+                   help="engine the speedups are relative to, e.g. phase1 or hf (default: the first run)")
+    r.add_argument("--json", dest="json_path", default=None, metavar="PATH", help="write the report as JSON")
+    r.add_argument("--plot", dest="plot_path", default=None, metavar="PATH", help="write a bar chart (PNG)")
+    r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    add_engine_args(p)
+    return p
+
+
+def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run `tinyvllm bench` from parsed arguments: print the table, write --json and --plot."""
+    import phases
+    from tinyvllm.download import resolve_model
+    from tinyvllm.tokenizer import Tokenizer
+
+    from .harness import check_repeat, load_runners, parse_phases, run_bench
+    from .report import format_table, write_json, write_plot
+    from .workloads import make_workload
+
+    check_repeat(args.repeat)
+    if args.hf_batch_size is not None and args.hf_batch_size < 1:
+        raise ValueError(f"--hf-batch-size must be >= 1; got {args.hf_batch_size}")
+    phase_list = parse_phases(args.phases) if args.phases is not None else [phases.latest_phase()]
+    engine_args = engine_args_from(args)
+    EngineConfig.from_kwargs(**engine_args)  # a bad engine argument fails before anything loads
+    if args.plot_path:
+        from .report import require_matplotlib
+        require_matplotlib()  # fail now, not after the runs
+    model_path = resolve_model(args.model)
+    tokenizer = Tokenizer(model_path)
+    vocab_size = ModelConfig.from_pretrained(model_path).vocab_size
+    workload = make_workload(args.workload, tokenizer, vocab_size, num_prompts=args.num_prompts,
+                             dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
+                             prefix_len=args.prefix_len, seed=args.seed)
+    engine_names = [f"phase{p}" for p in phase_list] + args.vs
+    print(f"tinyvllm bench {workload.name}: {workload.num_requests} requests, "
+          f"{workload.num_output_tokens} output tokens; engines: {', '.join(engine_names)}", file=sys.stderr)
+    runners = load_runners(args.model, phase_list, engine_args, args.vs, args.hf_batch_size)
+    argv = sys.argv[1:] if argv is None else argv
+    report = run_bench(workload, runners, model_name=model_path.name, repeat=args.repeat,
+                       warmup=args.warmup, baseline=args.baseline, progress=args.progress,
+                       command="tinyvllm " + shlex.join(argv))
+    print(format_table(report))
+    if args.json_path:
+        write_json(report, args.json_path)
+        print(f"wrote {args.json_path}", file=sys.stderr)
+    if args.plot_path:
+        write_plot(report, args.plot_path)
+        print(f"wrote {args.plot_path}", file=sys.stderr)
+    return 0

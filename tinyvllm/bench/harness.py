@@ -1,0 +1,172 @@
+"""The benchmark's run order: limits, warm-up, interleaved repeats, then the report.
+
+    limits  = measure_limits(...)                     # what the machine can do, measured now
+    warm-up : every engine once, on a short version of the workload (not recorded)
+    round 1 : engine A, engine B, engine C            # the same requests for each
+    round 2 : engine B, engine C, engine A            # rotated: no engine always runs first
+    ...
+    report  = the median over rounds, per engine; ratios from the same rounds
+
+Interleaving matters on a shared or thermally throttled machine: if the machine slows down for a
+minute, every engine's run in that round is slowed alike, and the ratio between them survives.
+"""
+
+from __future__ import annotations
+
+import sys
+from datetime import datetime, timezone
+from typing import TextIO
+
+from .machine import MachineLimits, machine_info, measure_limits
+from .report import speedups, summarize
+from .roofline import decode_roofline, kv_bytes_per_token
+from .runners import EngineRunner, RunResult, resolve_device_dtype
+from .workloads import WARMUP_MAX_TOKENS, Workload
+
+REPORT_VERSION = 1
+
+
+def parse_phases(text: str) -> list[int]:
+    """'1-3', '1,3', '2' or 'all' -> registered phase numbers, in the order given."""
+    import phases
+
+    registered = sorted(phases.PHASES)
+    if text.strip() == "all":
+        return registered
+    chosen: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            lo, hi = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"--phases must be phase numbers as a list or a range (1,3 or 1-3) "
+                             f"or 'all'; got {text!r}") from None
+        if hi < lo:
+            raise ValueError(f"--phases: the range {part.strip()!r} is empty")
+        for p in range(lo, hi + 1):
+            if p not in registered:
+                raise ValueError(f"--phases: phase {p} is not registered "
+                                 f"(registered: {', '.join(map(str, registered))})")
+            if p not in chosen:
+                chosen.append(p)
+    return chosen
+
+
+def check_repeat(repeat) -> None:
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"--repeat must be an integer >= 1; got {repeat!r}")
+
+
+def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: list[str],
+                 hf_batch_size: int | None = None) -> list:
+    """An `EngineRunner` per phase (at least one), then the peers asked for (`vs`: 'hf'). The
+    Hugging Face batch size defaults to the engines' max_num_seqs."""
+    if not phases_:
+        raise ValueError("--phases: at least one phase must run")
+    runners: list = [EngineRunner(p, model, engine_args) for p in phases_]
+    for peer in vs:
+        if peer != "hf":
+            raise ValueError(f"--vs must be 'hf'; got {peer!r}")
+        try:
+            from .hf import HFRunner
+        except ImportError:
+            raise ValueError("--vs hf needs Hugging Face transformers: pip install 'transformers>=4.46' "
+                             "accelerate (or pip install -e '.[dev]')") from None
+        from tinyvllm.download import resolve_model
+
+        device, dtype = resolve_device_dtype(engine_args)
+        ref = runners[0].engine  # for the model's end-of-sequence ids, read the way our engines do
+        batch = hf_batch_size or ref.config.max_num_seqs
+        runners.append(HFRunner(str(resolve_model(model)), device, dtype, batch, sorted(ref.eos_token_ids)))
+    return runners
+
+
+def mean_decode_context(workload: Workload) -> float:
+    """The average context length over every decode step of the workload: a request with a
+    p-token prompt decodes tokens 2..m with contexts p+1 .. p+m-1."""
+    total = steps = 0
+    for r in workload.requests:
+        p, m = len(r.prompt_token_ids), r.max_tokens
+        total += (m - 1) * p + (m - 1) * m // 2
+        steps += m - 1
+    return total / steps if steps else float(workload.num_prompt_tokens) / workload.num_requests
+
+
+def check_fits(workload: Workload, runners: list) -> None:
+    """Refuse a workload some engine cannot hold, before any engine runs."""
+    for r in runners:
+        limit = getattr(r, "max_model_len", None)
+        if limit is not None and workload.max_request_len > limit:
+            raise ValueError(f"--output-len/--input-len: a request needs {workload.max_request_len} "
+                             f"tokens (prompt + output), but {r.name}'s max_model_len is {limit}")
+
+
+def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int = 1,
+              warmup: bool = True, baseline: str | None = None, limits: MachineLimits | None = None,
+              progress: bool = True, log: TextIO = sys.stderr, command: str | None = None) -> dict:
+    """Run every engine on the workload, `repeat` rounds (after a warm-up), and return the report."""
+    check_repeat(repeat)
+    names = [r.name for r in runners]
+    baseline = baseline or names[0]
+    if baseline not in names:
+        raise ValueError(f"--baseline must be one of the engines run ({', '.join(names)}); got {baseline!r}")
+    check_fits(workload, runners)
+    device, dtype = resolve_device_dtype(getattr(runners[0], "engine_args", {}))
+    if limits is None:
+        log.write("measuring the machine's limits (memory bandwidth, matmul rate)...\n")
+        limits = measure_limits(device, dtype)
+
+    seed = workload.params.get("seed", 0)
+    salts = workload.salts(1 + repeat, seed)
+    warm = workload.for_run(salts[0], WARMUP_MAX_TOKENS)
+    rounds = [workload.for_run(s) for s in salts[1:]]
+    total = (warm.num_output_tokens if warmup else 0) * len(runners) + workload.num_output_tokens * len(runners) * repeat
+
+    from tqdm import tqdm
+    bar = tqdm(total=total, unit="tok", desc="bench", dynamic_ncols=True, file=log,
+               disable=not (progress and log.isatty()))
+    results: dict[str, list[RunResult]] = {n: [] for n in names}
+    try:
+        if warmup:
+            for r in runners:
+                bar.set_description(f"warm-up {r.name}")
+                r.run(warm, bar.update)
+        for k, wl in enumerate(rounds):
+            order = runners[k % len(runners):] + runners[:k % len(runners)]
+            for r in order:
+                bar.set_description(f"round {k + 1}/{repeat} {r.name}")
+                res = r.run(wl, bar.update)
+                results[r.name].append(res)
+                tqdm.write(f"round {k + 1}/{repeat} {r.name}: {res.output_tokens} tokens in "
+                           f"{res.wall_s:.2f} s, {res.output_tok_per_s:.1f} tok/s", file=log)
+    finally:
+        bar.close()
+
+    context = mean_decode_context(workload)
+    model_config = runners[0].engine.model_config  # every runner runs the same model
+    engines = []
+    for r in runners:
+        batch = 1 if workload.sequential else min(workload.num_requests, r.max_concurrency)
+        roof = decode_roofline(limits, model_config, r.weight_bytes,
+                               kv_bytes_per_token(model_config, r.kv_bytes_per_element), batch, context)
+        engines.append(summarize(r.name, r.describe(), results[r.name], roof.to_dict(), workload.sequential))
+    return dict(
+        report_version=REPORT_VERSION,
+        command=command,
+        created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        machine=machine_info(device),
+        limits=limits.to_dict(),
+        model=dict(name=model_name, num_parameters=_num_parameters(runners[0].engine.model),
+                   dtype=str(dtype).removeprefix("torch.")),
+        workload=dict(name=workload.name, num_requests=workload.num_requests,
+                      prompt_tokens=workload.num_prompt_tokens,
+                      output_tokens=workload.num_output_tokens, mean_decode_context=context,
+                      params=workload.params),
+        repeat=repeat, warmup=warmup,
+        engines=engines,
+        ratios=dict(baseline=baseline, output_tok_per_s=speedups(engines, baseline)),
+    )
+
+
+def _num_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once

@@ -1,0 +1,153 @@
+"""The machine a benchmark ran on: what it is, what it can do at best, and how much memory a run held.
+
+- `machine_info`: CPU model, cores, torch version, device, so a number is never without its machine.
+- `measure_limits`: the two numbers a roofline needs, measured at the start of each run rather
+  than read from a spec sheet: memory bandwidth (time a large copy) and matmul rate (time a
+  large matmul in the engines' dtype). A busy machine measures lower, and so do the engines on
+  it: measuring both in the same run keeps their ratio honest.
+- `PeakMemory`: the most memory held during one engine's run (on a GPU, the allocator's peak; on
+  a CPU, the process's peak resident set, reset before each run through /proc/self/clear_refs).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+# Sizes of the limit measurements: large enough to leave the caches behind (a copy that fits in
+# cache measures the cache, not memory), small enough to take about a second in all.
+COPY_BYTES = {"cpu": 256 * 2**20, "cuda": 2 * 2**30}
+MATMUL_SIZE = {"cpu": 1536, "cuda": 8192}
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name, from /proc/cpuinfo where there is one."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict:
+    """What the JSON report says about the machine."""
+    info = dict(cpu=cpu_model(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
+                torch=torch.__version__, python=platform.python_version(),
+                platform=platform.platform(), device=str(device))
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+@dataclass(slots=True)
+class MachineLimits:
+    """The best this machine did at the two things decoding needs: moving bytes, and multiplying."""
+
+    memory_bandwidth: float   # bytes/s, (read + write) / time of a large copy
+    matmul_flops: float       # FLOP/s, 2 n^3 / time of an n x n matmul
+    matmul_dtype: str
+    copy_bytes: int
+    matmul_size: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    """The fastest of `repeats` calls (after one untimed call): noise only ever adds time."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _copy_seconds(copy_bytes: int, device: torch.device, repeats: int) -> float:
+    src = torch.ones(copy_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.zeros_like(src)  # both touched before timing, so no page faults are timed
+    return _best_time(lambda: dst.copy_(src), device, repeats)
+
+
+@torch.inference_mode()
+def measure_limits(device: torch.device, dtype: torch.dtype, copy_bytes: int | None = None,
+                   matmul_size: int | None = None, repeats: int = 5) -> MachineLimits:
+    """Measure memory bandwidth and matmul rate on `device`; matmuls in `dtype` (what the engines
+    run in: float32 on a CPU, bfloat16 on a GPU)."""
+    kind = "cuda" if device.type == "cuda" else "cpu"
+    copy_bytes = copy_bytes or COPY_BYTES[kind]
+    n = matmul_size or MATMUL_SIZE[kind]
+    t_copy = _copy_seconds(copy_bytes, device, repeats)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    t_mm = _best_time(lambda: a @ b, device, max(2, repeats // 2))
+    return MachineLimits(memory_bandwidth=2 * copy_bytes / t_copy, matmul_flops=2 * n**3 / t_mm,
+                         matmul_dtype=str(dtype).removeprefix("torch."), copy_bytes=copy_bytes,
+                         matmul_size=n)
+
+
+class PeakMemory:
+    """The peak memory of one run: `start()` before it, `stop()` after; then `peak` and `increase`.
+
+    On a GPU: `torch.cuda.max_memory_allocated` (what tensors held), reset at `start`. On a CPU:
+    the process's peak resident set (VmHWM), which Linux resets when "5" is written to
+    /proc/self/clear_refs. Either way the peak covers the whole process, so it includes the
+    weights of every engine loaded for the benchmark; `increase` is the peak less what was held
+    at `start`, the memory the run itself added (activations, and KV-cache pages touched for the
+    first time). Where the peak cannot be reset, the process's lifetime peak is reported and
+    `source` says so.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start_bytes = 0
+        self.peak = 0
+        self.source = "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS (VmHWM)"
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:
+            self.source = "process lifetime peak RSS (ru_maxrss; the peak could not be reset)"
+        self.start_bytes = _status_bytes("VmRSS") or 0
+
+    def stop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.peak = _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    @property
+    def increase(self) -> int:
+        return max(0, self.peak - self.start_bytes)
+
+
+def _status_bytes(field: str) -> int | None:
+    """A 'kB' field of /proc/self/status, in bytes (None off Linux)."""
+    try:
+        m = re.search(rf"^{field}:\s+(\d+)\s+kB", Path("/proc/self/status").read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(m.group(1)) * 1024 if m else None

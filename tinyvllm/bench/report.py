@@ -1,0 +1,211 @@
+"""From runs to a report: medians over repeats, ratios, the table, the JSON file and the plot.
+
+The report is one dict (written as JSON by `--json`); the table and the plot are both drawn from
+it, so the three always agree.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+
+from .runners import STATS_KEYS, RunResult
+
+
+def distribution(values: list[float]) -> dict:
+    """mean, median and 99th percentile (linear interpolation), or nulls when there are none."""
+    if not values:
+        return dict(mean=None, median=None, p99=None)
+    a = np.asarray(values, dtype=float)
+    return dict(mean=float(a.mean()), median=float(np.median(a)), p99=float(np.percentile(a, 99)))
+
+
+def _median(values: list):
+    """The median of numbers; of ints, the lower middle one (a value that was observed); None
+    if any is None."""
+    if not values or any(v is None for v in values):
+        return None
+    if all(isinstance(v, int) for v in values):
+        return statistics.median_low(values)
+    return float(statistics.median(values))
+
+
+def summarize(name: str, info: dict, runs: list[RunResult], roofline: dict, sequential: bool) -> dict:
+    """One engine's entry of the report: the median over its runs of every number."""
+    first = runs[0]
+    med = lambda f: _median([f(r) for r in runs])
+    per_run = [dict(wall_s=r.wall_s, output_tok_per_s=r.output_tok_per_s,
+                    ttft_median_s=distribution(r.ttft_s)["median"],
+                    tpot_median_s=distribution(r.tpot_s)["median"]) for r in runs]
+    entry = dict(name=name, **info,
+                 requests=first.num_requests, prompt_tokens=first.prompt_tokens,
+                 output_tokens=first.output_tokens,
+                 wall_s=med(lambda r: r.wall_s),
+                 output_tok_per_s=med(lambda r: r.output_tok_per_s),
+                 total_tok_per_s=med(lambda r: (r.prompt_tokens + r.output_tokens) / r.wall_s),
+                 requests_per_s=med(lambda r: r.num_requests / r.wall_s))
+    for key in ("ttft_s", "tpot_s"):
+        dists = [distribution(getattr(r, key)) for r in runs]
+        entry[key] = {stat: _median([d[stat] for d in dists]) for stat in ("mean", "median", "p99")}
+    # One after another, the first request finds nothing cached; the others may hit the prefix.
+    entry["ttft_cold_s"] = med(lambda r: r.ttft_s[0]) if sequential else None
+    entry["ttft_cached_s"] = (med(lambda r: float(np.median(r.ttft_s[1:])))
+                              if sequential and first.num_requests > 1 else None)
+    for key in STATS_KEYS:
+        entry[key] = _median([r.stats.get(key) for r in runs])
+    q, h = entry["prefix_cache_queries"], entry["prefix_cache_hits"]
+    entry["prefix_cache_hit_rate"] = h / q if q else None
+    used, reserved = entry["peak_kv_tokens_used"], entry["peak_kv_tokens_reserved"]
+    entry["kv_token_utilization"] = used / reserved if used is not None and reserved else None
+    entry["peak_memory_bytes"] = med(lambda r: r.peak_memory_bytes)
+    entry["memory_increase_bytes"] = med(lambda r: r.memory_increase_bytes)
+    entry["roofline"] = roofline
+    entry["fraction_of_roofline"] = entry["output_tok_per_s"] / roofline["tok_per_s"]
+    entry["runs"] = per_run
+    return entry
+
+
+def speedups(engines: list[dict], baseline: str) -> dict:
+    """Each engine's output tokens/s over the baseline's, *round by round*: repeat k of every
+    engine ran back to back, so a slow spell of the machine hits both sides of the ratio. The
+    median of the per-round ratios is reported."""
+    base = next(e for e in engines if e["name"] == baseline)
+    out = {}
+    for e in engines:
+        ratios = [r["output_tok_per_s"] / b["output_tok_per_s"] for r, b in zip(e["runs"], base["runs"])]
+        out[e["name"]] = float(statistics.median(ratios))
+    return out
+
+
+# -- the table -----------------------------------------------------------------------------------
+def _fmt(value, scale: float = 1.0, digits: int = 1, suffix: str = "") -> str:
+    if value is None:
+        return "-"
+    return f"{value * scale:,.{digits}f}{suffix}"
+
+
+def _percent(fraction: float | None) -> str:
+    """A percentage with two significant digits when it is small (0.046%), one decimal otherwise."""
+    if fraction is None:
+        return "-"
+    pct = 100 * fraction
+    return f"{pct:.2g}%" if pct < 1 else f"{pct:.1f}%"
+
+
+def format_table(report: dict) -> str:
+    """The end-of-run summary: the setup in a few lines, then one row per engine."""
+    m, w, lim = report["machine"], report["workload"], report["limits"]
+    gib = 2**-30
+    lines = [
+        (f"workload {w['name']}: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, "
+         f"{w['output_tokens']} output tokens ({w['params']['submission']}); model {report['model']['name']}"),
+        (f"machine: {m['cpu']} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
+         f"measured {lim['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
+         f"{lim['matmul_flops'] / 1e9:.1f} GFLOP/s {lim['matmul_dtype']} matmul"),
+        (f"median of {report['repeat']} run(s) each{', after a warm-up' if report['warmup'] else ''}; "
+         f"speedup = output tok/s over {report['ratios']['baseline']}'s, from the same rounds"),
+        "",
+    ]
+    prefix = w["name"] == "prefix"
+    cols = [("engine", lambda e: e["label"]),
+            ("out tok/s", lambda e: _fmt(e["output_tok_per_s"])),
+            ("speedup", lambda e: _fmt(report["ratios"]["output_tok_per_s"][e["name"]], digits=2, suffix="x")),
+            ("wall s", lambda e: _fmt(e["wall_s"], digits=2))]
+    if prefix:
+        cols += [("TTFT cold ms", lambda e: _fmt(e["ttft_cold_s"], 1e3)),
+                 ("TTFT cached ms", lambda e: _fmt(e["ttft_cached_s"], 1e3)),
+                 ("prefix hits", lambda e: _fmt(e["prefix_cache_hit_rate"], 100, 0, "%"))]
+    else:
+        cols += [("TTFT med ms", lambda e: _fmt(e["ttft_s"]["median"], 1e3)),
+                 ("TTFT p99 ms", lambda e: _fmt(e["ttft_s"]["p99"], 1e3))]
+    cols += [("TPOT med ms", lambda e: _fmt(e["tpot_s"]["median"], 1e3)),
+             ("KV blocks", lambda e: _fmt(e["peak_kv_blocks_used"], digits=0)),
+             ("KV used", lambda e: _fmt(e["kv_token_utilization"], 100, 0, "%")),
+             ("peak mem GiB", lambda e: _fmt(e["peak_memory_bytes"], gib, 2)),
+             ("roofline", lambda e: _percent(e["fraction_of_roofline"]))]
+    rows = [[h for h, _ in cols]] + [[f(e) for _, f in cols] for e in report["engines"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(wd) if i == 0 else c.rjust(wd) for i, (c, wd) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * wd for wd in widths))
+    roof = ", ".join(f"{e['name']} {e['roofline']['tok_per_s']:,.0f} tok/s ({e['roofline']['bound']}-bound, "
+                     f"batch {e['roofline']['batch']})" for e in report["engines"])
+    lines += ["", f"decode roofline: {roof}"]
+    return "\n".join(lines)
+
+
+def write_json(report: dict, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+# -- the plot ------------------------------------------------------------------------------------
+def require_matplotlib():
+    """matplotlib, or a clear error: it is optional for tinyvllm (in the `dev` extras)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib "
+                         "(or pip install -e '.[dev]')") from None
+    return matplotlib
+
+
+def write_plot(report: dict, path: str | Path) -> None:
+    """Two panels: output tokens/s per engine (bars: median; whiskers: fastest and slowest
+    repeat; labels: speedup and fraction of roofline), and the latencies (TTFT and TPOT medians,
+    or for the prefix workload TTFT cold against cached)."""
+    matplotlib = require_matplotlib()
+    matplotlib.use("Agg")  # files only, no window
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    engines, w, m = report["engines"], report["workload"], report["machine"]
+    labels = [e["label"].replace(" (", "\n(") for e in engines]
+    x = np.arange(len(engines))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(5 + 1.6 * len(engines), 4.8))
+
+    tps = [e["output_tok_per_s"] for e in engines]
+    lo = [min(r["output_tok_per_s"] for r in e["runs"]) for e in engines]
+    hi = [max(r["output_tok_per_s"] for r in e["runs"]) for e in engines]
+    colors = ["tab:gray" if e["kind"] == "hf" else "tab:purple" for e in engines]
+    ax1.bar(x, tps, color=colors, yerr=[np.subtract(tps, lo), np.subtract(hi, tps)], capsize=4)
+    for i, e in enumerate(engines):
+        ratio = report["ratios"]["output_tok_per_s"][e["name"]]
+        ax1.annotate(f"{ratio:.2f}x\n{_percent(e['fraction_of_roofline'])} of roofline",
+                     (i, hi[i]), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
+                     textcoords="offset points")
+    ax1.set_xticks(x, labels, fontsize=8)
+    ax1.set_ylabel("output tokens / s")
+    ax1.set_title("throughput (median; whiskers: min-max)", fontsize=10)
+    ax1.margins(y=0.25)
+
+    if w["name"] == "prefix":
+        series = [("TTFT cold", [e["ttft_cold_s"] for e in engines]),
+                  ("TTFT cached", [e["ttft_cached_s"] for e in engines])]
+    else:
+        series = [("TTFT median", [e["ttft_s"]["median"] for e in engines]),
+                  ("TPOT median", [e["tpot_s"]["median"] for e in engines])]
+    width = 0.38
+    for k, (name, vals) in enumerate(series):
+        ms = [np.nan if v is None else 1e3 * v for v in vals]
+        ax2.bar(x + (k - 0.5) * width, ms, width, label=name)
+    ax2.set_xticks(x, labels, fontsize=8)
+    ax2.set_ylabel("milliseconds (log scale)")
+    ax2.set_yscale("log")
+    ax2.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax2.set_title("latency", fontsize=10)
+    ax2.legend(fontsize=8)
+
+    device = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
+    fig.suptitle(f"tinyvllm bench {w['name']}: {report['model']['name']}, {w['num_requests']} requests, "
+                 f"{w['output_tokens']} output tokens\n{device}, torch {m['torch']}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
