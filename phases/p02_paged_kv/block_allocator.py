@@ -12,8 +12,6 @@ back to the free list when its count drops to zero.
 
 from __future__ import annotations
 
-from collections import deque
-
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -44,7 +42,9 @@ class BlockAllocator:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # A stack: the most recently freed block is reused first, so a lightly loaded engine
+        # touches only a small, cache-warm part of a large pool.
+        self.free_block_ids: list[int] = list(reversed(range(num_blocks)))
         self.ref_counts = [0] * num_blocks
 
     # -- usage ---------------------------------------------------------------------------------
@@ -63,7 +63,7 @@ class BlockAllocator:
     def _take_block(self) -> int:
         if not self.free_block_ids:
             raise RuntimeError("out of KV cache blocks")
-        block_id = self.free_block_ids.popleft()
+        block_id = self.free_block_ids.pop()
         assert self.ref_counts[block_id] == 0
         self.ref_counts[block_id] = 1
         return block_id
