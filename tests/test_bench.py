@@ -66,6 +66,7 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
 
     for key in ("cpu", "cores", "torch", "device"):
         assert report["machine"][key]
+    assert {"load_average_1min_before", "load_average_1min_after"} <= set(report["machine"])
     assert report["limits"]["memory_bandwidth"] > 0 and report["limits"]["matmul_flops"] > 0
     assert report["model"]["name"] == tiny_model_dir.name and report["model"]["num_parameters"] > 0
     assert report["command"].startswith("tinyvllm bench throughput")

@@ -17,7 +17,7 @@ import sys
 from datetime import datetime, timezone
 from typing import TextIO
 
-from .machine import MachineLimits, machine_info, measure_limits
+from .machine import MachineLimits, load_average, machine_info, measure_limits
 from .report import speedups, summarize
 from .roofline import decode_roofline, kv_bytes_per_token
 from .runners import EngineRunner, RunResult, resolve_device_dtype
@@ -112,6 +112,7 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
         raise ValueError(f"--baseline must be one of the engines run ({', '.join(names)}); got {baseline!r}")
     check_fits(workload, runners)
     device, dtype = resolve_device_dtype(getattr(runners[0], "engine_args", {}))
+    load_before = load_average()
     if limits is None:
         log.write("measuring the machine's limits (memory bandwidth, matmul rate)...\n")
         limits = measure_limits(device, dtype)
@@ -154,7 +155,8 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
         report_version=REPORT_VERSION,
         command=command,
         created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        machine=machine_info(device),
+        machine=dict(machine_info(device), load_average_1min_before=load_before,
+                     load_average_1min_after=load_average()),
         limits=limits.to_dict(),
         model=dict(name=model_name, num_parameters=_num_parameters(runners[0].engine.model),
                    dtype=str(dtype).removeprefix("torch.")),

@@ -50,6 +50,12 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
+def load_average() -> float | None:
+    """The 1-minute load average: other work on the machine slows every engine, and this says
+    whether there was any (the benchmark itself adds one or two)."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
 @dataclass(slots=True)
 class MachineLimits:
     """The best this machine did at the two things decoding needs: moving bytes, and multiplying."""

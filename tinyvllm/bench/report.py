@@ -104,7 +104,9 @@ def format_table(report: dict) -> str:
          f"{w['output_tokens']} output tokens ({w['params']['submission']}); model {report['model']['name']}"),
         (f"machine: {m['cpu']} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
          f"measured {lim['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
-         f"{lim['matmul_flops'] / 1e9:.1f} GFLOP/s {lim['matmul_dtype']} matmul"),
+         f"{lim['matmul_flops'] / 1e9:.1f} GFLOP/s {lim['matmul_dtype']} matmul; "
+         f"load average {_fmt(m.get('load_average_1min_before'), digits=2)} before, "
+         f"{_fmt(m.get('load_average_1min_after'), digits=2)} after"),
         (f"median of {report['repeat']} run(s) each{', after a warm-up' if report['warmup'] else ''}; "
          f"speedup = output tok/s over {report['ratios']['baseline']}'s, from the same rounds"),
         "",
