@@ -20,7 +20,7 @@ from typing import TextIO
 from .machine import MachineLimits, load_average, machine_info, measure_limits
 from .report import speedups, summarize
 from .roofline import decode_roofline, kv_bytes_per_token
-from .runners import EngineRunner, RunResult, resolve_device_dtype
+from .runners import EngineRunner, RunResult
 from .workloads import WARMUP_MAX_TOKENS, Workload
 
 REPORT_VERSION = 1
@@ -64,7 +64,7 @@ def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: l
     if not phases_:
         raise ValueError("--phases: at least one phase must run")
     runners: list = [EngineRunner(p, model, engine_args) for p in phases_]
-    for peer in vs:
+    for peer in dict.fromkeys(vs):  # each peer once
         if peer != "hf":
             raise ValueError(f"--vs must be 'hf'; got {peer!r}")
         try:
@@ -74,10 +74,11 @@ def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: l
                              "accelerate (or pip install -e '.[dev]')") from None
         from tinyvllm.download import resolve_model
 
-        device, dtype = resolve_device_dtype(engine_args)
-        ref = runners[0].engine  # for the model's end-of-sequence ids, read the way our engines do
+        # The same device and dtype as the engines, and the end-of-sequence ids they read.
+        ref = runners[0].engine
         batch = hf_batch_size or ref.config.max_num_seqs
-        runners.append(HFRunner(str(resolve_model(model)), device, dtype, batch, sorted(ref.eos_token_ids)))
+        runners.append(HFRunner(str(resolve_model(model)), ref.device, ref.dtype, batch,
+                                sorted(ref.eos_token_ids)))
     return runners
 
 
@@ -111,7 +112,7 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
     if baseline not in names:
         raise ValueError(f"--baseline must be one of the engines run ({', '.join(names)}); got {baseline!r}")
     check_fits(workload, runners)
-    device, dtype = resolve_device_dtype(getattr(runners[0], "engine_args", {}))
+    device, dtype = runners[0].engine.device, runners[0].engine.dtype  # where the engines run
     load_before = load_average()
     if limits is None:
         log.write("measuring the machine's limits (memory bandwidth, matmul rate)...\n")

@@ -19,8 +19,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from tinyvllm.sampling_params import SamplingParams
 
 from .machine import PeakMemory
@@ -159,11 +157,3 @@ class EngineRunner:
         return RunResult(wall_s=wall, num_requests=len(rids), prompt_tokens=workload.num_prompt_tokens,
                          output_tokens=sum(made), ttft_s=ttfts, tpot_s=tpots, stats=engine.get_stats(),
                          peak_memory_bytes=memory.peak, memory_increase_bytes=memory.increase)
-
-
-def resolve_device_dtype(engine_args: dict) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype the engines will run in (for the limits and for Hugging Face)."""
-    from tinyvllm.weights import resolve_device, resolve_dtype
-
-    device = resolve_device(engine_args.get("device", "auto"))
-    return device, resolve_dtype(engine_args.get("dtype", "auto"), device)
