@@ -122,10 +122,10 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
     salts = workload.salts(1 + repeat, seed)
     warm = workload.for_run(salts[0], WARMUP_MAX_TOKENS)
     rounds = [workload.for_run(s) for s in salts[1:]]
-    total = (warm.num_output_tokens if warmup else 0) * len(runners) + workload.num_output_tokens * len(runners) * repeat
+    per_engine = (warm.num_output_tokens if warmup else 0) + workload.num_output_tokens * repeat
 
     from tqdm import tqdm
-    bar = tqdm(total=total, unit="tok", desc="bench", dynamic_ncols=True, file=log,
+    bar = tqdm(total=per_engine * len(runners), unit="tok", desc="bench", dynamic_ncols=True, file=log,
                disable=not (progress and log.isatty()))
     results: dict[str, list[RunResult]] = {n: [] for n in names}
     try:
