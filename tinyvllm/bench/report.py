@@ -87,6 +87,10 @@ def _fmt(value, scale: float = 1.0, digits: int = 1, suffix: str = "") -> str:
     return f"{value * scale:,.{digits}f}{suffix}"
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _percent(fraction: float | None) -> str:
     """A percentage with two significant digits when it is small (0.046%), one decimal otherwise."""
     if fraction is None:
@@ -100,7 +104,7 @@ def format_table(report: dict) -> str:
     m, w, lim = report["machine"], report["workload"], report["limits"]
     gib = 2**-30
     lines = [
-        (f"workload {w['name']}: {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, "
+        (f"workload {w['name']}: {_count(w['num_requests'], 'request')}, {w['prompt_tokens']} prompt tokens, "
          f"{w['output_tokens']} output tokens ({w['params']['submission']}); model {report['model']['name']}"),
         (f"machine: {m['cpu']} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
          f"measured {lim['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
@@ -199,12 +203,18 @@ def write_plot(report: dict, path: str | Path) -> None:
     ax2.set_xticks(x, labels, fontsize=8)
     ax2.set_ylabel("milliseconds (log scale)")
     ax2.set_yscale("log")
+    # ticks at 1, 2 and 5 of every decade, written plainly (200, not 2 x 10^2)
+    ax2.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
     ax2.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax2.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    shown = [1e3 * v for _, vals in series for v in vals if v]
+    if shown:  # room below the shortest bar (log scale) and above the tallest (the legend)
+        ax2.set_ylim(min(shown) / 2, max(shown) * 4)
     ax2.set_title("latency", fontsize=10)
-    ax2.legend(fontsize=8)
+    ax2.legend(fontsize=8, ncols=2, loc="upper center")
 
     device = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
-    fig.suptitle(f"tinyvllm bench {w['name']}: {report['model']['name']}, {w['num_requests']} requests, "
+    fig.suptitle(f"tinyvllm bench {w['name']}: {report['model']['name']}, {_count(w['num_requests'], 'request')}, "
                  f"{w['output_tokens']} output tokens\n{device}, torch {m['torch']}", fontsize=10)
     fig.tight_layout()
     path = Path(path)
