@@ -259,3 +259,12 @@ def test_weight_bytes_count_a_tied_table_once_and_skip_a_lookup_only_one(tiny_mo
 def test_mean_decode_context(tiny_model_dir):
     w = workload_for(tiny_model_dir, dataset="random", num_prompts=1, input_len="10", output_len="3")
     assert mean_decode_context(w) == pytest.approx((11 + 12) / 2)  # tokens 2 and 3 see 11 and 12
+
+
+def test_hf_peer_without_transformers_says_how_to_install(tiny_model_dir, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
+    monkeypatch.delitem(sys.modules, "tinyvllm.bench.hf", raising=False)
+    with pytest.raises(ValueError, match=r"--vs hf needs Hugging Face transformers: pip install"):
+        load_runners(str(tiny_model_dir), [1], {}, ["hf"])
