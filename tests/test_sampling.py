@@ -128,3 +128,14 @@ def test_sampling_params_defaults_match_vllm():
     p = SamplingParams()
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens) == (1, 1.0, 1.0, 0, 0.0, 16, 0)
     assert p.stop is None and p.seed is None and p.ignore_eos is False and p.logprobs is None
+
+
+@pytest.mark.parametrize("u", [0.0, 0.5, 1.0 - 2**-24])
+def test_sampler_never_draws_a_zero_probability_token(u, monkeypatch):
+    """Inverse transform sampling at the ends of [0, 1): the token found has probability > 0."""
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 0.0, 1e-8, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.full((1,), u))
+    toks = Sampler._draw(probs, [torch.Generator(), torch.Generator()])
+    assert probs[0, toks[0]] > 0 and toks[1] == 2
+    if u == 0.5:
+        assert toks[0] == 3  # 0.5 is past the first quarter

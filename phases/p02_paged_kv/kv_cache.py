@@ -62,8 +62,9 @@ class KVCache:
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_blocks, self.block_size = num_blocks, block_size
-        # torch.empty: pages the OS never touches cost no memory, so a big pool is cheap to make
-        self.kv = torch.empty(model.num_hidden_layers, 2, num_blocks, block_size,
+        # zeros, not empty: attention reads the unused slots of a sequence's last block (and masks
+        # them), and a masked NaN from uninitialized memory would still give 0 * NaN = NaN
+        self.kv = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size,
                               model.num_key_value_heads, model.head_dim, dtype=dtype, device=device)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:

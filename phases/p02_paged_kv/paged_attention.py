@@ -89,17 +89,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fused attention (`scaled_dot_product_attention`, grouped-query aware) do the math: the same
     softmax(q k^T / sqrt(d)) v as phase 1, without materializing the repeated K/V heads.
     """
-    max_blocks = -(-int(seq_lens.max()) // k_cache.shape[1])
-    bt = block_tables[:, :max_blocks]
-    k = k_cache[bt].flatten(1, 2)                                     # (B, T, KVH, d), a copy
-    v = v_cache[bt].flatten(1, 2)
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]  # (B, T)
-    # Slots past a sequence's length (the rest of its last block, padding blocks) were never
-    # written for it: they may hold anything, NaN included, and masking alone is not enough,
-    # since a masked position still computes 0 * v = NaN. Zero them in the copy.
-    k.masked_fill_(~valid[:, :, None, None], 0)
-    v.masked_fill_(~valid[:, :, None, None], 0)
+    b, block_size = len(q), k_cache.shape[1]
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    ids = block_tables[:, :max_blocks].flatten()
+    # gather each sequence's blocks, one after another (index_select: a plain copy of whole
+    # blocks, several times faster on a CPU than k_cache[table] advanced indexing)
+    k = k_cache.index_select(0, ids).view(b, max_blocks * block_size, *k_cache.shape[2:])
+    v = v_cache.index_select(0, ids).view(b, max_blocks * block_size, *v_cache.shape[2:])
     k, v = k.transpose(1, 2), v.transpose(1, 2)                       # (B, KVH, T, d)
+    # the slots past a sequence's length (the rest of its last block, padding blocks) are masked;
+    # they hold finite values, zeros or an earlier request's K/V (see KVCache), so 0 * v stays 0
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # (B, T)
     out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
                                          enable_gqa=True)             # (B, H, 1, d)
     return out[:, :, 0]

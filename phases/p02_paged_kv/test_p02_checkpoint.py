@@ -10,15 +10,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phases.p01_naive_attention import causal_attention
-from phases.p02_paged_kv import AttentionMetadata, BlockAllocator, BlockTable, paged_attention
+from phases.p02_paged_kv import AttentionMetadata, BlockAllocator, BlockTable, KVCache, paged_attention
 from tinyvllm import LLM, SamplingParams
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_paged_attention_equals_naive(seed):
     """Random block tables, lengths that are not multiples of the block size, GQA, a batch that
-    mixes whole prompts, chunks after cached tokens and single-token decodes, and garbage (NaN)
-    in every slot the batch does not own."""
+    mixes whole prompts, chunks after cached tokens and single-token decodes, and stale values in
+    every slot the batch does not own."""
     rng = random.Random(seed)
     h, kvh, d, block_size, num_blocks = rng.choice([(4, 4, 8), (8, 2, 16), (9, 3, 8)]) + (rng.choice([1, 4, 16]), 64)
     free = list(range(num_blocks))
@@ -41,16 +41,25 @@ def test_paged_attention_equals_naive(seed):
         tables.append(table)
         q_lens.append(q_len)
         seq_lens.append(seq_len)
-    # a slot no sequence owns (free blocks, the rest of a last block) holds whatever was there
-    # before: NaN here, which must not reach any output
+    # a slot no sequence owns (free blocks, the rest of a last block) holds whatever an earlier
+    # request left there: huge values here, which must not reach any output
     owned = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     for table, seq_len in zip(tables, seq_lens):
         owned[(torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]] = True
-    k_cache.view(-1, kvh, d)[~owned] = float("nan")
-    v_cache.view(-1, kvh, d)[~owned] = float("nan")
+    k_cache.view(-1, kvh, d)[~owned] = 1e30
+    v_cache.view(-1, kvh, d)[~owned] = -1e30
     meta = AttentionMetadata.build([0] * sum(q_lens), q_lens, seq_lens, tables, torch.device("cpu"))
     out = paged_attention(torch.cat(queries), k_cache, v_cache, meta)
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
+
+
+def test_kv_cache_starts_zeroed(tiny_model_dir, monkeypatch):
+    """Masked slots are read too; uninitialized memory could hold NaN, and 0 * NaN = NaN."""
+    config = LLM(str(tiny_model_dir), phase=2, num_kv_blocks=8).llm_engine.model_config
+    empty = torch.empty  # make "uninitialized" memory visibly dirty while the cache is made
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    cache = KVCache(config, 8, 4, torch.float32, torch.device("cpu"))
+    assert cache.kv.shape[2:4] == (8, 4) and not cache.kv.any()
 
 
 @settings(max_examples=60, deadline=None)
