@@ -19,3 +19,17 @@ def test_logits_equal_transformers(model_fixture, request):
         expected = ref(ids[None]).logits[0]
         got = ours.compute_logits(ours(ids, torch.arange(len(ids)), NaiveAttention()))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 64, 128, 129, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_small_batch_path_equals_f_linear(rows, bias):
+    """The model's Linear takes (W @ x^T)^T for 2..128 rows on a CPU: the same numbers as F.linear."""
+    from tinyvllm.model import Linear
+
+    torch.manual_seed(rows)
+    layer = Linear(48, 80, bias=bias)
+    x = torch.randn(rows, 48)
+    y = layer(x)
+    assert y.shape == (rows, 80) and y.is_contiguous()
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))

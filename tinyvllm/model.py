@@ -97,6 +97,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 # Layers
 # ---------------------------------------------------------------------------------------------
 
+class Linear(nn.Linear):
+    """`nn.Linear` (same weight, same names), with a faster path for a few rows on a CPU.
+
+    `F.linear(x, W)` computes x @ W^T. For 2 to 128 rows, PyTorch's CPU build runs that product
+    through a path that is up to 2.5x slower than the same product written the other way round,
+    (W @ x^T)^T; a decode step of a small batch is made of such products. Measured on the
+    project's 2-core CPU (torch 2.13.0+cpu, SmolLM2-135M, one phase 2 decode step of B sequences
+    with 40-token prompts, 30 steps timed, two runs): B = 4: 93-110 -> 50-60 ms, B = 16:
+    125-128 -> 97-109 ms, B = 64: 242-266 -> 227-233 ms; B = 1 unchanged. One row and long
+    prefills keep `F.linear`, as fast or faster there (at 2048 rows the other way is 35% slower);
+    so does every GPU.
+    """
+
+    SMALL_BATCH = range(2, 129)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] in self.SMALL_BATCH:
+            y = (self.weight @ x.T).T.contiguous()
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -118,10 +140,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 attn: AttentionBackend) -> torch.Tensor:
@@ -138,9 +160,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=bias)
-        self.up_proj = nn.Linear(h, i, bias=bias)
-        self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_proj = Linear(h, i, bias=bias)
+        self.up_proj = Linear(h, i, bias=bias)
+        self.down_proj = Linear(i, h, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -182,7 +204,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, max_positions or config.max_position_embeddings)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
