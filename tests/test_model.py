@@ -21,10 +21,11 @@ def test_logits_equal_transformers(model_fixture, request):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 64, 128, 129, 300])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_small_batch_path_equals_f_linear(rows, bias):
-    """The model's Linear takes (W @ x^T)^T for 2..128 rows on a CPU: the same numbers as F.linear."""
+    """The model's Linear takes (W @ x^T)^T for 1..8 rows on a CPU (one row padded to two): the
+    same numbers as F.linear."""
     from tinyvllm.model import Linear
 
     torch.manual_seed(rows)

@@ -82,10 +82,15 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables()
         self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)     # (N, 1, d)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) rows of the step's positions, each (N, 1, d): looked up once per step,
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Rotate each (even, odd) half-pair of q (N, H, d) and k (N, KVH, d) by its position's angle."""
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -100,23 +105,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class Linear(nn.Linear):
     """`nn.Linear` (same weight, same names), with a faster path for a few rows on a CPU.
 
-    `F.linear(x, W)` computes x @ W^T. For 2 to 128 rows, PyTorch's CPU build runs that product
-    through a path that is up to 2.5x slower than the same product written the other way round,
-    (W @ x^T)^T; a decode step of a small batch is made of such products. Measured on the
-    project's 2-core CPU (torch 2.13.0+cpu, SmolLM2-135M, one phase 2 decode step of B sequences
-    with 40-token prompts, 30 steps timed, two runs): B = 4: 93-110 -> 50-60 ms, B = 16:
-    125-128 -> 97-109 ms, B = 64: 242-266 -> 227-233 ms; B = 1 unchanged. One row and long
-    prefills keep `F.linear`, as fast or faster there (at 2048 rows the other way is 35% slower);
-    so does every GPU.
+    A decode step multiplies every weight matrix by a few rows, one per sequence. On a CPU the
+    speed of that product depends on its *shape* far more than on its arithmetic, because the
+    BLAS library (MKL, in PyTorch's x86 build) picks its kernel by shape. `F.linear(x, W)`
+    computes x @ W^T; for 2 to 8 rows the same product written the other way round,
+    (W @ x^T)^T, takes a kernel that streams W two to three times faster. One row alone goes to
+    a matrix-vector routine that is slower still, so it is padded with a row of zeros (whose
+    output is dropped) to take the fast kernel too. From 9 rows on (bigger decode batches,
+    prefills) `F.linear` is as fast or faster, and it is kept; so is every GPU.
+
+    Measured on the project's 2-core CPU (AMD EPYC, torch 2.13.0+cpu), all 211 weight matrices
+    of the default model, `python -m tinyvllm.bench.linear`: 1 row 45 -> 22 ms, 2 rows
+    74 -> 21 ms, 4 rows 62 -> 28 ms. The numbers equal F.linear's up to float rounding
+    (tests/test_model.py).
     """
 
-    SMALL_BATCH = range(2, 129)
+    MAX_ROWS = 8  # up to here (W @ x^T)^T on a CPU; beyond, F.linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] in self.SMALL_BATCH:
-            y = (self.weight @ x.T).T.contiguous()
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        n = x.shape[0] if x.dim() == 2 else 0
+        if x.device.type != "cpu" or not 0 < n <= self.MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        if n == 1:
+            x = torch.cat([x, x.new_zeros(1, x.shape[1])])               # (2, in)
+        y = (self.weight @ x.T)[:, :n].T.contiguous()                    # (n, out)
+        return y if self.bias is None else y + self.bias
 
 
 class RMSNorm(nn.Module):
@@ -145,13 +158,13 @@ class LlamaAttention(nn.Module):
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = Linear(self.num_heads * d, h, bias=bias)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)      # (N, H, d)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)   # (N, KVH, d)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)   # (N, KVH, d)
-        q, k = rope(positions, q, k)
+        q, k = apply_rotary(q, k, *rope)
         out = attn(self.layer_idx, q, k, v)                             # (N, H, d)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -176,8 +189,8 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, attn)
+    def forward(self, x, rope, attn):
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -191,8 +204,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)                                # (N, D)
+        rope = self.rotary_emb(positions, x.dtype)                      # (cos, sin), (N, 1, d) each
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, attn)
+            x = layer(x, rope, attn)
         return self.norm(x)
 
 

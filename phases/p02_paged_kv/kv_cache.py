@@ -74,5 +74,5 @@ class KVCache:
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V: k, v (N, KVH, d) into the rows `slot_mapping` (N,)."""
         k_cache, v_cache = self.layer(layer_idx)
-        k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
-        v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
+        k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)

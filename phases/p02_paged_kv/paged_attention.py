@@ -65,6 +65,8 @@ class AttentionMetadata:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
     """q: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d) -> (N, H, d)."""
+    if not meta.prefill_rows:  # only decodes (most steps): no gather and scatter of the rows
+        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens)
     out = torch.empty_like(q)
     block_size = k_cache.shape[1]
     starts, lens = meta.query_start_loc, meta.seq_lens
