@@ -15,6 +15,8 @@ notebooks and code on the site without copying them into docs/.
   publish is left alone, and `--strict` fails on it.
 - Lesson notebooks: on a lesson page `phases/NN-slug.md`, a line `<!-- notebook ... -->` becomes
   a link to `notebooks/NN_slug.ipynb` once that notebook exists (and disappears while it does not).
+- Solutions: a notebook cell tagged `solution` (an exercise's answer, collapsed in JupyterLab by
+  `jupyter.source_hidden`) is rendered inside a closed `<details>`, opened with a click.
 - Optional pages: a nav entry in `OPTIONAL_PAGES` (owned by another part of the project and
   written later) is dropped, with a note, while its file does not exist.
 """
@@ -46,6 +48,11 @@ HTML_LINK = re.compile(r"""(\s(?:href|src)=)(["'])([^"']+)\2""")
 PHASE_DIR = re.compile(r"^phases/p(\d\d)_([a-z0-9_]+)$")
 LESSON_PAGE = re.compile(r"^phases/(\d\d)-([a-z0-9-]+)\.md$")
 NOTEBOOK_MARK = re.compile(r"^<!-- notebook\b.*-->$", re.M)
+# A notebook cell tagged "solution", and the markup that collapses it
+SOLUTION_CELL = re.compile(r"""<div\s[^>]*\bclass=["'][^"']*\bcelltag_solution\b""")
+DIV_TAG = re.compile(r"<(/?)div\b[^>]*>")
+SOLUTION_OPEN = ('<details class="success tinyvllm-solution">\n'
+                 '<summary>Show the solution</summary>\n')
 
 
 def _notebooks() -> list[Path]:
@@ -218,7 +225,35 @@ def on_page_content(html: str, page, config, files: Files) -> str:
         url = get_relative_url(file.url, page.url)
         return f"{m.group(1)}{m.group(2)}{url}{new_frag}{m.group(2)}"
 
-    return _download_button(page) + HTML_LINK.sub(fix, html)
+    return _download_button(page) + _collapse_solutions(HTML_LINK.sub(fix, html))
+
+
+def _collapse_solutions(html: str) -> str:
+    """Each notebook cell tagged `solution` (nbconvert gives its div the class
+    `celltag_solution`) goes inside a closed <details>: the learner opens it after trying the
+    exercise, as JupyterLab shows it collapsed (`jupyter.source_hidden`). Done here, on the
+    built HTML, so the page needs no script."""
+    out, pos = [], 0
+    for m in SOLUTION_CELL.finditer(html):
+        if m.start() < pos:
+            continue  # the inner div of a cell already wrapped (the template nests two)
+        end = _div_end(html, m.start())
+        if end is None:
+            log.warning("unbalanced <div> after a solution cell: left as it is")
+            break
+        out += [html[pos:m.start()], SOLUTION_OPEN, html[m.start():end], "</details>"]
+        pos = end
+    return "".join(out) + html[pos:]
+
+
+def _div_end(html: str, start: int) -> int | None:
+    """The index just after the </div> that closes the <div> at `start`."""
+    depth = 0
+    for tag in DIV_TAG.finditer(html, start):
+        depth += -1 if tag.group(1) else 1
+        if depth == 0:
+            return tag.end()
+    return None
 
 
 def _download_button(page) -> str:

@@ -1,5 +1,8 @@
 """The documentation site: it builds with `mkdocs build --strict`, every internal link of the
-built site resolves, and its pages render in headless Chromium without a console error.
+built site resolves, and its pages render in headless Chromium without a console error. The home
+page shows the phase ladder chart (a bench plot from docs/assets/bench/), the glossary defines
+every term the lessons use, and each notebook's exercise solution stays in a closed <details>
+until it is clicked.
 
 `pytest -m docs` runs only these. The site is served from a temporary folder by a local HTTP
 server on 127.0.0.1; Chromium (Debian's `chromium`, which scripts/setup.sh installs) is driven
@@ -42,8 +45,24 @@ CHROMIUM_FLAGS = [
 ]
 
 
+# The words the glossary must define, each under a heading of its own (the lessons link to them)
+GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode",
+                  "Chunked prefill", "Preemption", "Prefix cache", "TTFT", "TPOT")
+SOLUTION_TAG = "solution"
+
+
 def _first_heading(markdown: str) -> str:
     return next(line[2:].strip() for line in markdown.splitlines() if line.startswith("# "))
+
+
+def _slug(heading: str) -> str:
+    """The id Python-Markdown's toc extension gives a plain heading."""
+    return "-".join(heading.lower().split())
+
+
+def _solution_cells(nb: Path) -> list[dict]:
+    return [c for c in json.loads(nb.read_text())["cells"]
+            if SOLUTION_TAG in c.get("metadata", {}).get("tags", [])]
 
 
 # -- build and serve -----------------------------------------------------------------------------
@@ -100,6 +119,74 @@ def test_site_has_every_lesson_and_notebook(site):
         assert (site / "notebooks" / nb.stem / "index.html").is_file(), f"no page for {nb.name}"
     for page in ("glossary", "api/llm", "api/engines"):
         assert (site / page / "index.html").is_file(), page
+
+
+def test_glossary_defines_every_term(site):
+    """Every term the lessons rely on is a heading of docs/glossary.md with a definition under it,
+    and the built page has its anchor (glossary/#kv-cache, ...)."""
+    sections: dict[str, str] = {}
+    heading = None
+    for line in (REPO / "docs" / "glossary.md").read_text().splitlines():
+        if line.startswith("## "):
+            heading = line[3:].strip()
+            sections[heading] = ""
+        elif heading is not None:
+            sections[heading] += line + "\n"
+    html = (site / "glossary" / "index.html").read_text()
+    for term in GLOSSARY_TERMS:
+        assert term in sections, f"docs/glossary.md has no '## {term}'"
+        assert len(sections[term].split()) >= 15, f"the glossary's {term!r} has no real definition"
+        assert f'id="{_slug(term)}"' in html, f"the glossary page has no #{_slug(term)}"
+
+
+class _Solutions(HTMLParser):
+    """The cells of a notebook page (ids `cell-id=...`), and for each whether it sits inside a
+    closed <details> (one without `open`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[bool] = []  # per open div/details: is it (or an ancestor) a closed details
+        self.hidden: dict[str, bool] = {}
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in ("div", "details"):
+            return
+        a = dict(attrs)
+        inside = bool(self.stack and self.stack[-1])
+        self.stack.append(inside or (tag == "details" and "open" not in a))
+        if (a.get("id") or "").startswith("cell-id="):
+            self.hidden[a["id"][len("cell-id="):]] = inside
+
+    def handle_endtag(self, tag):
+        if tag in ("div", "details") and self.stack:
+            self.stack.pop()
+
+
+def test_notebook_solutions_are_collapsed(site):
+    """Every notebook has an exercise whose solution cell is tagged `solution` and hidden
+    in JupyterLab (`jupyter.source_hidden`, `outputs_hidden`), and on the site it is inside a
+    closed <details>, while every other cell is not."""
+    notebooks = sorted(REPO.glob("notebooks/*.ipynb"))
+    assert notebooks
+    for nb in notebooks:
+        cells = json.loads(nb.read_text())["cells"]
+        headings = [line for c in cells if c["cell_type"] == "markdown"
+                    for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
+        assert "## Exercise" in headings, f"{nb.name} has no '## Exercise'"
+        solutions = _solution_cells(nb)
+        assert solutions, f"{nb.name}: no cell tagged {SOLUTION_TAG!r} (the exercise's solution)"
+        for cell in solutions:
+            assert cell["cell_type"] == "code", \
+                f"{nb.name}: a {cell['cell_type']} cell is tagged {SOLUTION_TAG!r}"
+            jupyter = cell["metadata"].get("jupyter", {})
+            assert jupyter.get("source_hidden") is True and jupyter.get("outputs_hidden") is True, \
+                f"{nb.name}: solution cell {cell['id']} is not collapsed in JupyterLab: {jupyter}"
+        parser = _Solutions()
+        parser.feed((site / "notebooks" / nb.stem / "index.html").read_text(encoding="utf-8"))
+        expected = {c["id"]: SOLUTION_TAG in c.get("metadata", {}).get("tags", []) for c in cells}
+        hidden = sorted(k for k, v in parser.hidden.items() if v)
+        assert parser.hidden == expected, f"{nb.name}: the cells in a closed <details> on its page " \
+            f"are {hidden}, its solution cells {sorted(k for k, v in expected.items() if v)}"
 
 
 # -- links -------------------------------------------------------------------------------------
@@ -287,7 +374,7 @@ def _pages_to_open() -> list:
     pages = [
         ("", ["The phase ladder", "make demo", "make test"]),
         ("phases/01-naive-attention/", [_first_heading(lesson.read_text()), "The checkpoint"]),
-        ("glossary/", ["KV cache", "Block table", "Chunked prefill", "TPOT"]),
+        ("glossary/", list(GLOSSARY_TERMS)),
         ("api/llm/", ["LLM", "SamplingParams", "max_tokens"]),
     ]
     notebooks = sorted(REPO.glob("notebooks/[0-9][0-9]_*.ipynb"))
@@ -318,5 +405,60 @@ def test_page_renders_without_console_errors(browser, base_url, path, texts):
         if any(c.get("outputs") for c in cells if c["cell_type"] == "code"):
             assert browser.evaluate("document.querySelectorAll('.jp-OutputArea-output').length") > 0, \
                 f"{nb.name} has outputs, but its page shows none"
+    if path == "":
+        # the phase ladder chart: a committed bench plot, loaded, its caption naming the command
+        # that made it and linking to the benchmarks page
+        charts = browser.evaluate("""[...document.querySelectorAll('article figure img')]
+            .filter(img => new URL(img.src).pathname.includes('/assets/bench/'))
+            .map(img => ({src: img.src, loaded: img.complete && img.naturalWidth > 0,
+                          shown: img.getBoundingClientRect().width > 0,
+                          caption: img.closest('figure').querySelector('figcaption')?.innerText,
+                          links: [...img.closest('figure').querySelectorAll('figcaption a')]
+                                 .map(a => a.href)}))""")
+        assert charts, "the home page shows no bench plot (docs/assets/bench/*.png) in a figure"
+        for chart in charts:
+            assert chart["loaded"] and chart["shown"], f"the home page's chart is not shown: {chart['src']}"
+            assert "tinyvllm bench" in (chart["caption"] or ""), \
+                f"its caption names no command: {chart['caption']!r}"
+            assert any(urlsplit(link).path.endswith("/benchmarks/") for link in chart["links"]), \
+                f"its caption does not link to the benchmarks page: {chart['links']}"
     errors = browser.console_errors()
     assert not errors, f"{path or '/'}: console errors:\n" + "\n".join(errors)
+
+
+def test_notebook_solution_opens_on_click(browser, base_url):
+    """On a notebook page the exercise's solution is hidden in a closed <details> until its
+    summary is clicked (a real mouse click), and then shows its code and output."""
+    notebooks = sorted(REPO.glob("notebooks/[0-9][0-9]_*.ipynb"))
+    nb = next((n for n in notebooks if not n.name.startswith("00_") and _solution_cells(n)), None)
+    if nb is None:
+        pytest.skip("no notebook has a solution cell yet")
+    cell = _solution_cells(nb)[0]
+    first_line = next(line.strip() for line in "".join(cell["source"]).splitlines() if line.strip())
+    browser.open(f"{base_url}notebooks/{nb.stem}/")
+    state = f"""(() => {{
+        const cell = document.getElementById({json.dumps("cell-id=" + cell["id"])});
+        const details = cell && cell.closest('details');
+        return {{found: !!cell, details: !!details, open: !!(details && details.open),
+                 visible: !!cell && cell.checkVisibility(),
+                 text: document.body.innerText.includes({json.dumps(first_line)})}};
+    }})()"""
+    before = browser.evaluate(state)
+    hidden = {"found": True, "details": True, "open": False, "visible": False, "text": False}
+    assert before == hidden, f"{nb.name}: the solution is not hidden in a closed <details>: {before}"
+    box = browser.evaluate(f"""(() => {{
+        const summary = document.getElementById({json.dumps("cell-id=" + cell["id"])})
+            .closest('details').querySelector('summary');
+        summary.scrollIntoView({{block: 'center'}});
+        const r = summary.getBoundingClientRect();
+        return {{x: r.left + Math.min(40, r.width / 2), y: r.top + r.height / 2}};
+    }})()""")
+    for kind in ("mousePressed", "mouseReleased"):
+        browser.send("Input.dispatchMouseEvent", {"type": kind, "x": box["x"], "y": box["y"],
+                                                  "button": "left", "clickCount": 1})
+    browser.drain(0.3)
+    after = browser.evaluate(state)
+    assert after == {"found": True, "details": True, "open": True, "visible": True, "text": True}, \
+        f"{nb.name}: clicking the summary did not show the solution: {after}"
+    errors = browser.console_errors()
+    assert not errors, f"notebooks/{nb.stem}/: console errors:\n" + "\n".join(errors)

@@ -141,9 +141,14 @@ class Engine(Phase1Engine):
         used = self.allocator.num_used_blocks
         if used > self._stats["peak_kv_blocks_used"]:
             tables = [s.block_table for s in self.running_sequences()]
+            bs = self.block_size
+            filled: dict[int, int] = {}  # tokens stored in each block; a shared block counts once
+            for t in tables:
+                for i, block in enumerate(t.block_ids):
+                    filled[block] = max(filled.get(block, 0), min(bs, t.num_tokens - i * bs))
             self._stats.update(
-                peak_kv_blocks_used=used, peak_kv_tokens_reserved=used * self.block_size,
-                peak_kv_tokens_used=sum(t.num_tokens for t in tables),
+                peak_kv_blocks_used=used, peak_kv_tokens_reserved=used * bs,
+                peak_kv_tokens_used=sum(filled.values()),
                 contiguous_kv_tokens_reserved=len(tables) * self.max_model_len)
 
     def running_sequences(self) -> list[Sequence]:

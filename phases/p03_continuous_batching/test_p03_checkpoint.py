@@ -145,6 +145,13 @@ def test_prefix_cache_shares_a_system_prompt(tiny_model_dir):
     outs = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref[1:]]
     assert all(o.num_cached_tokens == 64 for o in outs)
+    # the shared blocks are counted once: the tokens stored never exceed the slots reserved
+    stats = llm.llm_engine.get_stats()
+    assert stats["peak_kv_tokens_used"] <= stats["peak_kv_tokens_reserved"]
+    # the peak, 10 blocks, comes when each request's own tokens (2 prompt, then generated) reach
+    # 17 and take a second block of its own: 4 shared blocks of 16 plus 3 x 17 tokens
+    assert stats["peak_kv_blocks_used"] == 4 + 3 * 2
+    assert stats["peak_kv_tokens_used"] == 64 + 3 * 17
 
 
 def test_abort_frees_blocks_at_once(tiny_model_dir):
