@@ -1,8 +1,11 @@
 """Bad input raises a clear error naming the problem, and the same LLM then still generates
 correctly: nothing is lost, nothing is left half-queued."""
 
+import shutil
+
 import pytest
 
+import phases
 from conftest import phase_params
 from tinyvllm import LLM, SamplingParams
 
@@ -48,30 +51,48 @@ def test_bad_sampling_params_raise_and_engine_goes_on(phase, tiny_model_dir, mak
         assert llm.generate(GOOD, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
-def test_unknown_model_path():
+def _llm_made_before(tiny_model_dir, make_llm):
+    """An LLM made before a constructor fails, and its greedy tokens: a failed LLM(...) must not
+    disturb it (shared state such as the phase registry, the tokenizer, torch's defaults)."""
+    llm = make_llm(tiny_model_dir, phases.latest_phase())
+    return llm, _greedy(llm)
+
+
+def _greedy(llm) -> list[int]:
+    return llm.generate(GOOD, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_unknown_model_path(tiny_model_dir, make_llm):
+    llm, expected = _llm_made_before(tiny_model_dir, make_llm)
     with pytest.raises(FileNotFoundError, match="no-such-model"):
         LLM("/nonexistent/no-such-model", phase=1)
+    assert _greedy(llm) == expected
 
 
-def test_unknown_phase(tiny_model_dir):
+def test_unknown_phase(tiny_model_dir, make_llm):
+    llm, expected = _llm_made_before(tiny_model_dir, make_llm)
     with pytest.raises(ValueError, match="phase"):
         LLM(str(tiny_model_dir), phase=99)
     with pytest.raises(TypeError, match="phase"):
         LLM(str(tiny_model_dir), phase="one")
+    assert _greedy(llm) == expected
 
 
-def test_unknown_engine_argument(tiny_model_dir):
+def test_unknown_engine_argument(tiny_model_dir, make_llm):
+    llm, expected = _llm_made_before(tiny_model_dir, make_llm)
     with pytest.raises(TypeError, match="block_sise"):
         LLM(str(tiny_model_dir), phase=1, block_sise=16)
     with pytest.raises(ValueError, match="block_size"):
         LLM(str(tiny_model_dir), phase=1, block_size=0)
+    assert _greedy(llm) == expected
 
 
-def test_truncated_safetensors(tiny_model_dir, tmp_path):
-    import shutil
+def test_truncated_safetensors(tiny_model_dir, tmp_path, make_llm):
+    llm, expected = _llm_made_before(tiny_model_dir, make_llm)
     bad = tmp_path / "truncated"
     shutil.copytree(tiny_model_dir, bad)
     f = bad / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-    with pytest.raises(ValueError, match="model.safetensors"):
+    with pytest.raises(ValueError, match=r"model\.safetensors is truncated.*Tensor '"):
         LLM(str(bad), phase=1)
+    assert _greedy(llm) == expected

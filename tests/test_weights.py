@@ -75,3 +75,42 @@ def test_rope_parameters_and_llama3_scaling():
         ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
     with pytest.raises(ValueError, match="model_type"):
         ModelConfig.from_dict({**base, "model_type": "gpt2"})
+
+
+def _tensor_offsets(path):
+    """{name: (begin, end)} of each tensor's bytes in the file, from its header."""
+    raw = path.read_bytes()
+    header_len = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8: 8 + header_len])
+    return {n: (8 + header_len + i["data_offsets"][0], 8 + header_len + i["data_offsets"][1])
+            for n, i in header.items() if n != "__metadata__"}, header_len
+
+
+def test_truncated_in_tensor_data_names_file_and_tensor(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path / "cut")
+    f = d / "model.safetensors"
+    offsets, _ = _tensor_offsets(f)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    begin, end = offsets[name]
+    f.write_bytes(f.read_bytes()[: (begin + end) // 2])  # half of that tensor's bytes remain
+    after = [n for n, (b, _) in offsets.items() if b >= end]
+    with pytest.raises(ValueError) as e:
+        load_model(d, torch.float32, torch.device("cpu"))
+    msg = str(e.value)
+    assert str(f) in msg and repr(name) in msg
+    assert f"has {(end - begin) // 2} of its {end - begin} bytes" in msg
+    assert f"{len(after)} more tensor(s)" in msg
+    intact = [n for n, (_, stop) in offsets.items() if stop <= begin]
+    assert intact and not any(n in msg for n in intact)
+
+
+def test_truncated_in_header_names_file(tiny_model_dir, tmp_path):
+    d = _copy(tiny_model_dir, tmp_path / "cut-header")
+    f = d / "model.safetensors"
+    _, header_len = _tensor_offsets(f)
+    raw = f.read_bytes()
+    for keep in (3, 8 + header_len // 2):  # inside the length field, inside the JSON
+        f.write_bytes(raw[:keep])
+        with pytest.raises(ValueError, match="model.safetensors") as e:
+            load_model(d, torch.float32, torch.device("cpu"))
+        assert str(f) in str(e.value) and "truncated" in str(e.value)

@@ -3,6 +3,11 @@
 Every tensor is checked: a name the model does not have, a parameter the files do not provide,
 a shape that differs, or a file that is truncated or corrupt raises an error that names the file
 and the tensor. Nothing is loaded half-way without saying so.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header that gives each
+tensor's dtype, shape and `data_offsets` [begin, end) into the data after it, then the data.
+`check_safetensors_file` reads only the header and compares those offsets with the file's size,
+so a truncated download names the tensors it lost before anything is loaded.
 """
 
 from __future__ import annotations
@@ -53,12 +58,49 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
     return files
 
 
+def check_safetensors_file(path: str | os.PathLike) -> None:
+    """Raise ValueError, naming the file (and the tensors whose bytes are missing), if the file
+    is too short for its own header."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"model: {path} is {size} bytes, too short for a safetensors header "
+                             f"(truncated or corrupt?)")
+        header_len = int.from_bytes(prefix, "little")
+        if 8 + header_len > size:
+            raise ValueError(f"model: {path} is truncated inside its header (or is not a safetensors "
+                             f"file): the header should be {header_len} bytes, but only {size - 8} "
+                             f"follow its 8-byte length field")
+        try:
+            header = json.loads(f.read(header_len))
+            offsets = {name: tuple(int(o) for o in info["data_offsets"])
+                       for name, info in header.items() if name != "__metadata__"}
+            cut = sorted((begin, end, name) for name, (begin, end) in offsets.items()
+                         if end > size - 8 - header_len)  # (begin, end, name) of each cut tensor
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"model: {path} has a header that is not valid safetensors JSON: {e} "
+                             f"(corrupt?)") from None
+    if not cut:
+        return
+    begin, end, first = cut[0]
+    have = max(0, size - 8 - header_len - begin)
+    rest = [name for _, _, name in cut[1:]]
+    more = (f"; {len(rest)} more tensor(s) after it are missing: {', '.join(rest[:5])}"
+            f"{f' and {len(rest) - 5} more' if len(rest) > 5 else ''}") if rest else ""
+    raise ValueError(f"model: {path} is truncated: {size} bytes, but its header needs "
+                     f"{8 + header_len + max(e for _, e, _ in cut)}. Tensor {first!r} has {have} of its "
+                     f"{end - begin} bytes{more}. Download or convert it again")
+
+
 def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
     """Copy every tensor of the checkpoint into `model`, checking names and shapes."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     expected = set(params)
     seen: set[str] = set()
     for path in safetensors_files(folder):
+        check_safetensors_file(path)
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
         except Exception as e:  # safetensors raises its own error types for a bad header

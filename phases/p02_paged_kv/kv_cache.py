@@ -44,15 +44,18 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, 
         return config.num_kv_blocks
     per_block = bytes_per_block(model, config.block_size, dtype)
     if config.kv_cache_memory is not None:
-        budget = config.kv_cache_memory
+        budget, source = config.kv_cache_memory, "kv_cache_memory"
     elif device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = int(total * config.gpu_memory_utilization) - (total - free)
+        source = (f"gpu_memory_utilization ({config.gpu_memory_utilization} of the GPU, less the "
+                  f"{(total - free) / 2**30:.1f} GiB already in use)")
     else:
-        budget = DEFAULT_CPU_KV_CACHE_BYTES
+        budget, source = DEFAULT_CPU_KV_CACHE_BYTES, "the CPU default KV budget"
     blocks = budget // per_block
     if blocks < 1:
-        raise ValueError(f"kv_cache_memory: {budget} bytes hold no KV block ({per_block} bytes each)")
+        raise ValueError(f"{source}: {budget} bytes hold no KV block ({per_block} bytes each); "
+                         f"set kv_cache_memory or num_kv_blocks")
     return min(blocks, config.max_num_seqs * cdiv(max_model_len, config.block_size))
 
 

@@ -1,6 +1,7 @@
 """Phase 2 checkpoint: paged attention equals naive attention, the allocator never leaks or
 double-books a block, and cached decode beats full recompute by a wide margin."""
 
+import json
 import random
 import time
 
@@ -129,6 +130,43 @@ def test_request_that_never_fits_is_rejected(tiny_model_dir):
     out = llm.generate({"prompt_token_ids": list(range(3, 23))}, SamplingParams(max_tokens=12, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 12
+
+
+def _bytes_per_block(model_dir, block_size: int, elem_bytes: int) -> int:
+    """K and V, for every layer, block_size tokens, every KV head: from config.json, not from
+    the engine's own bytes_per_block."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * block_size * cfg["num_key_value_heads"] * head_dim * elem_bytes
+
+
+@pytest.mark.parametrize("dtype, elem_bytes", [("float32", 4), ("bfloat16", 2)])
+def test_kv_pool_size_comes_from_kv_cache_memory(tiny_model_dir, dtype, elem_bytes):
+    """kv_cache_memory // bytes per block blocks; num_kv_blocks overrides the budget; a budget
+    bigger than max_num_seqs sequences of max_model_len tokens need is not all taken."""
+    block_size = 8
+    per_block = _bytes_per_block(tiny_model_dir, block_size, elem_bytes)
+
+    def pool_blocks(**engine_args) -> int:
+        engine = LLM(str(tiny_model_dir), phase=2, device="cpu", dtype=dtype, block_size=block_size,
+                     **engine_args).llm_engine
+        assert engine.kv_cache.kv.shape[2] == engine.allocator.num_blocks
+        assert engine.kv_cache.kv.nbytes == engine.allocator.num_blocks * per_block
+        return engine.allocator.num_blocks
+
+    budget = 5 * per_block + per_block // 2  # five and a half blocks: the pool rounds down
+    assert pool_blocks(kv_cache_memory=budget) == budget // per_block == 5
+    assert pool_blocks(kv_cache_memory=budget, num_kv_blocks=3) == 3
+    capped = pool_blocks(kv_cache_memory=1000 * per_block, max_num_seqs=2, max_model_len=64)
+    assert capped == 2 * 64 // block_size
+
+
+def test_too_small_kv_cache_memory_is_a_clear_error(tiny_model_dir):
+    per_block = _bytes_per_block(tiny_model_dir, 16, 4)
+    with pytest.raises(ValueError, match=rf"kv_cache_memory.*{per_block - 1} bytes.*{per_block} bytes"):
+        LLM(str(tiny_model_dir), phase=2, device="cpu", dtype="float32", kv_cache_memory=per_block - 1)
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        LLM(str(tiny_model_dir), phase=2, kv_cache_memory=0)
 
 
 def test_cached_decode_at_least_2x_recompute(tmp_path):
