@@ -8,8 +8,10 @@ from __future__ import annotations
 import io
 import json
 import statistics
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import phases
 from tinyvllm.bench.cli import add_engine_args, engine_args_from
@@ -20,14 +22,25 @@ from tinyvllm.bench.harness import (
     run_bench,
 )
 from tinyvllm.bench.machine import MachineLimits
+from tinyvllm.bench.report import write_plot
 from tinyvllm.bench.roofline import (
     decode_roofline,
     flops_per_token,
     kv_bytes_per_token,
     weight_bytes_per_step,
 )
-from tinyvllm.bench.runners import STATS_KEYS, EngineRunner, check_token_counts
-from tinyvllm.bench.workloads import CHAT_QUESTIONS, make_workload, parse_len_range
+from tinyvllm.bench.runners import (
+    STATS_KEYS,
+    EngineRunner,
+    RunResult,
+    check_token_counts,
+)
+from tinyvllm.bench.workloads import (
+    CHAT_QUESTIONS,
+    WARMUP_MAX_TOKENS,
+    make_workload,
+    parse_len_range,
+)
 from tinyvllm.cli import main
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.tokenizer import Tokenizer
@@ -42,6 +55,7 @@ ENGINE_FIELDS = ("name", "kind", "label", "dtype", "device", "requests", "prompt
                  "ttft_s", "tpot_s", "ttft_cold_s", "ttft_cached_s", *STATS_KEYS,
                  "prefix_cache_hit_rate", "kv_token_utilization", "peak_memory_bytes",
                  "memory_increase_bytes", "roofline", "fraction_of_roofline", "runs")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def workload_for(model_dir, name="throughput", **kw):
@@ -62,7 +76,7 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
     assert main(["bench", *args, "--model", str(tiny_model_dir), "--phases", "all", "--repeat", "2",
                  "--block-size", "4", "--json", str(report_path), "--plot", str(plot_path)]) == 0
     report = json.loads(report_path.read_text())
-    assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_path.read_bytes()[:8] == PNG_SIGNATURE
 
     for key in ("cpu", "cores", "torch", "device"):
         assert report["machine"][key]
@@ -108,6 +122,36 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
         assert e["label"] in table
 
 
+def test_cli_latency_reports_ttft_and_tpot_of_one_request_per_engine(tiny_model_dir, tmp_path, capsys):
+    report_path = tmp_path / "latency.json"
+    assert main(["bench", "latency", "--model", str(tiny_model_dir), "--phases", "1-3",
+                 "--input-len", "9", "--output-len", "6", "--no-progress", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    w = report["workload"]
+    assert (w["name"], w["num_requests"], w["prompt_tokens"], w["output_tokens"]) == ("latency", 1, 9, 6)
+    assert w["params"]["submission"] == "one after another"
+    assert (report["repeat"], report["warmup"]) == (1, True)
+
+    engines = report["engines"]
+    assert [e["name"] for e in engines] == ["phase1", "phase2", "phase3"]
+    for e in engines:
+        missing = [f for f in ENGINE_FIELDS if f not in e]
+        assert not missing, f"{e['name']} lacks {missing}"
+        assert (e["requests"], e["prompt_tokens"], e["output_tokens"]) == (1, 9, 6)
+        ttft, tpot = e["ttft_s"], e["tpot_s"]
+        # one request: its TTFT and TPOT are the distribution's every statistic
+        assert ttft["mean"] == ttft["median"] == ttft["p99"] > 0
+        assert tpot["mean"] == tpot["median"] == tpot["p99"] > 0
+        assert e["ttft_cold_s"] == ttft["median"] and e["ttft_cached_s"] is None
+        # the first token, then 5 more at TPOT apart: the request's life, inside the run's wall time
+        assert ttft["median"] + 5 * tpot["median"] <= e["wall_s"] * (1 + 1e-9)
+        assert e["output_tok_per_s"] == pytest.approx(6 / e["wall_s"])
+        [run] = e["runs"]
+        assert (run["ttft_median_s"], run["tpot_median_s"]) == (ttft["median"], tpot["median"])
+    assert report["ratios"]["output_tok_per_s"]["phase1"] == 1.0
+    assert "TPOT med ms" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags, named", [
     (["--output-len", "0"], "--output-len"),
     (["--output-len", "five"], "--output-len"),
@@ -139,6 +183,74 @@ def test_engine_flags_come_from_engine_config():
     help_text = parser.format_help()
     for name in ("block_size", "max_num_batched_tokens", "kv_cache_memory", "dtype"):
         assert "--" + name.replace("_", "-") in help_text
+
+
+# -- repeats: warm-up, interleaving, medians -----------------------------------------------------
+class ScriptedRunner:
+    """A stand-in engine: records every run it is given, in `calls`, and reports the wall time
+    it is scripted to take, one per call in order."""
+
+    kind = "scripted"
+    max_concurrency = 1
+    weight_bytes = 1000
+    kv_bytes_per_element = 4
+
+    def __init__(self, name: str, walls: list[float], calls: list, model_config: ModelConfig):
+        self.name, self.walls, self.calls = name, list(walls), calls
+        self.engine = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32,
+                                      model_config=model_config, model=torch.nn.Linear(2, 2))
+
+    def describe(self) -> dict:
+        return dict(kind=self.kind, label=f"scripted {self.name}")
+
+    def run(self, workload, on_tokens=lambda n: None) -> RunResult:
+        self.calls.append((self.name, workload))
+        wall = self.walls.pop(0)
+        n = workload.num_requests
+        return RunResult(wall_s=wall, num_requests=n, prompt_tokens=workload.num_prompt_tokens,
+                         output_tokens=workload.num_output_tokens, ttft_s=[wall / 10] * n,
+                         tpot_s=[wall / 100] * n)
+
+
+@pytest.mark.parametrize("warmup", [True, False])
+def test_repeats_are_interleaved_rotated_and_the_median_excludes_the_warm_up(tiny_model_dir, warmup):
+    w = workload_for(tiny_model_dir, dataset="random", num_prompts=2, input_len="5", output_len="6")
+    tokens = w.num_output_tokens  # 12 per run
+    # Wall times of rounds 1-3 per engine: tok/s a [12, 6, 3], b [6, 24, 12], c [4, 4, 48].
+    # Round by round, b/a is [0.5, 4, 4]: median 4, where the ratio of the medians would be 2.
+    walls = dict(a=[1.0, 2.0, 4.0], b=[2.0, 0.5, 1.0], c=[3.0, 3.0, 0.25])
+    warm_wall = 1e-6  # absurdly fast: were the warm-up counted, the numbers below would move
+    calls: list = []
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    runners = [ScriptedRunner(n, [warm_wall] * warmup + ws, calls, cfg) for n, ws in walls.items()]
+    report = bench(w, runners, repeat=3, warmup=warmup)
+
+    # The warm-up first, every engine once, on requests capped at a few tokens; then the rounds,
+    # each starting one engine later than the round before.
+    warm, measured = calls[:3 * warmup], calls[3 * warmup:]
+    assert [n for n, _ in warm] == (["a", "b", "c"] if warmup else [])
+    for _, wl in warm:
+        assert [r.max_tokens for r in wl.requests] == [min(6, WARMUP_MAX_TOKENS)] * 2
+    rounds = [measured[k:k + 3] for k in range(0, len(measured), 3)]
+    assert [[n for n, _ in r] for r in rounds] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    # Within a round every engine gets the same requests, the full ones; each run has its own salt.
+    for r in rounds:
+        assert all(wl.requests == r[0][1].requests for _, wl in r)
+        assert r[0][1].num_output_tokens == tokens
+    salts = {wl.requests[0].prompt_token_ids[0] for _, wl in calls}
+    assert len(salts) == 3 + warmup
+
+    assert (report["repeat"], report["warmup"]) == (3, warmup)
+    engines = {e["name"]: e for e in report["engines"]}
+    for name, ws in walls.items():
+        e = engines[name]
+        assert [run["wall_s"] for run in e["runs"]] == ws  # the 3 measured runs, in round order
+        assert e["wall_s"] == statistics.median(ws)
+        assert e["output_tok_per_s"] == pytest.approx(statistics.median(tokens / x for x in ws))
+        assert e["ttft_s"]["median"] == pytest.approx(statistics.median(ws) / 10)
+        assert e["output_tokens"] == tokens and e["requests"] == 2
+    assert report["ratios"]["baseline"] == "a"
+    assert report["ratios"]["output_tok_per_s"] == pytest.approx(dict(a=1.0, b=4.0, c=2 / 3))
 
 
 # -- workloads -----------------------------------------------------------------------------------
@@ -208,7 +320,7 @@ def test_hf_peer_counts_only_the_tokens_asked_for(tiny_model_dir):
     assert report["ratios"]["output_tok_per_s"]["hf"] == 1.0
 
 
-def test_prefix_workload_cold_against_cached(tiny_model_dir):
+def test_prefix_workload_cold_against_cached(tiny_model_dir, tmp_path):
     w = workload_for(tiny_model_dir, "prefix", num_prompts=3, prefix_len=16, input_len="3", output_len="2")
     runners = load_runners(str(tiny_model_dir), REGISTERED, dict(block_size=4), [])
     report = bench(w, runners, repeat=2)
@@ -221,6 +333,9 @@ def test_prefix_workload_cold_against_cached(tiny_model_dir):
             assert e["prefix_cache_hits"] <= e["prefix_cache_queries"]
     with_cache = [e["phase"] for e in report["engines"] if e["prefix_cache_queries"] is not None]
     assert with_cache == [p for p in REGISTERED if p >= 3]
+    # the plot's prefix panel: TTFT cold against cached
+    write_plot(report, tmp_path / "prefix.png")
+    assert (tmp_path / "prefix.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
 def test_engine_runner_reports_its_own_tokens(tiny_model_dir):
