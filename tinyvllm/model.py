@@ -115,8 +115,9 @@ class Linear(nn.Linear):
     prefills) `F.linear` is as fast or faster, and it is kept; so is every GPU.
 
     Measured on the project's 2-core CPU (AMD EPYC, torch 2.13.0+cpu), all 211 weight matrices
-    of the default model, `python -m tinyvllm.bench.linear`: 1 row 45 -> 22 ms, 2 rows
-    74 -> 21 ms, 4 rows 62 -> 28 ms. The numbers equal F.linear's up to float rounding
+    of the default model, `python -m tinyvllm.bench.linear --repeat 9` (best of 9): 1 row
+    46 -> 20 ms, 2 rows 75 -> 20 ms, 4 rows 64 -> 28 ms, 8 rows 57 -> 44 ms; from 12 rows on
+    the two are within 5%. The numbers equal F.linear's up to float rounding
     (tests/test_model.py).
     """
 
