@@ -1,7 +1,7 @@
-"""From runs to a report: medians over repeats, ratios, the table, the JSON file and the plot.
+"""From runs to a report: medians over repeats, ratios, the table, the JSON file and the plots.
 
-The report is one dict (written as JSON by `--json`); the table and the plot are both drawn from
-it, so the three always agree.
+The report is one dict (written as JSON by `--json`); the table and the plots are all drawn from
+it, so they always agree.
 """
 
 from __future__ import annotations
@@ -9,10 +9,14 @@ from __future__ import annotations
 import json
 import statistics
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .runners import STATS_KEYS, RunResult
+
+if TYPE_CHECKING:  # matplotlib is optional: imported when a plot is drawn
+    from matplotlib.figure import Figure
 
 
 def distribution(values: list[float]) -> dict:
@@ -221,3 +225,66 @@ def write_plot(report: dict, path: str | Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_comparison(report: dict, latency: str = "tpot_s") -> Figure:
+    """Draw a report as two panels side by side, one row per engine: a compact view for notebooks.
+
+    Left, output tokens/s per engine (the median of its runs), each bar labelled with its speedup
+    over the report's baseline. Right, one latency per engine in milliseconds (the median over
+    the requests), each bar labelled with its value. The panels share the engine axis: the engine
+    names on the left name the rows of both. `write_plot` draws the fuller picture that
+    `tinyvllm bench --plot` saves.
+
+    The figure is made without pyplot, so nothing is left open in pyplot's list of figures; in a
+    Jupyter notebook (once pyplot is in use there), a cell whose last expression is the figure
+    shows it.
+
+    Args:
+        report: A report from `run_bench`, or one read back from the JSON file of `--json`.
+        latency: The latency on the right: `"tpot_s"` (time per output token) or `"ttft_s"`
+            (time to first token).
+
+    Returns:
+        The `matplotlib.figure.Figure`, with two axes: throughput, then latency.
+
+    Raises:
+        ValueError: If `latency` is neither of the two, or matplotlib is not installed.
+    """
+    latency_names = {"tpot_s": "time per output token", "ttft_s": "time to first token"}
+    if latency not in latency_names:
+        raise ValueError(f"latency must be one of {sorted(latency_names)}, not {latency!r}")
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    engines, w = report["engines"], report["workload"]
+    speedup = report["ratios"]["output_tok_per_s"]
+    rows = np.arange(len(engines))
+    fig = Figure(figsize=(12, 1.3 + 0.6 * len(engines)), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2, sharey=True)
+
+    tok_s = [e["output_tok_per_s"] for e in engines]
+    ax1.barh(rows, tok_s, color="tab:purple")
+    for i, e in enumerate(engines):
+        ax1.annotate(f"{speedup[e['name']]:.2f}x", (tok_s[i], i), xytext=(4, 0),
+                     textcoords="offset points", va="center")
+    ax1.set_yticks(rows, [e["label"] for e in engines])
+    ax1.invert_yaxis()  # once: the axis is shared, so both panels list the engines top down
+    ax1.set_xlabel("output tokens / s (median of the runs)")
+    ax1.set_title(f"throughput; speedup over {report['ratios']['baseline']}", fontsize=10)
+    ax1.margins(x=0.2)  # room for the labels
+
+    medians = [e[latency]["median"] for e in engines]
+    ms = [np.nan if v is None else 1e3 * v for v in medians]
+    ax2.barh(rows, ms, color="tab:gray")
+    for i, v in enumerate(ms):
+        ax2.annotate("-" if np.isnan(v) else f"{v:,.1f} ms", (0 if np.isnan(v) else v, i),
+                     xytext=(4, 0), textcoords="offset points", va="center")
+    ax2.set_xlabel("milliseconds (median)")
+    ax2.set_title(f"latency: {latency_names[latency]}", fontsize=10)
+    ax2.margins(x=0.3)  # room for the labels
+    ax2.tick_params(axis="y", length=0)  # no ticks: its rows are the ones named on the left
+
+    fig.suptitle(f"tinyvllm bench {w['name']}: {_count(w['num_requests'], 'request')}, "
+                 f"{w['output_tokens']} output tokens", fontsize=10)
+    return fig
