@@ -22,7 +22,7 @@ from tinyvllm.bench.harness import (
     run_bench,
 )
 from tinyvllm.bench.machine import MachineLimits
-from tinyvllm.bench.report import plot_comparison, write_plot
+from tinyvllm.bench.report import plot_report, write_plot
 from tinyvllm.bench.roofline import (
     decode_roofline,
     flops_per_token,
@@ -253,8 +253,7 @@ def test_repeats_are_interleaved_rotated_and_the_median_excludes_the_warm_up(tin
     assert report["ratios"]["output_tok_per_s"] == pytest.approx(dict(a=1.0, b=4.0, c=2 / 3))
 
 
-@pytest.mark.parametrize("latency", ["tpot_s", "ttft_s"])
-def test_plot_comparison_is_a_figure_of_two_panels_sharing_the_engines(tiny_model_dir, latency):
+def test_plot_report_is_a_figure_of_throughput_and_latency(tiny_model_dir):
     pytest.importorskip("matplotlib", reason="plots need matplotlib: pip install -e '.[dev]'")
     from matplotlib.figure import Figure
 
@@ -263,19 +262,15 @@ def test_plot_comparison_is_a_figure_of_two_panels_sharing_the_engines(tiny_mode
     runners = [ScriptedRunner(n, [wall], [], cfg) for n, wall in [("a", 1.0), ("b", 0.5)]]
     report = bench(w, runners, warmup=False)
 
-    fig = plot_comparison(report, latency=latency)
+    fig = plot_report(report)
     assert isinstance(fig, Figure) and len(fig.axes) == 2
     throughput, lat = fig.axes
-    assert [t.get_text() for t in throughput.get_yticklabels()] == ["scripted a", "scripted b"]
-    assert throughput.get_shared_y_axes().joined(throughput, lat)  # the names label both rows
-    assert [t.get_text() for t in throughput.texts] == ["1.00x", "2.00x"]
-    per = {"tpot_s": 100, "ttft_s": 10}[latency]  # a scripted run's TPOT is its wall / 100, TTFT / 10
-    assert [t.get_text() for t in lat.texts] == [f"{1e3 / per:,.1f} ms", f"{0.5e3 / per:,.1f} ms"]
+    assert [t.get_text() for t in throughput.get_xticklabels()] == ["scripted a", "scripted b"]
+    assert [t.get_text().split("\n")[0] for t in throughput.texts] == ["1.00x", "2.00x"]
+    assert [t.get_text() for t in lat.get_legend().get_texts()] == ["TTFT median", "TPOT median"]
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     assert buf.getvalue()[:8] == PNG_SIGNATURE
-    with pytest.raises(ValueError, match="latency"):
-        plot_comparison(report, latency="wall_s")
 
 
 # -- workloads -----------------------------------------------------------------------------------

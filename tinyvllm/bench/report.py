@@ -1,7 +1,7 @@
-"""From runs to a report: medians over repeats, ratios, the table, the JSON file and the plots.
+"""From runs to a report: medians over repeats, ratios, the table, the JSON file and the plot.
 
-The report is one dict (written as JSON by `--json`); the table and the plots are all drawn from
-it, so they always agree.
+The report is one dict (written as JSON by `--json`); the table and the plot are both drawn from
+it, so the three always agree.
 """
 
 from __future__ import annotations
@@ -165,19 +165,34 @@ def require_matplotlib():
     return matplotlib
 
 
-def write_plot(report: dict, path: str | Path) -> None:
-    """Two panels: output tokens/s per engine (bars: median; whiskers: fastest and slowest
-    repeat; labels: speedup and fraction of roofline), and the latencies (TTFT and TPOT medians,
-    or for the prefix workload TTFT cold against cached)."""
+def plot_report(report: dict) -> Figure:
+    """Draw a report: the picture `--plot` saves, and the one the notebooks show.
+
+    Two panels. Left, output tokens/s per engine (bars: the median; whiskers: the fastest and
+    slowest repeat; labels: speedup over the baseline and fraction of roofline). Right, the
+    latencies: TTFT and TPOT medians, or for the prefix workload TTFT cold against cached.
+
+    The figure is made without pyplot (no window, nothing left open in pyplot's list of
+    figures); in a Jupyter notebook, a cell whose last expression is the figure shows it.
+
+    Args:
+        report: A report from `run_bench`, or one read back from the JSON file of `--json`.
+
+    Returns:
+        The `matplotlib.figure.Figure`, with two axes: throughput, then latency.
+
+    Raises:
+        ValueError: If matplotlib is not installed.
+    """
     matplotlib = require_matplotlib()
-    matplotlib.use("Agg")  # files only, no window
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
+    from matplotlib.figure import Figure
 
     engines, w, m = report["engines"], report["workload"], report["machine"]
     labels = [e["label"].replace(" (", "\n(") for e in engines]
     x = np.arange(len(engines))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(5 + 1.6 * len(engines), 4.8))
+    fig = Figure(figsize=(5 + 1.6 * len(engines), 4.8), layout="tight")
+    ax1, ax2 = fig.subplots(1, 2)
 
     tps = [e["output_tok_per_s"] for e in engines]
     lo = [min(r["output_tok_per_s"] for r in e["runs"]) for e in engines]
@@ -220,71 +235,11 @@ def write_plot(report: dict, path: str | Path) -> None:
     device = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
     fig.suptitle(f"tinyvllm bench {w['name']}: {report['model']['name']}, {_count(w['num_requests'], 'request')}, "
                  f"{w['output_tokens']} output tokens\n{device}, torch {m['torch']}", fontsize=10)
-    fig.tight_layout()
+    return fig
+
+
+def write_plot(report: dict, path: str | Path) -> None:
+    """Save `plot_report`'s picture of a report as an image file (`--plot PATH`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_comparison(report: dict, latency: str = "tpot_s") -> Figure:
-    """Draw a report as two panels side by side, one row per engine: a compact view for notebooks.
-
-    Left, output tokens/s per engine (the median of its runs), each bar labelled with its speedup
-    over the report's baseline. Right, one latency per engine in milliseconds (the median over
-    the requests), each bar labelled with its value. The panels share the engine axis: the engine
-    names on the left name the rows of both. `write_plot` draws the fuller picture that
-    `tinyvllm bench --plot` saves.
-
-    The figure is made without pyplot, so nothing is left open in pyplot's list of figures; in a
-    Jupyter notebook (once pyplot is in use there), a cell whose last expression is the figure
-    shows it.
-
-    Args:
-        report: A report from `run_bench`, or one read back from the JSON file of `--json`.
-        latency: The latency on the right: `"tpot_s"` (time per output token) or `"ttft_s"`
-            (time to first token).
-
-    Returns:
-        The `matplotlib.figure.Figure`, with two axes: throughput, then latency.
-
-    Raises:
-        ValueError: If `latency` is neither of the two, or matplotlib is not installed.
-    """
-    latency_names = {"tpot_s": "time per output token", "ttft_s": "time to first token"}
-    if latency not in latency_names:
-        raise ValueError(f"latency must be one of {sorted(latency_names)}, not {latency!r}")
-    require_matplotlib()
-    from matplotlib.figure import Figure
-
-    engines, w = report["engines"], report["workload"]
-    speedup = report["ratios"]["output_tok_per_s"]
-    rows = np.arange(len(engines))
-    fig = Figure(figsize=(12, 1.3 + 0.6 * len(engines)), layout="constrained")
-    ax1, ax2 = fig.subplots(1, 2, sharey=True)
-
-    tok_s = [e["output_tok_per_s"] for e in engines]
-    ax1.barh(rows, tok_s, color="tab:purple")
-    for i, e in enumerate(engines):
-        ax1.annotate(f"{speedup[e['name']]:.2f}x", (tok_s[i], i), xytext=(4, 0),
-                     textcoords="offset points", va="center")
-    ax1.set_yticks(rows, [e["label"] for e in engines])
-    ax1.invert_yaxis()  # once: the axis is shared, so both panels list the engines top down
-    ax1.set_xlabel("output tokens / s (median of the runs)")
-    ax1.set_title(f"throughput; speedup over {report['ratios']['baseline']}", fontsize=10)
-    ax1.margins(x=0.2)  # room for the labels
-
-    medians = [e[latency]["median"] for e in engines]
-    ms = [np.nan if v is None else 1e3 * v for v in medians]
-    ax2.barh(rows, ms, color="tab:gray")
-    for i, v in enumerate(ms):
-        ax2.annotate("-" if np.isnan(v) else f"{v:,.1f} ms", (0 if np.isnan(v) else v, i),
-                     xytext=(4, 0), textcoords="offset points", va="center")
-    ax2.set_xlabel("milliseconds (median)")
-    ax2.set_title(f"latency: {latency_names[latency]}", fontsize=10)
-    ax2.margins(x=0.3)  # room for the labels
-    ax2.tick_params(axis="y", length=0)  # no ticks: its rows are the ones named on the left
-
-    fig.suptitle(f"tinyvllm bench {w['name']}: {_count(w['num_requests'], 'request')}, "
-                 f"{w['output_tokens']} output tokens", fontsize=10)
-    return fig
+    plot_report(report).savefig(path, dpi=110)
