@@ -21,16 +21,49 @@ def test_logits_equal_transformers(model_fixture, request):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_small_batch_path_equals_f_linear(rows, bias):
-    """The model's Linear takes (W @ x^T)^T for 1..8 rows on a CPU (one row padded to two): the
-    same numbers as F.linear."""
+def test_linear_fast_paths_equal_f_linear(rows, bias):
+    """The model's Linear takes (W @ x^T)^T for 1-2 rows on a CPU (one row padded to two) and
+    oneDNN with a packed weight from 3 rows on: the same numbers as F.linear."""
     from tinyvllm.model import Linear
 
     torch.manual_seed(rows)
     layer = Linear(48, 80, bias=bias)
     x = torch.randn(rows, 48)
-    y = layer(x)
+    with torch.inference_mode():
+        y = layer(x)
     assert y.shape == (rows, 80) and y.is_contiguous()
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_linear_packed_weight_follows_the_weight():
+    """The packed copy is made again when the weight is changed in place (as loading does) or
+    replaced, so the product never uses stale numbers."""
+    from tinyvllm.model import Linear
+
+    if not Linear.use_onednn:
+        pytest.skip("no oneDNN on this machine: Linear uses F.linear, nothing is packed")
+    layer = Linear(48, 80, bias=False)
+    x = torch.randn(16, 48)
+    with torch.inference_mode():
+        layer(x)
+        first = layer.packed_weight()
+        assert layer.packed_weight() is first                 # packed once, then reused
+    with torch.no_grad():
+        layer.weight.mul_(2.0)                                # in place: the loader's copy_
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), x @ layer.weight.T)
+        assert layer.packed_weight() is not first
+    layer.weight = torch.nn.Parameter(torch.randn(80, 48))    # replaced
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), x @ layer.weight.T)
+
+
+def test_linear_keeps_autograd_working():
+    """With gradients on, Linear is plain F.linear, so the weight gets its gradient."""
+    from tinyvllm.model import Linear
+
+    layer = Linear(48, 80)
+    layer(torch.randn(16, 48)).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (80, 48)

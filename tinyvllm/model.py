@@ -14,6 +14,7 @@ Parameter names match Hugging Face's `LlamaForCausalLM`, so a checkpoint loads b
 from __future__ import annotations
 
 import math
+import platform
 from typing import Protocol
 
 import torch
@@ -102,35 +103,61 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 # Layers
 # ---------------------------------------------------------------------------------------------
 
+def onednn_available() -> bool:
+    """True where PyTorch can run oneDNN's packed matrix products: an x86 CPU build with oneDNN."""
+    return (platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` (same weight, same names), with a faster path for a few rows on a CPU.
+    """`nn.Linear` (same weight, same names), with faster paths on a CPU.
 
-    A decode step multiplies every weight matrix by a few rows, one per sequence. On a CPU the
-    speed of that product depends on its *shape* far more than on its arithmetic, because the
-    BLAS library (MKL, in PyTorch's x86 build) picks its kernel by shape. `F.linear(x, W)`
-    computes x @ W^T; for 2 to 8 rows the same product written the other way round,
-    (W @ x^T)^T, takes a kernel that streams W two to three times faster. One row alone goes to
-    a matrix-vector routine that is slower still, so it is padded with a row of zeros (whose
-    output is dropped) to take the fast kernel too. From 9 rows on (bigger decode batches,
-    prefills) `F.linear` is as fast or faster, and it is kept; so is every GPU.
+    On a CPU the speed of a matrix product depends on the library that runs it and on the
+    *shape*, far more than on its arithmetic. `F.linear` goes to MKL, which on this project's
+    AMD CPU runs AVX2 code although the CPU has AVX-512. So, on an x86 CPU in float32:
 
-    Measured on the project's 2-core CPU (AMD EPYC, torch 2.13.0+cpu), all 211 weight matrices
-    of the default model, `python -m tinyvllm.bench.linear --repeat 9` (best of 9): 1 row
-    46 -> 20 ms, 2 rows 75 -> 20 ms, 4 rows 64 -> 28 ms, 8 rows 57 -> 44 ms; from 12 rows on
-    the two are within 5%. The numbers equal F.linear's up to float rounding
+    - From 3 rows on (decode batches, prefills), the product runs in oneDNN (PyTorch's other
+      CPU math library, the one `torch.compile` uses for linear layers) with the weight
+      *pre-packed* once into oneDNN's blocked layout, the way vLLM's CPU backend does. The
+      packed copy is made at the first call and again whenever the weight changes; it costs
+      one more copy of the weights in memory.
+    - 1 or 2 rows take (W @ x^T)^T, which MKL runs with a kernel that streams W fastest;
+      one row alone is padded with a row of zeros (its output dropped) to take it too.
+
+    Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
+    it is plain `F.linear`.
+
+    Measured on the project's 2-core CPU (AMD EPYC with AVX-512, torch 2.13.0+cpu), all 211
+    weight matrices of the default model, `python -m tinyvllm.bench.linear --repeat 9` (best
+    of 9), F.linear -> Linear: ROWS_TABLE. The numbers equal F.linear's up to float rounding
     (tests/test_model.py).
     """
 
-    MAX_ROWS = 8  # up to here (W @ x^T)^T on a CPU; beyond, F.linear
+    MAX_SMALL_ROWS = 2  # up to here (W @ x^T)^T on a CPU; beyond, oneDNN
+    use_onednn = onednn_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] if x.dim() == 2 else 0
-        if x.device.type != "cpu" or not 0 < n <= self.MAX_ROWS:
+        if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32
+                or (self.weight.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, self.weight, self.bias)
-        if n == 1:
-            x = torch.cat([x, x.new_zeros(1, x.shape[1])])               # (2, in)
-        y = (self.weight @ x.T)[:, :n].T.contiguous()                    # (n, out)
-        return y if self.bias is None else y + self.bias
+        if n <= self.MAX_SMALL_ROWS:
+            if n == 1:
+                x = torch.cat([x, x.new_zeros(1, x.shape[1])])           # (2, in)
+            y = (self.weight @ x.T)[:, :n].T.contiguous()                # (n, out)
+            return y if self.bias is None else y + self.bias
+        if not self.use_onednn:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+
+    def packed_weight(self) -> torch.Tensor:
+        """The weight in oneDNN's layout, packed again if the weight was replaced or changed."""
+        w = self.weight
+        key = (w.data_ptr(), w.dtype, w._version if not w.is_inference() else None)
+        if getattr(self, "_packed_key", None) != key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
+            self._packed_key = key
+        return self._packed
 
 
 class RMSNorm(nn.Module):
