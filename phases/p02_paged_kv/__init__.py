@@ -3,7 +3,7 @@
 from .block_allocator import BlockAllocator, BlockTable
 from .engine import Engine
 from .kv_cache import KVCache
-from .paged_attention import AttentionMetadata, PagedAttention, decode_attention, paged_attention
+from .paged_attention import AttentionMetadata, PagedAttention, decode_attention, decode_gather, paged_attention
 
 __all__ = ["Engine", "BlockAllocator", "BlockTable", "KVCache", "AttentionMetadata", "PagedAttention",
-           "paged_attention", "decode_attention"]
+           "paged_attention", "decode_attention", "decode_gather"]

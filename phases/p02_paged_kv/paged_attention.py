@@ -43,6 +43,7 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor     # (Bd,) their query's index in the flat batch
     decode_block_tables: torch.Tensor  # (Bd, M)
     decode_seq_lens: torch.Tensor      # (Bd,)
+    _decode_inputs: tuple | None = None  # decode_inputs' result, made by the first layer
 
     @classmethod
     def build(cls, slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
@@ -61,14 +62,22 @@ class AttentionMetadata:
             decode_block_tables=tables[decode],
             decode_seq_lens=torch.tensor([seq_lens[b] for b in decode], device=device))
 
+    def decode_inputs(self, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_gather`'s block ids and mask for this step's decode rows: the same for every
+        layer, so made once, by the first layer, and reused by the others."""
+        if self._decode_inputs is None:
+            self._decode_inputs = decode_gather(self.decode_block_tables, self.decode_seq_lens,
+                                                block_size, dtype)
+        return self._decode_inputs
+
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor:
     """q: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d) -> (N, H, d)."""
-    if not meta.prefill_rows:  # only decodes (most steps): no gather and scatter of the rows
-        return decode_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens)
-    out = torch.empty_like(q)
     block_size = k_cache.shape[1]
+    if not meta.prefill_rows:  # only decodes (most steps): no gather and scatter of the rows
+        return decode_attention(q, k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype))
+    out = torch.empty_like(q)
     starts, lens = meta.query_start_loc, meta.seq_lens
     for b in meta.prefill_rows:  # long queries: one sequence at a time
         blocks = meta.block_tables[b, : -(-lens[b] // block_size)]
@@ -78,32 +87,43 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         out[starts[b]: starts[b + 1]] = causal_attention(qb, k, v, num_past=lens[b] - len(qb))
     if len(meta.decode_token_idx):
         idx = meta.decode_token_idx
-        out[idx] = decode_attention(q[idx], k_cache, v_cache, meta.decode_block_tables,
-                                    meta.decode_seq_lens)
+        out[idx] = decode_attention(q[idx], k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype))
     return out
 
 
+def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `decode_attention` needs to gather B sequences into one padded batch of T slots, T
+    the longest sequence's blocks times block_size. block_tables: (B, M); seq_lens: (B,) ->
+
+        block_ids (B * T / block_size,)  each sequence's blocks, one sequence after another
+        mask      (B, 1, 1, T)           added to the scores: 0 on a sequence's tokens, -inf on
+                                         the slots past its length (rest of its last block, padding)
+    """
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    block_ids = block_tables[:, :max_blocks].flatten()
+    past_end = torch.arange(max_blocks * block_size, device=seq_lens.device)[None, :] >= seq_lens[:, None]
+    mask = torch.zeros(past_end.shape, dtype=dtype, device=seq_lens.device).masked_fill_(past_end, float("-inf"))
+    return block_ids, mask[:, None, None, :]
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    """One query per sequence. q: (B, H, d); block_tables: (B, M); seq_lens: (B,) -> (B, H, d).
+                     block_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One query per sequence. q: (B, H, d); block_ids, mask: from `decode_gather` -> (B, H, d).
 
     Gather each sequence's blocks into a padded (B, T) batch, mask the padding, and let PyTorch's
     fused attention (`scaled_dot_product_attention`, grouped-query aware) do the math: the same
     softmax(q k^T / sqrt(d)) v as phase 1, without materializing the repeated K/V heads.
     """
-    b, block_size = len(q), k_cache.shape[1]
-    max_blocks = -(-int(seq_lens.max()) // block_size)
-    ids = block_tables[:, :max_blocks].flatten()
+    b, t = mask.shape[0], mask.shape[-1]
     # gather each sequence's blocks, one after another (index_select: a plain copy of whole
     # blocks, several times faster on a CPU than k_cache[table] advanced indexing)
-    k = k_cache.index_select(0, ids).view(b, max_blocks * block_size, *k_cache.shape[2:])
-    v = v_cache.index_select(0, ids).view(b, max_blocks * block_size, *v_cache.shape[2:])
-    k, v = k.transpose(1, 2), v.transpose(1, 2)                       # (B, KVH, T, d)
-    # the slots past a sequence's length (the rest of its last block, padding blocks) are masked;
-    # they hold finite values, zeros or an earlier request's K/V (see KVCache), so 0 * v stays 0
-    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]  # (B, T)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=valid[:, None, None, :],
-                                         enable_gqa=True)             # (B, H, 1, d)
+    k = k_cache.index_select(0, block_ids).view(b, t, *k_cache.shape[2:]).transpose(1, 2)  # (B, KVH, T, d)
+    v = v_cache.index_select(0, block_ids).view(b, t, *v_cache.shape[2:]).transpose(1, 2)
+    # the masked slots hold finite values, zeros or an earlier request's K/V (see KVCache), so
+    # their weight is exactly 0 after the softmax. An additive float mask made once per step:
+    # SDPA would turn a boolean one into this at every layer.
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask, enable_gqa=True)  # (B, H, 1, d)
     return out[:, :, 0]
 
 
