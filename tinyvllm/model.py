@@ -113,11 +113,12 @@ class Linear(nn.Linear):
     """`nn.Linear` (same weight, same names), with faster paths on a CPU.
 
     On a CPU the speed of a matrix product depends on the library that runs it and on the
-    *shape*, far more than on its arithmetic. `F.linear` goes to MKL, which on this project's
-    AMD CPU runs AVX2 code although the CPU has AVX-512. So, on an x86 CPU in float32:
+    *shape*, far more than on its arithmetic. `F.linear` goes to MKL, a library tuned for
+    Intel CPUs; on this project's AMD CPU, oneDNN (PyTorch's other CPU math library, which
+    reports using the CPU's AVX-512 units: run with ONEDNN_VERBOSE=1) is faster at every
+    batch size from 3 rows on. So, on an x86 CPU in float32:
 
-    - From 3 rows on (decode batches, prefills), the product runs in oneDNN (PyTorch's other
-      CPU math library, the one `torch.compile` uses for linear layers) with the weight
+    - From 3 rows on (decode batches, prefills), the product runs in oneDNN with the weight
       *pre-packed* once into oneDNN's blocked layout, the way vLLM's CPU backend does. The
       packed copy is made at the first call and again whenever the weight changes; it costs
       one more copy of the weights in memory.
