@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own setup (scripts/setup.sh), reused after.
-.PHONY: setup demo test
+.PHONY: setup demo test test-fast
 
 PY := .venv/bin/python
 
@@ -13,3 +13,7 @@ demo: setup
 ## test: the whole suite: the shared tests in tests/ and every phase's checkpoint in phases/
 test: setup
 	@$(PY) -m pytest
+
+## test-fast: the inner loop: no default-model runs, speed checkpoints, notebooks or docs build
+test-fast: setup
+	@$(PY) -m pytest -m "not slow and not throughput and not notebooks and not docs and not server"

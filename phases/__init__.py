@@ -14,6 +14,14 @@ PHASES: dict[int, str] = {
 }
 
 
+def first_phase_with(engine_arg: str) -> int | None:
+    """The first registered phase whose engine acts on `engine_arg` (None: no phase does)."""
+    for phase in sorted(PHASES):
+        if engine_arg in get_engine_class(phase).ENGINE_ARGS:
+            return phase
+    return None
+
+
 def latest_phase() -> int:
     return max(PHASES)
 

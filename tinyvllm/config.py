@@ -6,8 +6,10 @@ checkpoints write them (`rope_theta` + `rope_scaling`) and the way transformers 
 (`rope_parameters`).
 
 `EngineConfig` holds every engine argument any phase understands, with vLLM's names and
-defaults, and validates each one with an error that names it. A phase simply ignores the knobs
-for features it does not have yet.
+defaults, and validates each one with an error that names it. Each phase declares the arguments
+it acts on (`Engine.ENGINE_ARGS`); a value that asks a phase for a feature it does not have yet
+(`quantization="int4"` on phase 3) is an error naming the argument and the first phase that has
+it, never silently ignored (`unsupported_engine_args`).
 """
 
 from __future__ import annotations
@@ -129,6 +131,10 @@ class ModelConfig:
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+QUANTIZATIONS = (None, "int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 
 
 @dataclass(slots=True)
@@ -154,11 +160,17 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    # later phases
-    enforce_eager: bool = False
+    # phase 4: attention kernels ("auto": Triton on CUDA, the fused CPU path on a CPU)
+    attention_backend: str = "auto"
+    # phase 5: quantization
     quantization: str | None = None
+    quantization_group_size: int = 128
     kv_cache_dtype: str = "auto"
+    # phase 6: speculative decoding
     speculative_config: dict | None = None
+    # phase 7: CUDA graphs (None: 1, 2, 4, 8, then every 8 up to max_num_seqs)
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: list[int] | None = None
     # front door
     disable_log_stats: bool = True
 
@@ -181,6 +193,24 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("quantization_group_size", self.quantization_group_size, QUANTIZATION_GROUP_SIZES)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
+            raise TypeError(f"speculative_config must be a dict or None, got {self.speculative_config!r}")
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None:
+            if not isinstance(sizes, (list, tuple)) or not sizes:
+                raise ValueError(f"cudagraph_capture_sizes must be a non-empty list of ints, got {sizes!r}")
+            for s in sizes:
+                _check_int("cudagraph_capture_sizes", s, 1)
+            if list(sizes) != sorted(set(sizes)):
+                raise ValueError(f"cudagraph_capture_sizes must be strictly increasing, got {list(sizes)}")
+            if sizes[-1] > self.max_num_seqs:
+                raise ValueError(f"cudagraph_capture_sizes: {sizes[-1]} is above max_num_seqs "
+                                 f"({self.max_num_seqs})")
+            self.cudagraph_capture_sizes = list(sizes)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -190,6 +220,31 @@ class EngineConfig:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)} "
                             f"(known: {', '.join(sorted(known))})")
         return cls(**kwargs)
+
+
+# Values that ask nothing of a phase that lacks the feature, beside each argument's default:
+# an always-eager engine is eager, a phase without prefix caching or chunks does without them,
+# and phases 1-3 attend in PyTorch.
+NEUTRAL_ENGINE_ARG_VALUES: dict[str, tuple] = {
+    "enforce_eager": (True,),
+    "enable_prefix_caching": (False,),
+    "enable_chunked_prefill": (False,),
+    "attention_backend": ("torch",),
+}
+
+
+def unsupported_engine_args(engine_args: dict[str, Any], honoured: frozenset[str]) -> list[str]:
+    """The names in `engine_args` that an engine acting only on `honoured` would ignore: set to a
+    value other than the default or a neutral one (`NEUTRAL_ENGINE_ARG_VALUES`)."""
+    defaults = {f.name: f.default for f in fields(EngineConfig)}
+    return [name for name, value in engine_args.items()
+            if name in defaults and name not in honoured and value != defaults[name]
+            and value not in NEUTRAL_ENGINE_ARG_VALUES.get(name, ())]
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
 
 
 def _check_int(name: str, value: Any, low: int, optional: bool = False) -> None:

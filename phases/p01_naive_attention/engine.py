@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.config import EngineConfig, ModelConfig, unsupported_engine_args
 from tinyvllm.download import resolve_model
 from tinyvllm.inputs import PromptType, parse_prompt
 from tinyvllm.outputs import RequestOutput
@@ -36,9 +36,13 @@ class Engine:
     """The phase 1 engine: full recompute, one request at a time."""
 
     phase = 1
+    # The engine arguments this phase acts on. Each later phase adds the ones of its features;
+    # any other argument set to a value that asks for something is refused (check_engine_args).
+    ENGINE_ARGS = frozenset({"dtype", "device", "seed", "max_model_len", "disable_log_stats"})
 
     def __init__(self, model: str | Path | None = None, **engine_args):
         self.config = EngineConfig.from_kwargs(**engine_args)
+        self.check_engine_args(engine_args)
         self.model_path = resolve_model(model)
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
@@ -52,6 +56,19 @@ class Engine:
         self.rng = torch.Generator().manual_seed(self.config.seed)  # seeds for unseeded requests
         self.groups: dict[str, SequenceGroup] = {}                 # unfinished requests by id
         self.queue: deque[Sequence] = deque()                      # phase 1: one at a time, FIFO
+
+    @classmethod
+    def check_engine_args(cls, engine_args: dict) -> None:
+        """Refuse an argument this phase would ignore (`quantization="int4"` on phase 3): the
+        user asked for a feature, and silently getting something else would mislead them."""
+        import phases  # the registry: which phase has the feature
+
+        for name in unsupported_engine_args(engine_args, cls.ENGINE_ARGS):
+            first = phases.first_phase_with(name)
+            where = (f"phase {first} is the first that has it: LLM(phase={first}) or later"
+                     if first else "no registered phase has it yet")
+            raise ValueError(f"{name}={engine_args[name]!r}: phase {cls.phase} does not have this "
+                             f"feature ({where}); or leave {name} at its default")
 
     # -- requests in ---------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,

@@ -34,6 +34,8 @@ class Engine(Phase1Engine):
     """The phase 2 engine: KV cache in blocks, static batches."""
 
     phase = 2
+    ENGINE_ARGS = Phase1Engine.ENGINE_ARGS | {"block_size", "num_kv_blocks", "kv_cache_memory",
+                                             "gpu_memory_utilization", "max_num_seqs"}
 
     def __init__(self, model=None, **engine_args):
         super().__init__(model, **engine_args)

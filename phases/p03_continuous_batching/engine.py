@@ -32,6 +32,8 @@ class Engine(Phase2Engine):
     """The phase 3 engine: a scheduler that remakes the batch every step."""
 
     phase = 3
+    ENGINE_ARGS = Phase2Engine.ENGINE_ARGS | {"max_num_batched_tokens", "enable_chunked_prefill",
+                                             "enable_prefix_caching"}
 
     def __init__(self, model=None, **engine_args):
         super().__init__(model, **engine_args)

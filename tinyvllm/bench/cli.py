@@ -39,10 +39,14 @@ ENGINE_ARG_HELP = {
     "max_num_batched_tokens": "most tokens one step may run (phase 3 on)",
     "enable_chunked_prefill": "turn off chunked prefill (phase 3 on)",
     "enable_prefix_caching": "turn off prefix caching (phase 3 on)",
-    "enforce_eager": "no CUDA graphs (phase 7)",
-    "quantization": "weight quantization, e.g. int8 (phase 5 on)",
-    "kv_cache_dtype": "KV-cache dtype, e.g. int8 (phase 5 on)",
-    "speculative_config": "speculative decoding, as JSON (phase 6 on)",
+    "attention_backend": "auto (default), triton or torch (phase 4 on)",
+    "quantization": "weight quantization: int8 or int4 (phase 5 on)",
+    "quantization_group_size": "input columns per int4 scale: 32, 64 or 128 (default; phase 5 on)",
+    "kv_cache_dtype": "KV-cache dtype: auto (default), int8 or fp8 (phase 5 on)",
+    "speculative_config": "speculative decoding, as JSON, e.g. "
+                          "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (phase 6 on)",
+    "enforce_eager": "no CUDA graphs or compiled steps (phase 7)",
+    "cudagraph_capture_sizes": "batch-size buckets of the captured decode step, e.g. 1 2 4 8 (phase 7)",
 }
 
 
@@ -67,13 +71,15 @@ def _field_type(annotation: str):
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """A flag per EngineConfig field. Unset flags stay out of the namespace (argparse.SUPPRESS),
     so the engine's own defaults apply."""
-    g = parser.add_argument_group("engine arguments (passed to every phase's engine)")
+    g = parser.add_argument_group("engine arguments (passed to every phase that acts on them)")
     for f in fields(EngineConfig):
         if f.name in _SKIPPED_ENGINE_ARGS:
             continue
         default = f.default if f.default is not MISSING else None
         flag, kwargs = _engine_flag(f.name, default)
-        if "action" not in kwargs:
+        if "action" not in kwargs and "list" in str(f.type):
+            kwargs.update(type=int, nargs="+", metavar="N")
+        elif "action" not in kwargs:
             kwargs.update(type=_field_type(f.type), metavar=f.name.upper())
         help_text = ENGINE_ARG_HELP.get(f.name, f"engine argument {f.name}")
         g.add_argument(flag, dest=f.name, default=argparse.SUPPRESS, help=help_text, **kwargs)

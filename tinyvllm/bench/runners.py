@@ -74,11 +74,18 @@ class EngineRunner:
     kind = "tinyvllm"
 
     def __init__(self, phase: int, model: str | None, engine_args: dict):
+        import phases
+
+        from tinyvllm.config import unsupported_engine_args
         from tinyvllm.llm import LLM
 
         self.phase = phase
-        self.engine_args = dict(engine_args)
-        self.engine = LLM(model, phase=phase, **engine_args).llm_engine
+        # A ladder of phases shares one command line: each phase gets the arguments it acts on
+        # (--quantization int8 reaches phases 5 on); the others are listed in the report.
+        honoured = phases.get_engine_class(phase).ENGINE_ARGS
+        self.skipped_engine_args = unsupported_engine_args(engine_args, honoured)
+        self.engine_args = {k: v for k, v in engine_args.items() if k not in self.skipped_engine_args}
+        self.engine = LLM(model, phase=phase, **self.engine_args).llm_engine
         self.name = f"phase{phase}"
         self._ids = itertools.count()
 
@@ -111,6 +118,7 @@ class EngineRunner:
     def describe(self) -> dict:
         e = self.engine
         return dict(kind=self.kind, phase=self.phase, label=self.label, engine_args=self.engine_args,
+                    skipped_engine_args=self.skipped_engine_args,
                     dtype=str(e.dtype).removeprefix("torch."), device=str(e.device),
                     max_model_len=e.max_model_len, max_num_seqs=e.config.max_num_seqs)
 
