@@ -1,5 +1,11 @@
-"""Phase 4: Triton kernels for paged attention and the KV-cache write."""
+"""Phase 4: Triton kernels for paged attention and the KV-cache write; on a CPU, fused attention.
 
-from .engine import Engine
+The kernels live in `triton_attention` (imported on use: importing it imports Triton, and whether
+Triton interprets or compiles is decided then); the CPU path in `cpu_attention`.
+"""
 
-__all__ = ["Engine"]
+from .cpu_attention import CpuPagedAttention, cpu_paged_attention, prefill_attention
+from .engine import Engine, TritonPagedAttention, resolve_attention_backend
+
+__all__ = ["Engine", "CpuPagedAttention", "cpu_paged_attention", "prefill_attention",
+           "TritonPagedAttention", "resolve_attention_backend"]
