@@ -272,6 +272,13 @@ def choose_num_kv_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, m
     return 1 if splits < 2 else 2 ** int(math.log2(splits))
 
 
+def num_sms(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors (INTERPRETER_NUM_SMS on a CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_NUM_SMS
+
+
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, max_seq_len: int, scale: float | None = None,
@@ -296,9 +303,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_q = block_m // group
     num_seqs = seq_lens.shape[0]
     if num_kv_splits is None:
-        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                   if q.device.type == "cuda" else INTERPRETER_NUM_SMS)
-        num_kv_splits = choose_num_kv_splits(max_query_len, num_seqs, kvh, max_seq_len, block_size, num_sms)
+        num_kv_splits = choose_num_kv_splits(max_query_len, num_seqs, kvh, max_seq_len, block_size,
+                                             num_sms(q.device))
     head_p2 = triton.next_power_of_2(d)
     if num_kv_splits > 1:
         part_out = torch.empty(n, h, num_kv_splits, head_p2, dtype=torch.float32, device=q.device)
