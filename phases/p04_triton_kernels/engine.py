@@ -35,6 +35,9 @@ def resolve_attention_backend(attention_backend: str, device: torch.device, bloc
         if device.type != "cuda":
             return "cpu"
         attention_backend = "triton"
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16 with attention_backend='triton' "
+                         f"(one block is one tile of the kernel), got {block_size}")
     from . import triton_attention  # imports Triton: only when it may be used
 
     if device.type != "cuda" and not triton_attention.interpreter_active():
@@ -42,9 +45,6 @@ def resolve_attention_backend(attention_backend: str, device: torch.device, bloc
             "attention_backend='triton' on a CPU needs Triton's interpreter: set the environment "
             "variable TRITON_INTERPRET=1 before Triton is imported (before Python starts), or use "
             "attention_backend='auto' (the fused CPU path) or 'torch'")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16 with attention_backend='triton' "
-                         f"(one block is one tile of the kernel), got {block_size}")
     return "triton"
 
 
