@@ -7,5 +7,11 @@ Triton interprets or compiles is decided then); the CPU path in `cpu_attention`.
 from .cpu_attention import CpuPagedAttention, cpu_paged_attention, prefill_attention
 from .engine import Engine, TritonPagedAttention, resolve_attention_backend
 
-__all__ = ["Engine", "CpuPagedAttention", "cpu_paged_attention", "prefill_attention",
-           "TritonPagedAttention", "resolve_attention_backend"]
+__all__ = [
+           "CpuPagedAttention",
+           "Engine",
+           "TritonPagedAttention",
+           "cpu_paged_attention",
+           "prefill_attention",
+           "resolve_attention_backend",
+]

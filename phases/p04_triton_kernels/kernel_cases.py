@@ -82,7 +82,12 @@ def make_batch(batch: list, bs: int, kvh: int, d: int, dtype: torch.dtype, devic
 def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     """Run one attention case: write the step's K/V with `reshape_and_cache`, attend with
     `unified_attention`, compare with phase 2's `paged_attention` in float32."""
-    from .triton_attention import choose_num_kv_splits, num_sms, reshape_and_cache, unified_attention
+    from .triton_attention import (
+        choose_num_kv_splits,
+        num_sms,
+        reshape_and_cache,
+        unified_attention,
+    )
 
     c = CASES[name]
     dtype = dtype or c["dtype"]

@@ -14,8 +14,17 @@ import pytest
 import torch
 
 from phases.p02_paged_kv import paged_attention
-from phases.p04_triton_kernels import CpuPagedAttention, TritonPagedAttention, cpu_paged_attention
-from phases.p04_triton_kernels.kernel_cases import DECODES, MIXED, engine_tokens, make_batch
+from phases.p04_triton_kernels import (
+    CpuPagedAttention,
+    TritonPagedAttention,
+    cpu_paged_attention,
+)
+from phases.p04_triton_kernels.kernel_cases import (
+    DECODES,
+    MIXED,
+    engine_tokens,
+    make_batch,
+)
 from tinyvllm import LLM, SamplingParams
 
 

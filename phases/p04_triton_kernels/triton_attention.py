@@ -293,7 +293,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """
     q = _last_dim_contiguous(q)
     n, h, d = q.shape
-    num_blocks, block_size, kvh, _ = k_cache.shape
+    _, block_size, kvh, _ = k_cache.shape
     if n == 0:
         return out
     group = h // kvh

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+from functools import partial
 
 import torch
 
@@ -87,26 +87,12 @@ def _kernels(device: torch.device) -> tuple[dict, str | None]:
     return makers, None
 
 
-def _best_seconds(fn, device: torch.device, repeat: int) -> float:
-    fn()  # warm-up (and, for Triton, compilation)
-    best = float("inf")
-    for _ in range(repeat):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 @torch.inference_mode()
 def run_kernels(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                 block_size: int = 16, batch_sizes=DEFAULT_BATCH_SIZES, context_lens=DEFAULT_CONTEXT_LENS,
                 prefill_len: int = DEFAULT_PREFILL_LEN, repeat: int = 5, limits=None) -> dict:
     """Time every kernel on every case; returns the report (rows, limits, machine)."""
-    from .machine import machine_info, measure_limits
+    from .machine import _best_time, machine_info, measure_limits
 
     limits = limits or measure_limits(device, dtype)
     fns, triton_skip = _kernels(device)
@@ -120,8 +106,7 @@ def run_kernels(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, de
         nbytes = (2 * batch * context * kv_heads * head_dim + 2 * q.numel()) * elem
         base = None
         for name, make in fns.items():
-            fn = make(meta)
-            s = _best_seconds(lambda: fn(q, k, v, kc, vc), device, repeat)
+            s = _best_time(partial(make(meta), q, k, v, kc, vc), device, repeat)
             base = base or s
             rows.append(dict(case=kind, batch=batch, context=context, query_len=qlen, kernel=name,
                              seconds=s, bytes=nbytes, bytes_per_s=nbytes / s,
@@ -140,10 +125,10 @@ def run_kernels(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, de
 
 def format_kernels_table(report: dict) -> str:
     m, lim, s = report["machine"], report["limits"], report["shape"]
-    lines = [f"attention kernels, one layer: {s['heads']} query heads, {s['kv_heads']} KV heads, head_dim "
-             f"{s['head_dim']}, block_size {s['block_size']}, {s['dtype']}; best of {report['repeat']}",
-             f"machine: {m['cpu']} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
-             f"measured copy bandwidth {lim['memory_bandwidth'] / 1e9:.1f} GB/s", ""]
+    lines = [(f"attention kernels, one layer: {s['heads']} query heads, {s['kv_heads']} KV heads, head_dim "
+              f"{s['head_dim']}, block_size {s['block_size']}, {s['dtype']}; best of {report['repeat']}"),
+             (f"machine: {m['cpu']} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
+              f"measured copy bandwidth {lim['memory_bandwidth'] / 1e9:.1f} GB/s"), ""]
     head = ["case", "seqs", "context", "kernel", "ms", "GB/s", "of copy", "vs phase3"]
     table = [head]
     for r in report["rows"]:
