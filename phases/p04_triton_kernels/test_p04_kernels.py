@@ -78,3 +78,14 @@ def test_cache_write_compiled_on_gpu(case, dtype):
 
     result = run_cache_case(case, "cuda", dtype)
     assert result["max_err"] <= result["tol"], result
+
+
+@pytest.mark.gpu
+def test_engine_compiled_on_gpu_gives_phase3_tokens(tiny_model_dir):
+    from phases.p04_triton_kernels.kernel_cases import engine_tokens
+
+    ours = engine_tokens(str(tiny_model_dir), 4, device="cuda", dtype="float32")
+    ref = engine_tokens(str(tiny_model_dir), 3, device="cuda", dtype="float32")
+    assert ours["backend"] == "triton"
+    assert ours["greedy"] == ref["greedy"]
+    assert ours["sampled"] == ref["sampled"]

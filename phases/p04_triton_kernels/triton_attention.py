@@ -129,13 +129,17 @@ def _load_kv_block(k_cache_ptr, v_cache_ptr, block, kv_head, k_pos, seq_len, hea
 @triton.jit
 def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos,
                   seq_len, qk_scale, head_dim, stride_cb, stride_ct, stride_ch,
-                  BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, CAUSAL_MASK: tl.constexpr):
+                  BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                  IEEE_DOT: tl.constexpr):
     """Fold block j of the sequence into the running (acc, m_i, l_i): one online-softmax step."""
     block = tl.load(block_table_ptr + j).to(tl.int64)             # through the block table
     k_pos = j * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)              # (BLOCK_SIZE,) key positions
     k, v = _load_kv_block(k_cache_ptr, v_cache_ptr, block, kv_head, k_pos, seq_len, head_dim,
                           stride_cb, stride_ct, stride_ch, BLOCK_SIZE, HEAD_P2)
-    s = tl.dot(q, tl.trans(k)) * qk_scale                          # (BLOCK_M, BLOCK_SIZE), log2 units
+    if IEEE_DOT:  # float32: true float32 products (a GPU's tl.dot would round them to TF32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k)) * qk_scale                      # (BLOCK_M, BLOCK_SIZE), log2 units
     if CAUSAL_MASK:  # only the blocks that cross the diagonal (or hold the end of the sequence)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
         s = tl.where(visible, s, float("-inf"))
@@ -145,7 +149,10 @@ def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, block_table_ptr
     p = tl.exp2(s - m_safe[:, None])                               # (BLOCK_M, BLOCK_SIZE)
     alpha = tl.exp2(m_i - m_safe)                                  # rescales what came before
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    if IEEE_DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
 
 
@@ -156,7 +163,8 @@ def _unified_attention_kernel(
         qk_scale, num_seqs, num_query_heads, head_dim,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        IEEE_DOT: tl.constexpr):
     tile_idx = tl.program_id(0)   # a query tile, numbered across the whole flat batch
     kv_head = tl.program_id(1)
     split = tl.program_id(2)      # the KV segment (always 0 without split-KV)
@@ -200,11 +208,11 @@ def _unified_attention_kernel(
     for j in range(lo, tl.minimum(hi, num_full)):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, block_table_ptr,
                                       kv_head, q_pos, seq_len, qk_scale, head_dim, stride_cb,
-                                      stride_ct, stride_ch, BLOCK_SIZE, HEAD_P2, False)
+                                      stride_ct, stride_ch, BLOCK_SIZE, HEAD_P2, False, IEEE_DOT)
     for j in range(tl.maximum(lo, num_full), hi):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, block_table_ptr,
                                       kv_head, q_pos, seq_len, qk_scale, head_dim, stride_cb,
-                                      stride_ct, stride_ch, BLOCK_SIZE, HEAD_P2, True)
+                                      stride_ct, stride_ch, BLOCK_SIZE, HEAD_P2, True, IEEE_DOT)
 
     store_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
@@ -318,7 +326,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         num_seqs, h, d, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_P2=head_p2,
-        NUM_SPLITS=num_kv_splits)
+        NUM_SPLITS=num_kv_splits, IEEE_DOT=q.dtype == torch.float32)
     if num_kv_splits > 1:
         merge_attn_states(out, part_out, part_lse)
     return out
