@@ -22,6 +22,8 @@ import torch
 
 from phases.p02_paged_kv import AttentionMetadata, KVCache, PagedAttention
 from phases.p03_continuous_batching import Engine as Phase3Engine
+from tinyvllm.config import EngineConfig
+from tinyvllm.weights import resolve_device
 
 from .cpu_attention import CpuPagedAttention
 
@@ -36,8 +38,8 @@ def resolve_attention_backend(attention_backend: str, device: torch.device, bloc
             return "cpu"
         attention_backend = "triton"
     if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16 with attention_backend='triton' "
-                         f"(one block is one tile of the kernel), got {block_size}")
+        raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels (one block is "
+                         f"one tile; attention_backend='triton', or 'auto' on a GPU), got {block_size}")
     from . import triton_attention  # imports Triton: only when it may be used
 
     if device.type != "cuda" and not triton_attention.interpreter_active():
@@ -77,10 +79,12 @@ class Engine(Phase3Engine):
     ENGINE_ARGS = Phase3Engine.ENGINE_ARGS | {"attention_backend"}
 
     def __init__(self, model=None, **engine_args):
+        # "triton", "cpu" or "torch": what attention_backend means on this device; decided before
+        # the model loads, so a backend that cannot run fails at once
+        config = EngineConfig.from_kwargs(**engine_args)
+        self.attention_backend = resolve_attention_backend(config.attention_backend,
+                                                           resolve_device(config.device), config.block_size)
         super().__init__(model, **engine_args)
-        # "triton", "cpu" or "torch": what attention_backend means on this device
-        self.attention_backend = resolve_attention_backend(self.config.attention_backend, self.device,
-                                                           self.block_size)
 
     def make_attention(self, meta: AttentionMetadata) -> PagedAttention:
         if self.attention_backend == "triton":
