@@ -99,3 +99,18 @@ def test_cpu_engine_equals_phase3_with_chunks_and_prefix_hits(model_fixture, req
     assert ours["backend"] == "cpu"
     assert ours["greedy"] == ref["greedy"]
     assert ours["sampled"] == ref["sampled"]
+
+
+def test_split_kv_rule():
+    from phases.p04_triton_kernels.triton_attention import MAX_KV_SPLITS, choose_num_kv_splits
+
+    # (max_query_len, seqs, KV heads, longest context, block_size, SMs)
+    assert choose_num_kv_splits(7, 1, 2, 4096, 16, 132) == 1          # a prefill in the batch: no split
+    assert choose_num_kv_splits(1, 64, 3, 4096, 16, 132) == 1         # 192 programs fill 132 SMs
+    assert choose_num_kv_splits(1, 1, 3, 48, 16, 132) == 1            # 3 blocks: too short to cut
+    assert choose_num_kv_splits(1, 1, 3, 4096, 16, 132) == MAX_KV_SPLITS  # 3 programs, 256 blocks
+    assert choose_num_kv_splits(1, 8, 3, 4096, 16, 132) == 8          # 24 programs: ~11 per -> 8
+    assert choose_num_kv_splits(1, 1, 1, 16 * 4 * 5, 16, 132) == 4    # 20 blocks, >= 4 each: 5 -> 4
+    for seqs in range(1, 40):
+        n = choose_num_kv_splits(1, seqs, 2, 2000, 16, 108)
+        assert n & (n - 1) == 0 and 1 <= n <= MAX_KV_SPLITS
