@@ -4,7 +4,9 @@ hit the edges. Used by `test_p04_kernels.py` in two ways:
 - on a CPU, in a subprocess with TRITON_INTERPRET=1 (so the interpreter never enters the test
   process): `TRITON_INTERPRET=1 python -m phases.p04_triton_kernels.kernel_cases` runs every
   case and prints one JSON object, {case: {"max_err": ..., "tol": ...}};
-- on a CUDA GPU, compiled, in the test process (`run_case(name, "cuda", dtype)`).
+- on a CUDA GPU, compiled, in the test process (`run_case(name, "cuda", dtype)`);
+- without a GPU, compiled ahead of time for one (`python -m ... --compile 90`), which checks that
+  the kernels *compile* for CUDA, not what they compute there.
 
 Tolerances (absolute, on outputs of magnitude <= ~3, from unit-normal inputs). The reference is
 phase 2's `paged_attention` in float32 on the *same* (already rounded) inputs, so the error is
@@ -151,7 +153,45 @@ def engine_tokens(model_dir: str, phase: int, **engine_args) -> dict:
                 sampled=[o.outputs[0].token_ids for o in sampled])
 
 
+def compile_for_cuda(capability: int = 90) -> list[str]:
+    """Compile every kernel ahead of time for a CUDA GPU of this compute capability (90: H100), in
+    bfloat16, float16 and float32, with and without split-KV: no GPU needed, only Triton's
+    compiler. It catches what the interpreter lets through (a loop variable that changes type, a
+    tl.dot tile below the hardware's minimum). Returns one line per compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import triton_attention as ta
+
+    def build(fn, types: dict, consts: dict) -> str:
+        signature = {name: types.get(name, "i32") for name in fn.arg_names}
+        signature.update({name: "constexpr" for name in consts})
+        src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        triton.compile(src, target=GPUTarget("cuda", capability, 32))
+        return f"{fn.__name__} {consts}"
+
+    done = []
+    for dt, splits, group in [("bf16", 1, 3), ("bf16", 8, 1), ("fp16", 4, 8), ("fp32", 1, 4), ("fp32", 2, 3)]:
+        ptrs = {name: "*" + dt for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+        ints = {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
+        block_m = max(16, triton.next_power_of_2(group))
+        done.append(build(ta._unified_attention_kernel,
+                          {**ptrs, **ints, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"},
+                          dict(GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_SIZE=16,
+                               HEAD_P2=128, NUM_SPLITS=splits, IEEE_DOT=dt == "fp32")))
+        done.append(build(ta._reshape_and_cache_kernel,
+                          {**{n: "*" + dt for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")},
+                           "slot_mapping_ptr": "*i64"}, dict(BLOCK_SIZE=32, KVH_P2=1, HEAD_P2=64)))
+    done.append(build(ta._merge_attn_states_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32",
+                                                    "part_lse_ptr": "*fp32"}, dict(NUM_SPLITS=16, HEAD_P2=128)))
+    return done
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--compile":  # --compile CAPABILITY (without the interpreter)
+        print(json.dumps(compile_for_cuda(int(argv[1]))))
+        return
     if argv and argv[0] == "--engine":  # --engine MODEL_DIR BACKEND: phase 4 with that backend
         print(json.dumps(engine_tokens(argv[1], 4, attention_backend=argv[2])))
         return

@@ -22,9 +22,13 @@ from phases.p04_triton_kernels.kernel_cases import CACHE_CASES, CASES
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_interpreted(*args: str) -> dict:
-    """`python -m phases.p04_triton_kernels.kernel_cases *args` with TRITON_INTERPRET=1."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+def run_cases(*args: str, interpret: bool = True) -> dict:
+    """`python -m phases.p04_triton_kernels.kernel_cases *args` with TRITON_INTERPRET=1 (or,
+    interpret=False, without it)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run([sys.executable, "-m", "phases.p04_triton_kernels.kernel_cases", *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -33,7 +37,7 @@ def run_interpreted(*args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    return run_interpreted()
+    return run_cases()
 
 
 @pytest.mark.interpreter
@@ -53,11 +57,17 @@ def test_split_kv_rule_chose_to_split_in_interpreter(interpreted):
 def test_engine_in_interpreter_gives_phase3_tokens(tiny_model_dir):
     from phases.p04_triton_kernels.kernel_cases import engine_tokens
 
-    triton = run_interpreted("--engine", str(tiny_model_dir), "triton")
+    triton = run_cases("--engine", str(tiny_model_dir), "triton")
     assert triton["backend"] == "triton"
     ref = engine_tokens(str(tiny_model_dir), 3)  # phase 3 itself, in this process (no interpreter)
     assert triton["greedy"] == ref["greedy"]
     assert triton["sampled"] == ref["sampled"]
+
+
+def test_kernels_compile_for_cuda_without_a_gpu():
+    # ahead of time, for an H100 (compute capability 9.0): what the interpreter cannot check
+    compiled = run_cases("--compile", "90", interpret=False)
+    assert len(compiled) == 11
 
 
 @pytest.mark.gpu

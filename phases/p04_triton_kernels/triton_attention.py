@@ -99,7 +99,7 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
     query_start_loc[s] // BLOCK_Q + s (an upper bound on the tiles before it, so no two sequences
     share a number), and those first numbers increase with s: a binary search finds the last s
     whose first number is <= tile_idx."""
-    lo = 0
+    lo: tl.int32 = 0  # typed: a loop-carried variable must keep one type when compiled
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
