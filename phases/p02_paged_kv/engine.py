@@ -123,13 +123,17 @@ class Engine(Phase1Engine):
                                        [seq.block_table.block_ids for seq, _ in batch], self.device)
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device),
-                            PagedAttention(self.kv_cache, meta))                   # (N, D)
+                            self.make_attention(meta))                             # (N, D)
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in batch:
             seq.num_computed_tokens += n
         last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in done], dtype=torch.long,
                                  device=self.device)
         return self.model.compute_logits(hidden[last_rows]), [batch[i][0] for i in done]
+
+    def make_attention(self, meta: AttentionMetadata) -> PagedAttention:
+        """The attention backend for one step (later phases return their own)."""
+        return PagedAttention(self.kv_cache, meta)
 
     # -- numbers for the bench -----------------------------------------------------------------
     def reset_stats(self) -> None:

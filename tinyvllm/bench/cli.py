@@ -3,6 +3,7 @@
     tinyvllm bench latency --phases 1-3 --vs hf --repeat 3 --json report.json --plot report.png
     tinyvllm bench throughput --phases 2-3 --num-prompts 64 --output-len 32-128
     tinyvllm bench prefix --phases 3 --no-prefix-caching
+    tinyvllm bench kernels --json kernels.json     # attention kernels alone (see bench/kernels.py)
 
 Every engine argument of `EngineConfig` is a flag here, made from the dataclass itself, so an
 argument a later phase adds is available without touching this file: `max_num_seqs` is
@@ -99,9 +100,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench", help="measure speed: phases side by side, Hugging Face, and the machine's limits",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", nargs="?", default="throughput", choices=WORKLOADS,
+    p.add_argument("workload", nargs="?", default="throughput", choices=WORKLOADS + ("kernels",),
                    help="throughput (many requests at once), latency (one request: TTFT, TPOT), "
-                        "prefix (a shared system prompt: TTFT cold vs cached); default throughput")
+                        "prefix (a shared system prompt: TTFT cold vs cached), kernels (the attention "
+                        "kernels alone, against the memory bandwidth); default throughput")
     p.add_argument("--model", default=None,
                    help="path to a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--phases", default=None,
@@ -137,6 +139,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--plot", dest="plot_path", default=None, metavar="PATH", help="write a bar chart (PNG)")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     add_engine_args(p)
+    from .kernels import add_kernel_args
+    add_kernel_args(p)
     return p
 
 
@@ -150,6 +154,9 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     from .report import format_table, write_json, write_plot
     from .workloads import make_workload
 
+    if args.workload == "kernels":
+        from .kernels import run_kernels_command
+        return run_kernels_command(args, sys.argv[1:] if argv is None else argv)
     check_repeat(args.repeat)
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1; got {args.hf_batch_size}")

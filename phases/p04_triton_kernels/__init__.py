@@ -1,0 +1,17 @@
+"""Phase 4: Triton kernels for paged attention and the KV-cache write; on a CPU, fused attention.
+
+The kernels live in `triton_attention` (imported on use: importing it imports Triton, and whether
+Triton interprets or compiles is decided then); the CPU path in `cpu_attention`.
+"""
+
+from .cpu_attention import CpuPagedAttention, cpu_paged_attention, prefill_attention
+from .engine import Engine, TritonPagedAttention, resolve_attention_backend
+
+__all__ = [
+           "CpuPagedAttention",
+           "Engine",
+           "TritonPagedAttention",
+           "cpu_paged_attention",
+           "prefill_attention",
+           "resolve_attention_backend",
+]

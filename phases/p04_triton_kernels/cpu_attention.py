@@ -1,0 +1,82 @@
+"""Phase 4's CPU path: PyTorch's fused attention over the paged cache, for prefill chunks too.
+
+Triton cannot compile for a CPU, so on a CPU `attention_backend="auto"` runs this instead of the
+kernels. What it changes from phase 2's `paged_attention`:
+
+- A prefill chunk (a whole prompt, or a chunk with cached tokens before it) goes through
+  `torch.nn.functional.scaled_dot_product_attention`, whose CPU kernel is a flash-attention
+  loop (tiles of keys, online softmax): no (H, Tq, Tk) score matrix in memory, and the KV heads
+  are read in place by every query head that shares them (`enable_gqa=True`) instead of being
+  repeated. Phase 1's `causal_attention` built the whole score matrix with repeated heads.
+- The causal mask is *lower-right* aligned: the chunk's Tq queries are the last Tq of the Tk
+  keys, so query i sees keys 0 .. Tk - Tq + i. A prompt with nothing cached (Tq == Tk) takes
+  SDPA's own `is_causal=True`, which skips the tiles above the diagonal without any mask tensor.
+- A prompt with nothing cached attends over the K/V it just computed: no read of the cache.
+- Decodes are phase 2's `decode_attention` (one padded gather of the decode rows' blocks, one
+  SDPA call for all of them).
+
+Shapes follow phase 2: q (N, H, d); k_cache, v_cache (num_blocks, block_size, KVH, d).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from phases.p02_paged_kv import AttentionMetadata, PagedAttention
+from phases.p02_paged_kv.paged_attention import decode_attention
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of Tq queries that are the last Tq of Tk keys, with grouped-query heads.
+
+    q: (Tq, H, d); k, v: (Tk, KVH, d), Tk >= Tq -> (Tq, H, d).
+    """
+    tq, tk = q.shape[0], k.shape[0]
+    # SDPA wants (batch, heads, tokens, d); its CPU flash kernel takes the 4-D form (a 3-D input
+    # goes to the slower unfused path): a batch of one, and transposed views, no copies
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H or KVH, T, d)
+    if tq == tk:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    else:
+        # lower-right: query i sits at position tk - tq + i (SDPA's is_causal is upper-left)
+        mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)                              # (Tq, H, d)
+
+
+def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Attention for one step's flat batch on a CPU (the new K/V already written to the cache).
+
+    q: (N, H, d); k, v: (N, KVH, d), this step's new keys and values (a prompt with nothing
+    cached attends over these directly); k_cache, v_cache: (num_blocks, block_size, KVH, d)
+    -> (N, H, d).
+    """
+    block_size = k_cache.shape[1]
+    if not meta.prefill_rows:  # only decodes (most steps)
+        return decode_attention(q, k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype))
+    out = torch.empty_like(q)
+    starts, lens = meta.query_start_loc, meta.seq_lens
+    for b in meta.prefill_rows:
+        rows = slice(starts[b], starts[b + 1])
+        if lens[b] == starts[b + 1] - starts[b]:  # nothing cached before: the new K/V is all of it
+            kb, vb = k[rows], v[rows]
+        else:  # cached tokens first: read this sequence's blocks, in order
+            blocks = meta.block_tables[b, : -(-lens[b] // block_size)]
+            kb = k_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]   # (L, KVH, d)
+            vb = v_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]
+        out[rows] = prefill_attention(q[rows], kb, vb)
+    if len(meta.decode_token_idx):
+        idx = meta.decode_token_idx
+        out[idx] = decode_attention(q[idx], k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype))
+    return out
+
+
+class CpuPagedAttention(PagedAttention):
+    """Phase 2's backend (same cache write) with `cpu_paged_attention` for the attending."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
+        k_cache, v_cache = self.cache.layer(layer_idx)
+        return cpu_paged_attention(q, k, v, k_cache, v_cache, self.meta)

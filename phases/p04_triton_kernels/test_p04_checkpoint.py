@@ -1,0 +1,116 @@
+"""Phase 4 checkpoint, the engine and its CPU path (no Triton interpreter in this process; the
+kernels' checks are in test_p04_kernels.py).
+
+- the CPU path gives phase 3's attention on mixed batches (prompts, chunks after cached tokens,
+  decodes), with grouped-query heads;
+- the engine picks the backend from `attention_backend`, and refuses one it cannot run, with an
+  error naming the argument, while an LLM built before keeps generating;
+- greedy tokens and seeded samples equal phase 3's with chunked prefill and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phases.p02_paged_kv import paged_attention
+from phases.p04_triton_kernels import (
+    CpuPagedAttention,
+    TritonPagedAttention,
+    cpu_paged_attention,
+)
+from phases.p04_triton_kernels.kernel_cases import (
+    DECODES,
+    MIXED,
+    engine_tokens,
+    make_batch,
+)
+from tinyvllm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("batch", [MIXED, DECODES, [("bs+3", "bs+3")], [("2*bs+9", 8)]],
+                         ids=["mixed", "decodes", "one-prompt", "chunk-after-cache"])
+@pytest.mark.parametrize("bs,d,group,kvh", [(16, 64, 1, 2), (16, 80, 3, 2), (32, 64, 8, 1)])
+def test_cpu_path_equals_phase3_attention(batch, bs, d, group, kvh):
+    meta, k_cache, v_cache, g = make_batch(batch, bs, kvh, d, torch.float32, "cpu")
+    n = len(meta.slot_mapping)
+    q = torch.randn(n, group * kvh, d, generator=g)
+    k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
+    k_cache.view(-1, kvh, d)[meta.slot_mapping] = k   # the step's write, as the backend does first
+    v_cache.view(-1, kvh, d)[meta.slot_mapping] = v
+    ref = paged_attention(q, k_cache, v_cache, meta)
+    out = cpu_paged_attention(q, k, v, k_cache, v_cache, meta)
+    # float32, one fused kernel against another order of the same sums: a few ulps
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_backend_choice_on_cpu(tiny_model_dir, make_llm):
+    auto = make_llm(tiny_model_dir, 4).llm_engine
+    assert auto.attention_backend == "cpu"
+    torch_ = make_llm(tiny_model_dir, 4, attention_backend="torch").llm_engine
+    assert torch_.attention_backend == "torch"
+    meta = _one_step_meta(auto)
+    assert type(auto.make_attention(meta)) is CpuPagedAttention
+    assert type(torch_.make_attention(meta)).__name__ == "PagedAttention"  # phase 3's, exactly
+
+
+def _one_step_meta(engine):
+    from phases.p02_paged_kv import AttentionMetadata
+    return AttentionMetadata.build([0, 1], [2], [2], [[0]], engine.device)
+
+
+def test_triton_on_cpu_without_interpreter_is_refused(tiny_model_dir, make_llm):
+    from phases.p04_triton_kernels import triton_attention
+
+    if triton_attention.interpreter_active():
+        pytest.skip("this process runs with TRITON_INTERPRET=1, where attention_backend='triton' is allowed")
+    llm = make_llm(tiny_model_dir, 4)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=r"attention_backend='triton'.*TRITON_INTERPRET=1"):
+        LLM(str(tiny_model_dir), phase=4, attention_backend="triton")
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(str(tiny_model_dir), phase=4, attention_backend="flash")
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("block_size", [8, 24])
+def test_triton_backend_needs_power_of_two_blocks(block_size):
+    from phases.p04_triton_kernels import resolve_attention_backend
+
+    with pytest.raises(ValueError, match="block_size"):
+        resolve_attention_backend("triton", torch.device("cpu"), block_size)
+    assert resolve_attention_backend("auto", torch.device("cpu"), block_size) == "cpu"
+
+
+def test_triton_backend_metadata_once_per_step(tiny_model_dir, make_llm):
+    engine = make_llm(tiny_model_dir, 4).llm_engine
+    from phases.p02_paged_kv import AttentionMetadata
+    meta = AttentionMetadata.build(list(range(7)), [1, 4, 2], [9, 4, 20], [[0], [1], [2, 3]], engine.device)
+    backend = TritonPagedAttention(engine.kv_cache, meta)  # made by the engine once per step
+    assert backend.query_start_loc.tolist() == [0, 1, 5, 7] and backend.query_start_loc.dtype == torch.int32
+    assert (backend.max_query_len, backend.max_seq_len) == (4, 20)
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_model_dir_llama3"])
+def test_cpu_engine_equals_phase3_with_chunks_and_prefix_hits(model_fixture, request):
+    model = str(request.getfixturevalue(model_fixture))
+    ours, ref = engine_tokens(model, 4), engine_tokens(model, 3)
+    assert ours["backend"] == "cpu"
+    assert ours["greedy"] == ref["greedy"]
+    assert ours["sampled"] == ref["sampled"]
+
+
+def test_split_kv_rule():
+    from phases.p04_triton_kernels.triton_attention import MAX_KV_SPLITS, choose_num_kv_splits
+
+    # (max_query_len, seqs, KV heads, longest context, block_size, SMs)
+    assert choose_num_kv_splits(7, 1, 2, 4096, 16, 132) == 1          # a prefill in the batch: no split
+    assert choose_num_kv_splits(1, 64, 3, 4096, 16, 132) == 1         # 192 programs fill 132 SMs
+    assert choose_num_kv_splits(1, 1, 3, 48, 16, 132) == 1            # 3 blocks: too short to cut
+    assert choose_num_kv_splits(1, 1, 3, 4096, 16, 132) == MAX_KV_SPLITS  # 3 programs, 256 blocks
+    assert choose_num_kv_splits(1, 8, 3, 4096, 16, 132) == 8          # 24 programs: ~11 per -> 8
+    assert choose_num_kv_splits(1, 1, 1, 16 * 4 * 5, 16, 132) == 4    # 20 blocks, >= 4 each: 5 -> 4
+    for seqs in range(1, 40):
+        n = choose_num_kv_splits(1, seqs, 2, 2000, 16, 108)
+        assert n & (n - 1) == 0 and 1 <= n <= MAX_KV_SPLITS
