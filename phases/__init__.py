@@ -12,9 +12,6 @@ PHASES: dict[int, str] = {
     2: "phases.p02_paged_kv",
     3: "phases.p03_continuous_batching",
     4: "phases.p04_triton_kernels",
-    5: "phases.p05_quantization",
-    6: "phases.p06_speculative_decoding",
-    7: "phases.p07_cuda_graphs",
 }
 
 
