@@ -40,14 +40,23 @@ class Engine(Phase1Engine):
     def __init__(self, model=None, **engine_args):
         super().__init__(model, **engine_args)
         self.block_size = self.config.block_size
-        blocks = num_kv_blocks(self.config, self.model_config, self.max_model_len, self.dtype, self.device)
-        self.allocator = self.make_allocator(blocks)
-        self.kv_cache = KVCache(self.model_config, blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = self.make_kv_cache()
+        self.allocator = self.make_allocator(self.kv_cache.num_blocks)
         self.running: list[Sequence] = []  # the current static batch
         self.reset_stats()
 
+    def make_kv_cache(self) -> KVCache:
+        """The KV pool, as many blocks as the memory budget holds (a later phase stores it in
+        fewer bytes)."""
+        blocks = num_kv_blocks(self.config, self.model_config, self.max_model_len, self.dtype, self.device)
+        return KVCache(self.model_config, blocks, self.block_size, self.dtype, self.device)
+
     def make_allocator(self, num_blocks: int) -> BlockAllocator:
         return BlockAllocator(num_blocks, self.block_size)
+
+    def make_attention(self, meta: AttentionMetadata) -> PagedAttention:
+        """The attention backend of one step (later phases plug in their own)."""
+        return PagedAttention(self.kv_cache, meta)
 
     # -- admission -----------------------------------------------------------------------------
     def max_len(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -123,7 +132,7 @@ class Engine(Phase1Engine):
                                        [seq.block_table.block_ids for seq, _ in batch], self.device)
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device),
-                            PagedAttention(self.kv_cache, meta))                   # (N, D)
+                            self.make_attention(meta))                             # (N, D)
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in batch:
             seq.num_computed_tokens += n
