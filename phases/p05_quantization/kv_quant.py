@@ -51,6 +51,10 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
     return (q.float() * scale[..., None]).to(dtype)
 
 
+def _storage_dtype(kv_cache_dtype: str) -> torch.dtype:
+    return torch.int8 if kv_cache_dtype == "int8" else torch.uint8
+
+
 class QuantizedKVCache(KVCache):
     """Phase 2's KV cache, stored in 8 bits (see the module docstring).
 
@@ -70,19 +74,22 @@ class QuantizedKVCache(KVCache):
         self.dtype, self.kv_cache_dtype = dtype, kv_cache_dtype
         shape = (model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads)
         # zeros (see KVCache): unused slots read back as finite zeros
-        self.kv = torch.zeros(*shape, model.head_dim, dtype=KV_CACHE_DTYPES[kv_cache_dtype][0], device=device)
+        # fp8 is stored as its bytes (uint8): PyTorch's CPU index_copy_/index_select lack float8
+        self.kv = torch.zeros(*shape, model.head_dim, dtype=_storage_dtype(kv_cache_dtype), device=device)
         self.scales = torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize and store new tokens' K/V: k, v (N, KVH, d) into the rows `slot_mapping` (N,)."""
         for i, x in ((0, k), (1, v)):
             q, scale = quantize_kv(x, self.kv_cache_dtype)
+            q = q.view(self.kv.dtype)
             self.kv[layer_idx, i].view(-1, *q.shape[1:]).index_copy_(0, slot_mapping, q)
             self.scales[layer_idx, i].view(-1, q.shape[1]).index_copy_(0, slot_mapping, scale)
 
     def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks `block_ids` (U,), dequantized: each (U, block_size, KVH, d)."""
-        k, v = (dequantize_kv(self.kv[layer_idx, i].index_select(0, block_ids),
+        dtype = KV_CACHE_DTYPES[self.kv_cache_dtype][0]
+        k, v = (dequantize_kv(self.kv[layer_idx, i].index_select(0, block_ids).view(dtype),
                               self.scales[layer_idx, i].index_select(0, block_ids), self.dtype)
                 for i in (0, 1))
         return k, v
