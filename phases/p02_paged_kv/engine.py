@@ -133,6 +133,8 @@ class Engine(Phase1Engine):
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device),
                             self.make_attention(meta))                             # (N, D)
+        self.record_prompt_logprobs(hidden, [(seq, seq.num_computed_tokens, n, meta.query_start_loc[i])
+                                             for i, (seq, n) in enumerate(batch)])
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in batch:
             seq.num_computed_tokens += n
