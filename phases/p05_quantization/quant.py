@@ -145,14 +145,16 @@ class QuantizedLinear(nn.Module):
         self._packed: dict = {}  # each kernel's own layout of the weight, made at its first call
 
     def choose_kernel(self, num_rows: int) -> str:
-        """The kernel measured fastest on a CPU for this format and row count (bench_kernels.py,
-        the lesson): fbgemm's dynamic int8 for int8 at every row count; for int4 PyTorch's
-        int4 kernel at one row, dequantize-then-matmul from two rows on."""
+        """The fastest *accurate* kernel measured on a CPU for this format and row count
+        (bench_kernels.py, the lesson): PyTorch's packed int8 or int4 kernel at one row,
+        dequantize-then-matmul from two rows on. fbgemm's dynamic int8 is faster still, but it
+        rounds the activations too (W8A8) and that changes the default model's greedy tokens from
+        the first one on (the lesson shows it): it is offered only as kernel="fbgemm_w8a8"."""
         if self.kernel != "auto":
             return self.kernel
-        if self.method == "int8":
-            return "fbgemm_w8a8" if fbgemm_available() else "reference"
-        return "int4pack_mm" if num_rows == 1 else "reference"
+        if num_rows > 1:
+            return "reference"
+        return "int8pack_mm" if self.method == "int8" else "int4pack_mm"
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.method == "int4" else ""
