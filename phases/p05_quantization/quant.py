@@ -145,16 +145,15 @@ class QuantizedLinear(nn.Module):
         self._packed: dict = {}  # each kernel's own layout of the weight, made at its first call
 
     def choose_kernel(self, num_rows: int) -> str:
-        """The fastest *accurate* kernel measured on a CPU for this format and row count
-        (bench_kernels.py, the lesson): PyTorch's packed int8 or int4 kernel at one row,
-        dequantize-then-matmul from two rows on. fbgemm's dynamic int8 is faster still, but it
-        rounds the activations too (W8A8) and that changes the default model's greedy tokens from
-        the first one on (the lesson shows it): it is offered only as kernel="fbgemm_w8a8"."""
+        """The fastest kernel measured on a CPU for this format and row count (bench_kernels.py,
+        the lesson): int8: fbgemm's dynamic int8 (W8A8, with LLM.int8()'s outlier columns in
+        float) at every row count; int4: PyTorch's int4 kernel at one row, dequantize-then-matmul
+        from two rows on."""
         if self.kernel != "auto":
             return self.kernel
-        if num_rows > 1:
-            return "reference"
-        return "int8pack_mm" if self.method == "int8" else "int4pack_mm"
+        if self.method == "int8":
+            return "fbgemm_w8a8" if fbgemm_available() else ("int8pack_mm" if num_rows == 1 else "reference")
+        return "int4pack_mm" if num_rows == 1 else "reference"
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.method == "int4" else ""
@@ -202,13 +201,26 @@ def _pack_fbgemm(layer: QuantizedLinear):
     return torch.ops.quantized.linear_prepack(qw, None if layer.bias is None else layer.bias.float())
 
 
+OUTLIER_THRESHOLD = 3.0  # LLM.int8()'s: input columns with a value above it stay in float
+
+
 def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    # the activations are quantized to uint8 per call (one scale per tensor), the product runs in
-    # int8 x int8 -> int32 and comes back in float: W8A8 with dynamic activation scales.
+    # fbgemm quantizes the activations to uint8 per call (one scale for the whole x), multiplies
+    # int8 x int8 -> int32 and returns float: W8A8 with dynamic activation scales.
     # reduce_range=True: 7-bit activations, so that pairs of u8 x s8 products cannot saturate
-    # the 16-bit sums of AVX2's vpmaddubsw (without it, measured errors up to 12% of the output)
-    y = torch.ops.quantized.linear_dynamic(x.float().contiguous(), layer.packed("fbgemm_w8a8"), True)
-    return y.to(x.dtype)
+    # the 16-bit sums of AVX2's vpmaddubsw (without it, measured errors up to 12% of the output).
+    # An LLM's hidden states have a few channels far larger than the rest; one scale for all
+    # would round every other channel to a handful of levels. So, as LLM.int8() does, the input
+    # columns holding a value above OUTLIER_THRESHOLD are taken out of x and multiplied in float
+    # with their weight columns, dequantized (O, k): a small product beside the int8 one.
+    x = x.float().contiguous()                                                   # (N, I)
+    cols = (x.abs().amax(0) > OUTLIER_THRESHOLD).nonzero().flatten()             # (k,)
+    if len(cols) == 0:
+        return torch.ops.quantized.linear_dynamic(x, layer.packed("fbgemm_w8a8"), True)
+    x_outliers = x.index_select(1, cols)                                          # (N, k)
+    w_cols = layer.qweight.index_select(1, cols).float() * layer.scale[:, None]  # (O, k)
+    y = torch.ops.quantized.linear_dynamic(x.index_fill(1, cols, 0.0), layer.packed("fbgemm_w8a8"), True)
+    return y + x_outliers @ w_cols.T
 
 
 def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
