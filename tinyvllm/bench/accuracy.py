@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def score(llm, prompts: list[list[int]], capture_tokens: int = 0):
 def run_accuracy(model=None, quantizations=(None, "int8", "int4"), kv_cache_dtypes=("auto", "int8"),
                  group_size: int = 64, window: int = 512, max_text_tokens: int | None = None,
                  kl_tokens: int = 512, num_chat: int = 8, chat_tokens: int = 32, phase: int | None = None,
-                 **engine_args) -> dict:
+                 progress: bool = False, **engine_args) -> dict:
     """Run every configuration and return the report (see the module docstring)."""
     from tinyvllm import LLM, SamplingParams
 
@@ -96,6 +97,9 @@ def run_accuracy(model=None, quantizations=(None, "int8", "int4"), kv_cache_dtyp
 
     ref, ref_dist = measure(base)
     ref["mean_kl"] = 0.0
+    if progress:
+        print(f"float: perplexity {ref['perplexity']:.3f} over {ref['num_text_tokens']} tokens",
+              file=sys.stderr, flush=True)
     rows = [dict(quantization=None, kv_cache_dtype="auto", **ref)]
     del base
     for q in quantizations:
@@ -107,6 +111,10 @@ def run_accuracy(model=None, quantizations=(None, "int8", "int4"), kv_cache_dtyp
             kl = (ref_dist[:n].exp() * (ref_dist[:n] - dist[:n])).sum(-1).mean().item()
             row.update(mean_kl=kl, perplexity_change=row["perplexity"] / ref["perplexity"] - 1)
             rows.append(dict(quantization=q, kv_cache_dtype=kv, **row))
+            if progress:  # each row as it is measured: a run of many engines takes minutes
+                print(f"quantization={q} kv_cache_dtype={kv}: perplexity {row['perplexity']:.3f} "
+                      f"({row['perplexity_change'] * 100:+.2f}%), mean KL {kl:.5f}, top-1 "
+                      f"{row['top1_agreement'] * 100:.1f}%", file=sys.stderr, flush=True)
     return dict(workload="accuracy", model=str(model or "default"), group_size=group_size, window=window,
                 text=TEXT_PATH.name, results=rows)
 
@@ -139,7 +147,7 @@ def run_accuracy_command(args, engine_args: dict) -> int:
         args.model, [None if q == "none" else q for q in args.quantization_list], args.kv_cache_dtypes,
         group_size=getattr(args, "quantization_group_size", 64), window=args.window,
         max_text_tokens=args.max_text_tokens, kl_tokens=args.kl_tokens, num_chat=args.num_chat,
-        chat_tokens=args.chat_tokens, **engine_args)
+        chat_tokens=args.chat_tokens, progress=args.progress, **engine_args)
     print(format_accuracy(report))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2))
