@@ -5,11 +5,12 @@ int8 (W8A16), per output channel, symmetric. Each row of W (one output channel) 
     s = max|w_row| / 127        q = round(w / s) in [-127, 127]        w ~ q * s
 
 int4 (W4A16), per group of `group_size` input columns, asymmetric. Each group of a row gets a
-scale and an integer zero point, so a group whose values are all positive does not waste half of
-the 16 levels on negatives:
+scale and a zero point, so a group whose values are all positive does not waste half of the 16
+levels on negatives. The zero point is kept in float, as the value of level 0 (the group's
+minimum), as llama.cpp's Q4_1 and PyTorch's int4 kernels keep it:
 
-    s = (max - min) / 15        z = round(-min / s) in [0, 15]
-    q = clamp(round(w / s) + z, 0, 15)                              w ~ (q - z) * s
+    s = (max - min) / 15        m = min
+    q = clamp(round((w - m) / s), 0, 15)                            w ~ q * s + m
 
 Two int4 values share a byte: column 2j in the low nibble, column 2j+1 in the high one.
 
@@ -64,16 +65,15 @@ def check_group_size(in_features: int, group_size: int, name: str = "") -> None:
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w (O, I) float -> q (O, I) uint8 in [0, 15] (not yet packed), scale (O, I/g) float32,
-    zero (O, I/g) uint8, with w ~ (q - zero) * scale, group by group."""
+    zero (O, I/g) float32 (the value of level 0: the group's minimum), with w ~ q * scale + zero,
+    group by group."""
     o, i = w.shape
     check_group_size(i, group_size)
     g = w.float().reshape(o, i // group_size, group_size)                  # (O, G, g)
-    lo = g.amin(-1).clamp(max=0)    # the range always holds 0, so a zero weight stays exactly 0
-    hi = g.amax(-1).clamp(min=0)
+    lo, hi = g.amin(-1), g.amax(-1)                                          # (O, G)
     scale = ((hi - lo) / 15).clamp(min=1e-8)                                 # (O, G)
-    zero = torch.round(-lo / scale).clamp(0, 15)                             # (O, G)
-    q = (torch.round(g / scale[..., None]) + zero[..., None]).clamp(0, 15)   # (O, G, g)
-    return q.reshape(o, i).to(torch.uint8), scale, zero.to(torch.uint8)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)     # (O, G, g)
+    return q.reshape(o, i).to(torch.uint8), scale, lo
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -92,7 +92,7 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     q = unpack_int4(packed)
     o, i = q.shape
     g = q.reshape(o, scale.shape[1], -1).float()                            # (O, G, g)
-    return ((g - zero[..., None].float()) * scale[..., None]).reshape(o, i).to(dtype)
+    return (g * scale[..., None] + zero[..., None]).reshape(o, i).to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ class QuantizedLinear(nn.Module):
             q, scale, zero = quantize_int4(w, group_size)
             self.register_buffer("qweight", pack_int4(q))               # (O, I/2) uint8
             self.register_buffer("scale", scale)                        # (O, G)
-            self.register_buffer("zero", zero)                          # (O, G) uint8
+            self.register_buffer("zero", zero)                          # (O, G) float32
         self._packed: dict = {}  # each kernel's own layout of the weight, made at its first call
 
     def choose_kernel(self, num_rows: int) -> str:
@@ -231,9 +231,9 @@ def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 def _pack_int4(layer: QuantizedLinear):
     q = unpack_int4(layer.qweight).to(torch.int32)                            # (O, I)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    # PyTorch's int4 kernel computes (q - 8) * scale + zero_f, with a float zero: ours is
-    # (q - z) * scale, so zero_f = (8 - z) * scale. Layout (G, O, 2).
-    zf = (8 - layer.zero.float()) * layer.scale
+    # PyTorch's int4 kernel computes (q - 8) * scale + zero_f: ours is q * scale + zero, so
+    # zero_f = zero + 8 * scale. Layout (G, O, 2).
+    zf = layer.zero + 8 * layer.scale
     return packed, torch.stack((layer.scale, zf), dim=-1).transpose(0, 1).contiguous()
 
 

@@ -32,8 +32,8 @@ def _dequant_tile(qw_ptr, scale_ptr, zero_ptr, rk, rn, K, N, stride_qn, stride_s
         q = tl.where((rk % 2 == 0)[:, None], byte & 0xF, byte >> 4).to(tl.float32)
         g = rk // GROUP
         s = tl.load(scale_ptr + rn[None, :] * stride_sn + g[:, None], mask=mask, other=0.0)
-        z = tl.load(zero_ptr + rn[None, :] * stride_sn + g[:, None], mask=mask, other=0).to(tl.float32)
-        return (q - z) * s
+        z = tl.load(zero_ptr + rn[None, :] * stride_sn + g[:, None], mask=mask, other=0.0)
+        return q * s + z
     q = tl.load(qw_ptr + rn[None, :] * stride_qn + rk[:, None], mask=mask, other=0).to(tl.float32)
     s = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
     return q * s[None, :]
