@@ -12,6 +12,7 @@ PHASES: dict[int, str] = {
     2: "phases.p02_paged_kv",
     3: "phases.p03_continuous_batching",
     4: "phases.p04_triton_kernels",
+    5: "phases.p05_quantization",
 }
 
 

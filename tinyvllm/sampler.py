@@ -124,6 +124,13 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         return probs
 
+    def prompt_logprobs(self, logits: torch.Tensor, tokens: list[int], k: int) -> list[dict[int, Logprob]]:
+        """logits (P, V) at P prompt positions, tokens: the P prompt tokens that follow them ->
+        each token's logprob and rank, plus the k most likely tokens' (no sampling rules apply:
+        the model's own distribution, as vLLM returns)."""
+        rows = torch.log_softmax(logits.float(), dim=-1)
+        return [self._logprobs(row, t, k) for row, t in zip(rows, tokens)]
+
     def _logprobs(self, row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
         """The chosen token's logprob and rank, plus the k most likely tokens'."""
         chosen = float(row[token])

@@ -38,6 +38,9 @@ class SamplingParams:
         repetition_penalty: > 0; above 1 discourages tokens seen in the prompt or output.
         logprobs: also return the log-probabilities of this many most likely tokens (0 to 20),
             plus the chosen one.
+        prompt_logprobs: also return, for every prompt token after the first, its
+            log-probability given the tokens before it, its rank, and this many most likely
+            tokens (0 to 20) (perplexity through the public API, as lm-eval does with vLLM).
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
     """
@@ -57,6 +60,7 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # normalized copies, filled in __post_init__
@@ -85,10 +89,12 @@ class SamplingParams:
         _int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None:
-            _int("logprobs", self.logprobs, low=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _int(name, value, low=0)
+                if value > MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")

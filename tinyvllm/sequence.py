@@ -143,6 +143,8 @@ class SequenceGroup:
         self.params = params
         self.metrics = RequestMetrics(arrival_time=arrival_time or time.perf_counter())
         self.num_cached_tokens = 0
+        # with params.prompt_logprobs: entry i is prompt token i's logprobs (the first has none)
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None]
         self.seqs = [
             Sequence(self, i, _make_generator(params, i, device, rng), tokenizer, eos_token_ids,
                      max_model_len)
@@ -164,7 +166,21 @@ class SequenceGroup:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
             outputs=[s.to_output() for s in self.seqs], finished=self.is_finished,
-            metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
+            metrics=self.metrics, num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=self.prompt_logprobs)
+
+    def prompt_rows_wanted(self, start: int, num_new: int) -> list[int]:
+        """Of the positions start..start+num_new-1 computed in a step, those whose logits give a
+        prompt token's logprobs not yet recorded (position p predicts prompt token p + 1; a
+        recomputed or second sequence's position is not recorded twice)."""
+        if self.prompt_logprobs is None:
+            return []
+        first = max(start, len(self.prompt_logprobs) - 1)
+        return list(range(first, min(start + num_new, len(self.prompt_token_ids) - 1)))
+
+    def record_prompt_logprobs(self, logprobs: list[dict[int, Logprob]]) -> None:
+        """Append the logprobs of the next prompt tokens, in order (from `prompt_rows_wanted`)."""
+        self.prompt_logprobs.extend(logprobs)
 
 
 def _make_generator(params: SamplingParams, index: int, device: torch.device,

@@ -124,11 +124,26 @@ class Engine:
         ids = torch.tensor(seq.token_ids, device=self.device)             # (T,)
         positions = torch.arange(len(ids), device=self.device)             # (T,)
         hidden = self.model(ids, positions, NaiveAttention())              # (T, D): all of it again
+        self.record_prompt_logprobs(hidden, [(seq, 0, len(ids), 0)])
         logits = self.model.compute_logits(hidden[-1:])                   # (1, V): only the last row
         self.append_tokens([seq], logits)
         if seq.is_finished:
             self.queue.popleft()
         return self.collect_outputs([seq.group])
+
+    def record_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
+        """For requests with `prompt_logprobs`: the logits of the prompt rows this step computed,
+        and only those (a prompt's rows are otherwise never turned into logits). `spans`: (seq,
+        first position, positions computed, its first row in `hidden` (N, D))."""
+        for seq, start, num_new, row in spans:
+            group = seq.group
+            positions = group.prompt_rows_wanted(start, num_new)
+            if positions:
+                rows = torch.tensor([row + p - start for p in positions], device=hidden.device)
+                logits = self.model.compute_logits(hidden[rows])               # (P, V)
+                targets = [group.prompt_token_ids[p + 1] for p in positions]
+                group.record_prompt_logprobs(
+                    self.sampler.prompt_logprobs(logits, targets, group.params.prompt_logprobs))
 
     def append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its row of logits and record it."""

@@ -40,14 +40,23 @@ class Engine(Phase1Engine):
     def __init__(self, model=None, **engine_args):
         super().__init__(model, **engine_args)
         self.block_size = self.config.block_size
-        blocks = num_kv_blocks(self.config, self.model_config, self.max_model_len, self.dtype, self.device)
-        self.allocator = self.make_allocator(blocks)
-        self.kv_cache = KVCache(self.model_config, blocks, self.block_size, self.dtype, self.device)
+        self.kv_cache = self.make_kv_cache()
+        self.allocator = self.make_allocator(self.kv_cache.num_blocks)
         self.running: list[Sequence] = []  # the current static batch
         self.reset_stats()
 
+    def make_kv_cache(self) -> KVCache:
+        """The KV pool, as many blocks as the memory budget holds (a later phase stores it in
+        fewer bytes)."""
+        blocks = num_kv_blocks(self.config, self.model_config, self.max_model_len, self.dtype, self.device)
+        return KVCache(self.model_config, blocks, self.block_size, self.dtype, self.device)
+
     def make_allocator(self, num_blocks: int) -> BlockAllocator:
         return BlockAllocator(num_blocks, self.block_size)
+
+    def make_attention(self, meta: AttentionMetadata) -> PagedAttention:
+        """The attention backend of one step (later phases plug in their own)."""
+        return PagedAttention(self.kv_cache, meta)
 
     # -- admission -----------------------------------------------------------------------------
     def max_len(self, num_prompt_tokens: int, params: SamplingParams) -> int:
@@ -124,16 +133,14 @@ class Engine(Phase1Engine):
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device),
                             self.make_attention(meta))                             # (N, D)
+        self.record_prompt_logprobs(hidden, [(seq, seq.num_computed_tokens, n, meta.query_start_loc[i])
+                                             for i, (seq, n) in enumerate(batch)])
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
         for seq, n in batch:
             seq.num_computed_tokens += n
         last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in done], dtype=torch.long,
                                  device=self.device)
         return self.model.compute_logits(hidden[last_rows]), [batch[i][0] for i in done]
-
-    def make_attention(self, meta: AttentionMetadata) -> PagedAttention:
-        """The attention backend for one step (later phases return their own)."""
-        return PagedAttention(self.kv_cache, meta)
 
     # -- numbers for the bench -----------------------------------------------------------------
     def reset_stats(self) -> None:

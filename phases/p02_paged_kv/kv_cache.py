@@ -38,11 +38,12 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
 
 
 def num_kv_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, dtype: torch.dtype,
-                  device: torch.device) -> int:
-    """How many blocks the pool gets (see the module docstring)."""
+                  device: torch.device, per_block: int | None = None) -> int:
+    """How many blocks the pool gets (see the module docstring). `per_block`: the bytes of one
+    block, if not `bytes_per_block`'s (a quantized cache)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = bytes_per_block(model, config.block_size, dtype)
+    per_block = per_block or bytes_per_block(model, config.block_size, dtype)
     if config.kv_cache_memory is not None:
         budget, source = config.kv_cache_memory, "kv_cache_memory"
     elif device.type == "cuda":

@@ -104,7 +104,9 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
             table = PrefixBlockTable()
-            cached = self.allocator.match_prefix(seq.token_ids) if self.prefix_caching else []
+            # prompt_logprobs needs every prompt position computed: no cached prefix (as vLLM)
+            use_cache = self.prefix_caching and seq.params.prompt_logprobs is None
+            cached = self.allocator.match_prefix(seq.token_ids) if use_cache else []
             num_cached = len(cached) * self.allocator.block_size
             num_new = self._limit(seq.num_tokens - num_cached, budget)
             if num_new == 0:
@@ -150,7 +152,7 @@ class Scheduler:
         return sum(1 for b in blocks if b in self.allocator.evictable)
 
     def _undo_lookup(self, seq: Sequence, cached: list[int]) -> None:
-        if self.prefix_caching:  # the lookup did not lead to a run: do not count it
+        if self.prefix_caching and seq.params.prompt_logprobs is None:  # the lookup did not lead to a run: do not count it
             self.allocator.num_queries -= seq.num_tokens
             self.allocator.num_hits -= len(cached) * self.allocator.block_size
 

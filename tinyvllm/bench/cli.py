@@ -100,10 +100,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench", help="measure speed: phases side by side, Hugging Face, and the machine's limits",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", nargs="?", default="throughput", choices=WORKLOADS + ("kernels",),
+    p.add_argument("workload", nargs="?", default="throughput", choices=(*WORKLOADS, "kernels", "accuracy"),
                    help="throughput (many requests at once), latency (one request: TTFT, TPOT), "
                         "prefix (a shared system prompt: TTFT cold vs cached), kernels (the attention "
-                        "kernels alone, against the memory bandwidth); default throughput")
+                        "kernels alone, against the memory bandwidth), accuracy (perplexity, KL "
+                        "divergence and top-1 agreement of quantized engines against float); "
+                        "default throughput")
     p.add_argument("--model", default=None,
                    help="path to a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--phases", default=None,
@@ -139,8 +141,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--plot", dest="plot_path", default=None, metavar="PATH", help="write a bar chart (PNG)")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     add_engine_args(p)
+    from .accuracy import add_accuracy_args
     from .kernels import add_kernel_args
     add_kernel_args(p)
+    add_accuracy_args(p)
     return p
 
 
@@ -157,6 +161,9 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     if args.workload == "kernels":
         from .kernels import run_kernels_command
         return run_kernels_command(args, sys.argv[1:] if argv is None else argv)
+    if args.workload == "accuracy":
+        from .accuracy import run_accuracy_command
+        return run_accuracy_command(args, engine_args_from(args))
     check_repeat(args.repeat)
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1; got {args.hf_batch_size}")

@@ -1,0 +1,63 @@
+"""Time every CPU matrix product for int8 and int4 weights on the default model's shapes.
+
+    python -m phases.p05_quantization.bench_kernels [--rows 1 4 32] [--repeat 7] [--group-size 64]
+
+For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
+LM head 49152x576) and each row count, the best-of-`repeat` time of: float32 through
+tinyvllm's `Linear` (oneDNN), and each `QuantizedLinear` kernel. Each kernel's largest error
+against the reference path (dequantize, then matmul) is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from tinyvllm.model import Linear
+
+from .quant import QuantizedLinear
+
+SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576),
+          "down_proj": (576, 1536), "lm_head": (49152, 576)}
+
+
+def best_ms(fn, repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times) * 1e3
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32])
+    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    a = p.parse_args(argv)
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads; ms, best of {a.repeat}")
+    for name in a.shapes:
+        o, i = SHAPES[name]
+        w = torch.randn(o, i) * 0.02
+        lin = Linear(i, o, bias=False).requires_grad_(False)
+        lin.weight.copy_(w)
+        layers = {f"{m}:{k}": QuantizedLinear(w, None, m, a.group_size, kernel=k)
+                  for m, ks in QuantizedLinear.KERNELS.items() for k in ks}
+        for n in a.rows:
+            x = torch.randn(n, i)
+            row = [f"float32 {best_ms(lambda: lin(x), a.repeat):.2f}"]
+            for label, q in layers.items():
+                err = (q(x) - q.reference_forward(x)).abs().max().item()
+                row.append(f"{label} {best_ms(lambda: q(x), a.repeat):.2f} (err {err:.0e})")
+            print(f"{name} {o}x{i}, {n} rows: " + " | ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Weights in 8 and 4 bits: quantize, pack, dequantize, and a `QuantizedLinear` that multiplies.
+
+int8 (W8A16), per output channel, symmetric. Each row of W (one output channel) gets one scale:
+
+    s = max|w_row| / 127        q = round(w / s) in [-127, 127]        w ~ q * s
+
+int4 (W4A16), per group of `group_size` input columns, asymmetric. Each group of a row gets a
+scale and a zero point, so a group whose values are all positive does not waste half of the 16
+levels on negatives. The zero point is kept in float, as the value of level 0 (the group's
+minimum), as llama.cpp's Q4_1 and PyTorch's int4 kernels keep it:
+
+    s = (max - min) / 15        m = min
+    q = clamp(round((w - m) / s), 0, 15)                            w ~ q * s + m
+
+Two int4 values share a byte: column 2j in the low nibble, column 2j+1 in the high one.
+
+Rounding to the nearest level makes the error of each weight at most half a step, s / 2 (tested
+with hypothesis in test_quant.py).
+
+`QuantizedLinear.reference_forward` is the readable path: dequantize the whole matrix, then an
+ordinary matmul. `forward` takes the fastest kernel measured on this CPU for the format and the
+number of rows (see `bench_kernels.py` and the lesson); every kernel is tested against the
+reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+# ---------------------------------------------------------------------------------------------
+# int8: per output channel, symmetric
+# ---------------------------------------------------------------------------------------------
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (O, I) float -> q (O, I) int8, scale (O,) float32, with w ~ q * scale[:, None]."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127                   # (O,)
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # (O, I)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """q (O, I) int8, scale (O,) -> w (O, I)."""
+    return (q.float() * scale[:, None]).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# int4: per group of input columns, asymmetric, two values per byte
+# ---------------------------------------------------------------------------------------------
+
+def check_group_size(in_features: int, group_size: int, name: str = "") -> None:
+    """Raise ValueError unless `group_size` is offered and divides the layer's input size."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, got {group_size}")
+    if in_features % group_size:
+        raise ValueError(
+            f"quantization_group_size={group_size} does not divide the input size {in_features} of "
+            f"layer {name or '?'}; choose one of {list(INT4_GROUP_SIZES)} that divides it")
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (O, I) float -> q (O, I) uint8 in [0, 15] (not yet packed), scale (O, I/g) float32,
+    zero (O, I/g) float32 (the value of level 0: the group's minimum), with w ~ q * scale + zero,
+    group by group."""
+    o, i = w.shape
+    check_group_size(i, group_size)
+    g = w.float().reshape(o, i // group_size, group_size)                  # (O, G, g)
+    lo, hi = g.amin(-1), g.amax(-1)                                          # (O, G)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)                                 # (O, G)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)     # (O, G, g)
+    return q.reshape(o, i).to(torch.uint8), scale, lo
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q (O, I) uint8 values in [0, 15] -> (O, I/2) uint8: column 2j low nibble, 2j+1 high."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(O, I/2) uint8 -> (O, I) uint8 in [0, 15]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(1)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    dtype=torch.float32) -> torch.Tensor:
+    """packed (O, I/2), scale and zero (O, G) -> w (O, I)."""
+    q = unpack_int4(packed)
+    o, i = q.shape
+    g = q.reshape(o, scale.shape[1], -1).float()                            # (O, G, g)
+    return (g * scale[..., None] + zero[..., None]).reshape(o, i).to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------
+
+def fbgemm_available() -> bool:
+    """fbgemm's dynamic int8 linear: PyTorch's x86 CPU builds have it."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is stored in int8 or int4 (no float copy).
+
+    Args:
+        weight: the float weight (O, I); it is quantized here and not kept.
+        bias: optional (O,) float bias, kept in float.
+        method: "int8" or "int4".
+        group_size: int4's group of input columns (32, 64 or 128).
+        kernel: which matrix product `forward` runs on a CPU: "auto" (default on a CPU: the one
+            measured fastest for the row count, `choose_kernel`), "reference"
+            (dequantize-then-matmul), or one of `KERNELS[method]`.
+    """
+
+    KERNELS = {"int8": ("reference", "fbgemm_w8a8", "int8pack_mm"),
+               "int4": ("reference", "int4pack_mm")}
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
+                 group_size: int = 128, kernel: str | None = None):
+        super().__init__()
+        if method not in self.KERNELS:
+            raise ValueError(f"quantization must be one of {list(self.KERNELS)}, got {method!r}")
+        kernel = kernel or ("auto" if weight.device.type == "cpu" else "reference")
+        if kernel not in ("auto", *self.KERNELS[method]):
+            raise ValueError(f"kernel for {method} must be 'auto' or one of {self.KERNELS[method]}, got {kernel!r}")
+        self.method, self.group_size, self.kernel = method, group_size, kernel
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        w = weight.detach()
+        if method == "int8":
+            q, scale = quantize_int8(w)
+            self.register_buffer("qweight", q)                          # (O, I) int8
+            self.register_buffer("scale", scale)                        # (O,)
+        else:
+            q, scale, zero = quantize_int4(w, group_size)
+            self.register_buffer("qweight", pack_int4(q))               # (O, I/2) uint8
+            self.register_buffer("scale", scale)                        # (O, G)
+            self.register_buffer("zero", zero)                          # (O, G) float32
+        self._packed: dict = {}  # each kernel's own layout of the weight, made at its first call
+
+    def choose_kernel(self, num_rows: int) -> str:
+        """The fastest kernel measured on a CPU for this format and row count (bench_kernels.py,
+        the lesson): int8: fbgemm's dynamic int8 (W8A8, with LLM.int8()'s outlier columns in
+        float) at every row count; int4: PyTorch's int4 kernel at one row, dequantize-then-matmul
+        from two rows on."""
+        if self.kernel != "auto":
+            return self.kernel
+        if self.method == "int8":
+            return "fbgemm_w8a8" if fbgemm_available() else ("int8pack_mm" if num_rows == 1 else "reference")
+        return "int4pack_mm" if num_rows == 1 else "reference"
+
+    def extra_repr(self) -> str:
+        g = f", group_size={self.group_size}" if self.method == "int4" else ""
+        return f"in={self.in_features}, out={self.out_features}, {self.method}{g}, kernel={self.kernel}"
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The weight back in float, (O, I)."""
+        dtype = dtype or self.dtype
+        if self.method == "int8":
+            return dequantize_int8(self.qweight, self.scale, dtype)
+        return dequantize_int4(self.qweight, self.scale, self.zero, dtype)
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The readable path: dequantize the whole weight, then an ordinary matmul."""
+        return F.linear(x, self.dequantize(x.dtype), self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (N, I) -> (N, O)."""
+        if x.device.type == "cuda" and x.dim() == 2:
+            from .triton_quant import wq_matmul  # Triton: dequantized inside the matmul loop
+            return wq_matmul(x, self)
+        if x.device.type != "cpu" or x.dim() != 2:
+            return self.reference_forward(x)
+        kernel = self.choose_kernel(x.shape[0])
+        if kernel == "reference":
+            return self.reference_forward(x)
+        return KERNEL_FNS[kernel](self, x)
+
+    def packed(self, kernel: str):
+        """The weight in `kernel`'s layout, made once (a second, integer copy of the weight)."""
+        if kernel not in self._packed:
+            self._packed[kernel] = PACKERS[kernel](self)
+        return self._packed[kernel]
+
+    def weight_bytes(self) -> int:
+        """Bytes of the stored weight (quantized values, scales, zero points, bias)."""
+        return sum(t.numel() * t.element_size() for t in (*self.buffers(), *self.parameters()))
+
+
+# -- kernels: each takes (layer, x (N, I) float32) -> (N, O) ----------------------------------
+
+def _pack_fbgemm(layer: QuantizedLinear):
+    qw = torch._make_per_channel_quantized_tensor(
+        layer.qweight, layer.scale.double(), torch.zeros_like(layer.scale, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qw, None if layer.bias is None else layer.bias.float())
+
+
+OUTLIER_THRESHOLD = 3.0  # LLM.int8()'s: input columns with a value above it stay in float
+
+
+def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    # fbgemm quantizes the activations to uint8 per call (one scale for the whole x), multiplies
+    # int8 x int8 -> int32 and returns float: W8A8 with dynamic activation scales.
+    # reduce_range=True: 7-bit activations, so that pairs of u8 x s8 products cannot saturate
+    # the 16-bit sums of AVX2's vpmaddubsw (without it, measured errors up to 12% of the output).
+    # An LLM's hidden states have a few channels far larger than the rest; one scale for all
+    # would round every other channel to a handful of levels. So, as LLM.int8() does, the input
+    # columns holding a value above OUTLIER_THRESHOLD are taken out of x and multiplied in float
+    # with their weight columns, dequantized (O, k): a small product beside the int8 one.
+    x = x.float().contiguous()                                                   # (N, I)
+    cols = (x.abs().amax(0) > OUTLIER_THRESHOLD).nonzero().flatten()             # (k,)
+    if len(cols) == 0:
+        return torch.ops.quantized.linear_dynamic(x, layer.packed("fbgemm_w8a8"), True)
+    x_outliers = x.index_select(1, cols)                                          # (N, k)
+    w_cols = layer.qweight.index_select(1, cols).float() * layer.scale[:, None]  # (O, k)
+    y = torch.ops.quantized.linear_dynamic(x.index_fill(1, cols, 0.0), layer.packed("fbgemm_w8a8"), True)
+    return y + x_outliers @ w_cols.T
+
+
+def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.qweight, layer.scale.to(x.dtype))
+    return y if layer.bias is None else y + layer.bias
+
+
+def _pack_int4(layer: QuantizedLinear):
+    q = unpack_int4(layer.qweight).to(torch.int32)                            # (O, I)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    # PyTorch's int4 kernel computes (q - 8) * scale + zero_f: ours is q * scale + zero, so
+    # zero_f = zero + 8 * scale. Layout (G, O, 2).
+    zf = layer.zero + 8 * layer.scale
+    return packed, torch.stack((layer.scale, zf), dim=-1).transpose(0, 1).contiguous()
+
+
+def _int4pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    packed, sz = layer.packed("int4pack_mm")
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), packed, layer.group_size, sz.to(x.dtype))
+    return y if layer.bias is None else y + layer.bias
+
+
+KERNEL_FNS = {"fbgemm_w8a8": _fbgemm_w8a8, "int8pack_mm": _int8pack_mm, "int4pack_mm": _int4pack_mm}
+PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4}

@@ -1,0 +1,49 @@
+"""`tinyvllm bench accuracy` on a tiny model with a few tokens: the float engine against itself
+scores zero KL and full agreement, a quantized one is reported beside it, and --json writes it."""
+
+import json
+import math
+
+import pytest
+
+from tinyvllm.bench.accuracy import TEXT_PATH, load_text, run_accuracy
+
+
+def test_shipped_text_is_long_enough_and_licensed():
+    head = TEXT_PATH.read_text().split("=" * 72)[0]
+    assert "Python Software Foundation" in head and "pydoc_data/topics.py" in head
+    from tinyvllm.download import resolve_model
+    from tinyvllm.tokenizer import Tokenizer
+    try:
+        tok = Tokenizer(resolve_model(None))
+    except Exception as e:  # no default model here: count words instead
+        pytest.skip(f"default model unavailable: {e}")
+    assert len(tok.encode(load_text())) >= 20_000
+
+
+def test_accuracy_report(tiny_model_dir):
+    report = run_accuracy(str(tiny_model_dir), quantizations=(None, "int8"), kv_cache_dtypes=("auto", "int8"),
+                          group_size=32, window=24, max_text_tokens=72, kl_tokens=40, num_chat=2,
+                          chat_tokens=6, phase=5)
+    rows = {(r["quantization"], r["kv_cache_dtype"]): r for r in report["results"]}
+    assert set(rows) == {(None, "auto"), (None, "int8"), ("int8", "auto"), ("int8", "int8")}
+    base = rows[(None, "auto")]
+    assert base["mean_kl"] == 0 and base["top1_agreement"] == 1.0
+    assert base["num_text_tokens"] == 69 and base["num_answer_tokens"] == 12
+    for key, r in rows.items():
+        assert math.isfinite(r["perplexity"]) and r["perplexity"] > 1
+        if key != (None, "auto"):
+            assert r["mean_kl"] > 0  # a quantized engine's distributions differ, a little
+            assert r["perplexity_change"] == pytest.approx(r["perplexity"] / base["perplexity"] - 1)
+
+
+def test_accuracy_cli_json(tiny_model_dir, tmp_path):
+    from tinyvllm.cli import main
+    out = tmp_path / "acc.json"
+    rc = main(["bench", "accuracy", "--model", str(tiny_model_dir), "--quantization-list", "int4",
+               "--kv-cache-dtypes", "fp8", "--quantization-group-size", "32", "--window", "16",
+               "--max-text-tokens", "32", "--kl-tokens", "8", "--num-chat", "1", "--chat-tokens", "4",
+               "--json", str(out)])
+    assert rc in (0, None)
+    report = json.loads(out.read_text())
+    assert [(r["quantization"], r["kv_cache_dtype"]) for r in report["results"]] == [(None, "auto"), ("int4", "fp8")]
