@@ -88,12 +88,23 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS":
+        # as vLLM, the key guards /v1; the read-only /metrics, /health and engine state stay open
+        if (api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS"
+                and request.url.path != "/v1/engine/state"):
             if request.headers.get("authorization") != f"Bearer {api_key}":
                 return error_response(APIError(401, "missing or wrong API key: send "
                                                "'Authorization: Bearer <key>'",
                                                type="authentication_error", code="invalid_api_key"))
         return await call_next(request)
+
+    def render_chat(messages, add_generation_prompt: bool) -> str:
+        """The chat template on the messages; any failure (a template error on odd content) is
+        the request's fault: a 400 naming `messages`."""
+        try:
+            return tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
+                                                 add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 -- jinja raises many kinds
+            raise APIError(400, f"messages: the chat template failed on them: {e}", param="messages") from None
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -157,11 +168,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt")
         if req.messages is not None:
-            try:
-                text = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in req.messages],
-                                                     req.add_generation_prompt)
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
+            text = render_chat(req.messages, req.add_generation_prompt)
             ids = tokenizer.encode(text, add_special_tokens=False)
         else:
             ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
@@ -232,10 +239,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         try:
             params = req.sampling_params(max_tokens, logprobs)
-            text = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in req.messages],
-                                                 req.add_generation_prompt)
         except (ValueError, TypeError) as e:
             raise bad_value(e, chat_fields, "messages") from None
+        text = render_chat(req.messages, req.add_generation_prompt)
         if params.max_tokens is None:  # as vLLM: what the context leaves
             ids = tokenizer.encode(text, add_special_tokens=False)
             params.max_tokens = max(1, engine.engine.max_model_len - len(ids))
