@@ -298,3 +298,19 @@ def test_queue_bound_and_sigterm(tiny_model_dir):
         assert proc.wait(30) in (0, -15)
         out = proc.stdout.read()
         assert "Traceback" not in out, out
+
+
+def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path):
+    from tinyvllm.cli import main
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--base-url", server, "--api-key", API_KEY, "--model", str(tiny_model_dir),
+               "--num-prompts", "6", "--dataset", "random", "--input-len", "12", "--output-len", "5",
+               "--request-rate", "50", "--goodput", "ttft:60000", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["total_output_tokens"] == 6 * 5
+    assert report["goodput"] == pytest.approx(report["request_throughput"])   # a target all meet
+    for k in ("ttft", "tpot", "itl", "e2e"):
+        assert 0 < report[k]["median_ms"] <= report[k]["p99_ms"]
+    assert report["ttft"]["mean_ms"] < report["e2e"]["mean_ms"]
