@@ -7,9 +7,7 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +15,7 @@ import httpx
 import pytest
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.bench.serve import start_builtin_server
 
 pytestmark = pytest.mark.server
 openai = pytest.importorskip("openai")
@@ -25,31 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: Path, *extra: str, env: dict | None = None):
-    """`tinyvllm serve` in a subprocess; returns (process, base url) once /health answers."""
-    port = _free_port()
-    cmd = [sys.executable, "-m", "tinyvllm.cli", "serve", str(model_dir), "--port", str(port),
-           "--log-level", "warning", "--served-model-name", "tiny", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the server did not start in 120 s")
+def start_server(model_dir: Path, *extra: str):
+    """`tinyvllm serve` on a free port, its output captured; (process, base url) once it answers."""
+    return start_builtin_server([str(model_dir), "--log-level", "warning", "--served-model-name", "tiny",
+                                 *extra], timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +56,7 @@ def _post(server, path, body, key=API_KEY, **kw):
 
 def _metric(server, name) -> float:
     text = httpx.get(server + "/metrics").text
-    m = re.search(rf"^tinyvllm:{name} (\S+)$", text, re.M)
+    m = re.search(rf"^tinyvllm:{name} (\S+)$", text, re.MULTILINE)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
 
@@ -110,7 +89,7 @@ def test_greedy_completions_equal_offline_generate(client, offline):
 
 
 def test_streamed_completion_equals_unstreamed(client):
-    kw = dict(model="tiny", prompt="once upon", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    kw = {"model": "tiny", "prompt": "once upon", "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
     full = client.completions.create(**kw).choices[0].text
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
@@ -136,8 +115,8 @@ def test_chat_streamed_and_not(client, offline):
 
 
 def test_n_seed_stop_and_logprobs(client, offline):
-    kw = dict(model="tiny", prompt="seed test", max_tokens=6, temperature=1.0, seed=7, n=2,
-              extra_body={"ignore_eos": True})
+    kw = {"model": "tiny", "prompt": "seed test", "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 2,
+              "extra_body": {"ignore_eos": True}}
     a = client.completions.create(**kw)
     b = client.completions.create(**kw)
     assert len(a.choices) == 2 and [c.text for c in a.choices] == [c.text for c in b.choices]
@@ -314,3 +293,11 @@ def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path):
     for k in ("ttft", "tpot", "itl", "e2e"):
         assert 0 < report[k]["median_ms"] <= report[k]["p99_ms"]
     assert report["ttft"]["mean_ms"] < report["e2e"]["mean_ms"]
+
+
+@pytest.mark.parametrize("phase", [1, 2])
+def test_phases_without_streaming_api_are_refused(tiny_model_dir, phase):
+    from tinyvllm.server import AsyncEngine
+    engine = LLM(str(tiny_model_dir), phase=phase).llm_engine
+    with pytest.raises(ValueError, match="phase 3 or later"):
+        AsyncEngine(engine)

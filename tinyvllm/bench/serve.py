@@ -21,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -138,8 +138,8 @@ def summarize(results: list[RequestResult], duration: float, goodput: dict[str, 
 def format_summary(s: dict, title: str) -> str:
     lines = [title,
              f"  completed {s['completed']}, failed {s['failed']} in {s['duration_s']:.2f} s",
-             f"  request throughput {s['request_throughput']:.2f} req/s, "
-             f"output {s['output_throughput']:.1f} tok/s"]
+             (f"  request throughput {s['request_throughput']:.2f} req/s, "
+              f"output {s['output_throughput']:.1f} tok/s")]
     if s["goodput"] is not None:
         lines.append(f"  goodput {s['goodput']:.2f} req/s under {s['goodput_targets_ms']} ms")
     lines.append(f"  {'':6} {'mean ms':>10} {'median ms':>10} {'p99 ms':>10}")
@@ -160,26 +160,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_builtin_server(model: str | None, phase: int | None, engine_flags: list[str]):
-    """`tinyvllm serve` in a subprocess on a free port; (process, url) once /health answers."""
+def start_builtin_server(serve_args: list[str], timeout: float = 600, **popen_kwargs):
+    """`tinyvllm serve *serve_args` in a subprocess on a free port; (process, url) once /health
+    answers. `popen_kwargs` go to subprocess.Popen (the tests capture its output)."""
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "tinyvllm.cli", "serve", "--port", str(port), "--log-level", "warning",
-           *([model] if model else []), *(["--phase", str(phase)] if phase else []), *engine_flags]
-    proc = subprocess.Popen(cmd)
+    cmd = [sys.executable, "-m", "tinyvllm.cli", "serve", "--port", str(port), *serve_args]
+    proc = subprocess.Popen(cmd, **popen_kwargs)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the built-in server exited ({proc.returncode})")
+            out = proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"the server exited ({proc.returncode}) {out}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
         except httpx.HTTPError:
-            time.sleep(0.5)
+            time.sleep(0.3)
     proc.kill()
-    raise RuntimeError("the built-in server did not start in 600 s")
+    raise RuntimeError(f"the server did not start in {timeout:.0f} s")
 
 
 def engine_flags_from(engine_args: dict) -> list[str]:
@@ -188,10 +189,11 @@ def engine_flags_from(engine_args: dict) -> list[str]:
 
     flags = []
     for name, value in engine_args.items():
-        flag, kw = _engine_flag(name, value if isinstance(value, bool) else None)
-        if isinstance(value, bool):
-            flags.append(_engine_flag(name, not value)[0])  # only a flip from the default is given
-        elif isinstance(value, list):
+        if isinstance(value, bool):  # only a flip from the default is given: its flag
+            flags.append(_engine_flag(name, not value)[0])
+            continue
+        flag = _engine_flag(name, None)[0]
+        if isinstance(value, list):
             flags += [flag, *map(str, value)]
         elif isinstance(value, dict):
             flags += [flag, json.dumps(value)]
@@ -227,7 +229,9 @@ def run_serve_bench(args, engine_args: dict, command: str) -> int:
             if len(phase_list) != 1:
                 raise ValueError("--phases: bench serve runs one phase's server; give one, e.g. --phases 3")
             phase = phase_list[0]
-        proc, url = start_builtin_server(args.model, phase, engine_flags_from(engine_args))
+        serve_args = ["--log-level", "warning", *([args.model] if args.model else []),
+                      *(["--phase", str(phase)] if phase else []), *engine_flags_from(engine_args)]
+        proc, url = start_builtin_server(serve_args)
     try:
         results, duration = asyncio.run(run_load(url.rstrip("/"), requests, args.request_rate,
                                                  model=args.served_model_name, api_key=args.api_key,

@@ -4,7 +4,7 @@
 own asyncio queue; `build_app` makes the FastAPI app (endpoints, errors, /metrics).
 """
 
-from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError
 from tinyvllm.server.app import build_app
+from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError
 
 __all__ = ["AsyncEngine", "EngineDeadError", "build_app"]

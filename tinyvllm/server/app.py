@@ -20,8 +20,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tinyvllm.server.metrics import ServerMetrics
-from tinyvllm.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                      TokenizeRequest)
+from tinyvllm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 
 STATIC = Path(__file__).parent / "static"
 
@@ -89,12 +93,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         # as vLLM, the key guards /v1; the read-only /metrics, /health and engine state stay open
-        if (api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS"
-                and request.url.path != "/v1/engine/state"):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                return error_response(APIError(401, "missing or wrong API key: send "
-                                               "'Authorization: Bearer <key>'",
-                                               type="authentication_error", code="invalid_api_key"))
+        guarded = (api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS"
+                   and request.url.path != "/v1/engine/state")
+        if guarded and request.headers.get("authorization") != f"Bearer {api_key}":
+            return error_response(APIError(401, "missing or wrong API key: send "
+                                           "'Authorization: Bearer <key>'",
+                                           type="authentication_error", code="invalid_api_key"))
         return await call_next(request)
 
     def render_chat(messages, add_generation_prompt: bool) -> str:

@@ -153,7 +153,7 @@ class AsyncEngine:
                     entry = self._queues.get(out.request_id)
                     if entry is not None:
                         entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
-        except BaseException as e:  # noqa: BLE001 -- every waiting client must hear of it
+        except BaseException as e:  # every waiting client must hear of it
             self.error = e
             for loop, q in list(self._queues.values()):
                 loop.call_soon_threadsafe(q.put_nowait, e)
