@@ -6,6 +6,7 @@
     tinyvllm chat --message "Hi"           # one turn, then exit
     tinyvllm download                      # fetch and convert the default model
     tinyvllm bench latency --phases 1-3    # speed: phases side by side (see tinyvllm bench --help)
+    tinyvllm serve --port 8000             # an OpenAI-compatible server; the live page at /
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("download", description=download_help,
                    help="download and convert the default model into the cache; print its folder")
     add_bench_parser(sub)  # its flags live beside the harness, in tinyvllm/bench/cli.py
+    from tinyvllm.server.cli import add_serve_parser
+    add_serve_parser(sub)  # its flags live beside the server, in tinyvllm/server/cli.py
     return parser
 
 
@@ -142,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             return run_bench_command(args, argv)
+        if args.command == "serve":
+            from tinyvllm.server.cli import run_serve
+            return run_serve(args)
         params = _sampling_params(args)
         from tinyvllm.llm import LLM
         llm = LLM(args.model, phase=args.phase, **_engine_kwargs(args))

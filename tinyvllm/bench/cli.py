@@ -100,12 +100,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "bench", help="measure speed: phases side by side, Hugging Face, and the machine's limits",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", nargs="?", default="throughput", choices=(*WORKLOADS, "kernels", "accuracy"),
+    p.add_argument("workload", nargs="?", default="throughput",
+                   choices=(*WORKLOADS, "kernels", "accuracy", "serve"),
                    help="throughput (many requests at once), latency (one request: TTFT, TPOT), "
                         "prefix (a shared system prompt: TTFT cold vs cached), kernels (the attention "
                         "kernels alone, against the memory bandwidth), accuracy (perplexity, KL "
-                        "divergence and top-1 agreement of quantized engines against float); "
-                        "default throughput")
+                        "divergence and top-1 agreement of quantized engines against float), serve "
+                        "(a load test of an OpenAI-compatible server); default throughput")
     p.add_argument("--model", default=None,
                    help="path to a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--phases", default=None,
@@ -129,6 +130,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--prefix-len", type=int, default=None,
                    help=f"tokens of the shared prefix (prefix workload; default {DEFAULTS['prefix']['prefix_len']})")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
+
+    s = p.add_argument_group("serve: a load test of an OpenAI-compatible server (tinyvllm/bench/serve.py)")
+    s.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second, Poisson arrivals (default inf: all at once)")
+    s.add_argument("--base-url", default=None,
+                   help="the server to measure, e.g. http://127.0.0.1:8000 (default: start tinyvllm serve)")
+    s.add_argument("--served-model-name", default=None, help="the 'model' field to send")
+    s.add_argument("--api-key", default=None, help="bearer token for the server")
+    s.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="targets for goodput, e.g. ttft:500 tpot:50 (ms)")
 
     r = p.add_argument_group("runs and output")
     r.add_argument("--repeat", type=int, default=1,
@@ -164,6 +175,10 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     if args.workload == "accuracy":
         from .accuracy import run_accuracy_command
         return run_accuracy_command(args, engine_args_from(args))
+    if args.workload == "serve":
+        from .serve import run_serve_bench
+        argv = sys.argv[1:] if argv is None else argv
+        return run_serve_bench(args, engine_args_from(args), "tinyvllm " + shlex.join(argv))
     check_repeat(args.repeat)
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1; got {args.hf_batch_size}")

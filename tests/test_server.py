@@ -1,0 +1,303 @@
+"""The OpenAI-compatible server: a real `tinyvllm serve` in a subprocess on a free port, a tiny
+random model, driven by the official `openai` client and plain HTTP. One server per module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.bench.serve import start_builtin_server
+
+pytestmark = pytest.mark.server
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+API_KEY = "test-key"
+
+
+def start_server(model_dir: Path, *extra: str):
+    """`tinyvllm serve` on a free port, its output captured; (process, base url) once it answers."""
+    return start_builtin_server([str(model_dir), "--log-level", "warning", "--served-model-name", "tiny",
+                                 *extra], timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    proc, url = start_server(tiny_model_dir, "--api-key", API_KEY, "--max-num-seqs", "8")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key=API_KEY)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_dir):
+    return LLM(str(tiny_model_dir), max_num_seqs=8)
+
+
+def _post(server, path, body, key=API_KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def _metric(server, name) -> float:
+    text = httpx.get(server + "/metrics").text
+    m = re.search(rf"^tinyvllm:{name} (\S+)$", text, re.MULTILINE)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+# -- the API, through the openai client ---------------------------------------------------------
+def test_models_health_and_tokenize(server, client, offline):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server + "/health").status_code == 200
+    ids = _post(server, "/tokenize", {"prompt": "hello world"}).json()["tokens"]
+    assert ids == offline.get_tokenizer().encode("hello world")
+    text = _post(server, "/detokenize", {"tokens": ids}).json()["prompt"]
+    assert text == offline.get_tokenizer().decode(ids, skip_special_tokens=False)
+
+
+def test_greedy_completions_equal_offline_generate(client, offline):
+    prompts = ["hello there", "a b c d e", "the quick brown fox"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = offline.generate(prompts, params, use_tqdm=False)
+    got = client.completions.create(model="tiny", prompt=prompts, max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in got.choices] == [w.outputs[0].text for w in want]
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert got.usage.completion_tokens == 3 * 8
+    assert got.usage.total_tokens == got.usage.prompt_tokens + 24
+    # token ids as the prompt give the same answer
+    ids = offline.get_tokenizer().encode(prompts[0])
+    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == want[0].outputs[0].text
+
+
+def test_streamed_completion_equals_unstreamed(client):
+    kw = {"model": "tiny", "prompt": "once upon", "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].usage.completion_tokens == 10
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streamed_and_not(client, offline):
+    messages = [{"role": "user", "content": "hi there"}]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0]
+    got = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8,
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want.outputs[0].text
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_n_seed_stop_and_logprobs(client, offline):
+    kw = {"model": "tiny", "prompt": "seed test", "max_tokens": 6, "temperature": 1.0, "seed": 7, "n": 2,
+              "extra_body": {"ignore_eos": True}}
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert len(a.choices) == 2 and [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.usage.completion_tokens == 12
+    # stop: the answer ends before the stop string, finish_reason "stop"
+    full = client.completions.create(model="tiny", prompt="stop test", max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[3:5]
+    cut = client.completions.create(model="tiny", prompt="stop test", max_tokens=12, temperature=0,
+                                    stop=[stop], extra_body={"ignore_eos": True}).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(stop)]
+    # logprobs equal the offline engine's
+    lp = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0, logprobs=2,
+                                   extra_body={"ignore_eos": True}).choices[0].logprobs
+    want = offline.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0]
+    assert lp.token_logprobs == pytest.approx([s[t].logprob for t, s in zip(want.token_ids, want.logprobs)],
+                                              abs=1e-4)
+    assert all(len(top) <= 3 for top in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=2,
+                                          extra_body={"ignore_eos": True})
+    assert len(chat.choices[0].logprobs.content) == 3
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
+def test_32_concurrent_streams_each_get_offline_tokens(server, offline):
+    prompts = [f"request {i} says" + " hi" * (i % 5) for i in range(32)]
+    max_tokens = [4 + i % 7 for i in range(32)]
+    want = offline.generate(prompts, [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+                                      for m in max_tokens], use_tqdm=False)
+    aclient = openai.AsyncOpenAI(base_url=server + "/v1", api_key=API_KEY)
+
+    async def one(p, m):
+        text, n = "", 0
+        stream = await aclient.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True},
+                                                  extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                n = chunk.usage.completion_tokens
+        return text, n
+
+    async def main():
+        return await asyncio.gather(*(one(p, m) for p, m in zip(prompts, max_tokens)))
+
+    got = asyncio.run(main())
+    assert [g[0] for g in got] == [w.outputs[0].text for w in want]
+    assert [g[1] for g in got] == max_tokens
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    free_before = _metric(server, "num_free_blocks")
+    with httpx.stream("POST", server + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"prompt": "a long one", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                            "stream": True}, timeout=60) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith("data:"):
+                break
+        assert _metric(server, "num_free_blocks") < free_before   # it holds blocks while running
+    deadline = time.time() + 20
+    while time.time() < deadline and _metric(server, "num_free_blocks") != free_before:
+        time.sleep(0.1)
+    assert _metric(server, "num_free_blocks") == free_before
+    assert _metric(server, "num_requests_running") == 0
+
+
+# -- bad input: OpenAI's error object with a 4xx naming the parameter; the server goes on --------
+BAD = [
+    ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "x", "top_p": 2}, 400, "top_p"),
+    ({"prompt": "x", "n": 0}, 400, "n"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ({"prompt": "x " * 2000}, 400, "prompt"),
+    ({"prompt": [99999]}, 400, "prompt"),
+    ({"max_tokens": 3}, 400, "prompt"),
+    ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
+def test_bad_input_gets_error_object(server, body, status, param):
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param, err
+    ok = _post(server, "/v1/completions", {"prompt": "fine", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_invalid_json_bad_chat_and_auth(server):
+    r = httpx.post(server + "/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = _post(server, "/v1/chat/completions", {"messages": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_k": -5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+    for key in (None, "wrong"):
+        r = _post(server, "/v1/completions", {"prompt": "x"}, key=key)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_metrics_have_vllm_names(server):
+    text = httpx.get(server + "/metrics").text
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                 "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+                 "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
+                 "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
+        assert f"tinyvllm:{name}" in text, name
+    state = httpx.get(server + "/v1/engine/state").json()
+    assert state["num_blocks"] >= state["num_free_blocks"] > 0
+
+
+def test_schemathesis_finds_no_5xx(server):
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    schema = schemathesis.openapi.from_url(server + "/openapi.json")
+    failures = []
+    for op in schema.get_all_operations():
+        operation = op.ok()
+        if operation.method.upper() != "POST":
+            continue
+
+        @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.as_strategy())
+        def check(case):
+            if isinstance(case.body, dict) and "max_tokens" in case.body:
+                case.body["max_tokens"] = min(case.body["max_tokens"] or 1, 4) if isinstance(
+                    case.body["max_tokens"], int) else case.body["max_tokens"]
+            r = case.call(base_url=server, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+            if r.status_code >= 500:
+                failures.append((case.path, case.body, r.status_code, r.text[:200]))
+        check()
+    assert not failures, failures
+
+
+def test_queue_bound_and_sigterm(tiny_model_dir):
+    proc, url = start_server(tiny_model_dir, "--max-num-waiting", "1", "--max-num-seqs", "1")
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"prompt": "x", "max_tokens": 60, "ignore_eos": True}
+                return await asyncio.gather(*(c.post(url + "/v1/completions", json=body) for _ in range(6)))
+        codes = sorted(r.status_code for r in asyncio.run(main()))
+        assert 503 in codes and 200 in codes, codes
+        assert all(c in (200, 503) for c in codes)
+    finally:
+        proc.terminate()   # SIGTERM: stop accepting, finish, exit
+        # uvicorn shuts down, then re-raises the signal it caught: exit status -SIGTERM
+        assert proc.wait(30) in (0, -15)
+        out = proc.stdout.read()
+        assert "Traceback" not in out, out
+
+
+def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path):
+    from tinyvllm.cli import main
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--base-url", server, "--api-key", API_KEY, "--model", str(tiny_model_dir),
+               "--num-prompts", "6", "--dataset", "random", "--input-len", "12", "--output-len", "5",
+               "--request-rate", "50", "--goodput", "ttft:60000", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["completed"] == 6 and report["failed"] == 0
+    assert report["total_output_tokens"] == 6 * 5
+    assert report["goodput"] == pytest.approx(report["request_throughput"])   # a target all meet
+    for k in ("ttft", "tpot", "itl", "e2e"):
+        assert 0 < report[k]["median_ms"] <= report[k]["p99_ms"]
+    assert report["ttft"]["mean_ms"] < report["e2e"]["mean_ms"]
+
+
+@pytest.mark.parametrize("phase", [1, 2])
+def test_phases_without_streaming_api_are_refused(tiny_model_dir, phase):
+    from tinyvllm.server import AsyncEngine
+    engine = LLM(str(tiny_model_dir), phase=phase).llm_engine
+    with pytest.raises(ValueError, match="phase 3 or later"):
+        AsyncEngine(engine)

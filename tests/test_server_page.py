@@ -1,0 +1,54 @@
+"""The live page at GET / in headless Chromium (the docs test's browser helper): it loads, a chat
+message streams an answer, and a burst shows several running requests and their KV blocks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from test_docs import browser  # noqa: F401 -- the fixture: a headless Chromium, or a skip with its reason
+from test_server import start_server
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def page_server(tiny_model_dir):
+    proc, url = start_server(tiny_model_dir, "--max-num-seqs", "4")
+    yield url
+    proc.terminate()
+    proc.wait(30)
+
+
+def _wait(browser, expression: str, timeout: float = 60):  # noqa: F811
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = browser.evaluate(expression)
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"not true within {timeout} s: {expression}")
+
+
+def test_live_page_chat_and_burst(browser, page_server):  # noqa: F811
+    browser.open(page_server + "/")
+    assert browser.evaluate("document.title").startswith("tinyvllm")
+    _wait(browser, "document.getElementById('total').textContent !== '0'")   # the state arrived
+    # a chat message streams an answer into the log
+    browser.evaluate("document.getElementById('msg').value = 'hello there';"
+                     "document.getElementById('chat').requestSubmit(); true")
+    _wait(browser, "document.querySelector('#log .assistant') && "
+                   "document.querySelector('#log .assistant').textContent.length > 0")
+    # the burst: several requests running at once, each drawn with its blocks in the pool
+    browser.evaluate("document.getElementById('burst').click(); true")
+    running = _wait(browser, "(() => { const n = +document.getElementById('running').textContent;"
+                             " return n >= 2 ? n : 0; })()")
+    assert running >= 2
+    rows = _wait(browser, "document.querySelectorAll('#requests tr.req').length >= 2 && "
+                          "document.querySelectorAll('#requests tr.req').length")
+    cells = _wait(browser, "document.querySelectorAll('#pool .cell.used').length")
+    assert rows >= 2 and cells >= 2
+    # with 4 seats and 10 requests, some wait; they all drain afterwards
+    _wait(browser, "document.getElementById('running').textContent === '0' && "
+                   "document.getElementById('waiting').textContent === '0'", timeout=120)
+    assert not browser.console_errors()

@@ -1,0 +1,414 @@
+"""The FastAPI app: OpenAI's endpoints over an `AsyncEngine`, errors as OpenAI's error object,
+Prometheus metrics with vLLM's names under `tinyvllm:`, and the live page at GET /."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from tinyvllm.server.metrics import ServerMetrics
+from tinyvllm.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+
+STATIC = Path(__file__).parent / "static"
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+
+def error_response(e: APIError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+    return JSONResponse(body, status_code=e.status)
+
+
+def bad_value(e: Exception, fields: set[str], default_param: str) -> APIError:
+    """A ValueError/TypeError from SamplingParams or the engine -> 400 naming the field. Their
+    messages start with (or mention) the argument's name, e.g. 'max_tokens: ...'."""
+    message = str(e)
+    words = re.findall(r"[a-z_]+", message)
+    param = next((w for w in words if w in fields), default_param)
+    return APIError(400, message, param=param)
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+              max_model_len: int | None = None) -> FastAPI:
+    """The app serving `engine` under the name `model_name` (what /v1/models lists)."""
+    metrics = ServerMetrics(engine)
+    tokenizer = engine.tokenizer
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.shutdown()   # after uvicorn has stopped accepting and closed the connections
+
+    app = FastAPI(title="tinyvllm", version="0.1", lifespan=lifespan,
+                  description="An OpenAI-compatible server for tinyvllm's engine")
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        if first.get("type") == "json_invalid":
+            return error_response(APIError(400, f"invalid JSON: {first.get('msg')}", param=None))
+        msg = "; ".join(f"{'.'.join(str(p) for p in er.get('loc', ()) if p != 'body') or 'body'}: "
+                        f"{er.get('msg')}" for er in errs[:3])
+        return error_response(APIError(400, msg, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return error_response(APIError(e.status_code, str(e.detail), code=None,
+                                       type="invalid_request_error" if e.status_code < 500 else "server_error"))
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        # as vLLM, the key guards /v1; the read-only /metrics, /health and engine state stay open
+        guarded = (api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS"
+                   and request.url.path != "/v1/engine/state")
+        if guarded and request.headers.get("authorization") != f"Bearer {api_key}":
+            return error_response(APIError(401, "missing or wrong API key: send "
+                                           "'Authorization: Bearer <key>'",
+                                           type="authentication_error", code="invalid_api_key"))
+        return await call_next(request)
+
+    def render_chat(messages, add_generation_prompt: bool) -> str:
+        """The chat template on the messages; any failure (a template error on odd content) is
+        the request's fault: a 400 naming `messages`."""
+        try:
+            return tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
+                                                 add_generation_prompt)
+        except Exception as e:  # noqa: BLE001 -- jinja raises many kinds
+            raise APIError(400, f"messages: the chat template failed on them: {e}", param="messages") from None
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"model: the model {name!r} does not exist; this server serves "
+                                f"{model_name!r}", param="model", code="model_not_found")
+
+    async def run(request_id: str, prompt: Any, params, fields: set[str], prompt_param: str):
+        """Start a request; return its output iterator after its first output, so bad input and
+        a full queue are answered before any response header is sent."""
+        try:
+            gen = engine.generate(request_id, prompt, params)
+            first = await gen.__anext__()
+        except (ValueError, TypeError) as e:
+            raise bad_value(e, fields, prompt_param) from None
+        except QueueFullError as e:
+            raise APIError(503, str(e), type="service_unavailable", code="queue_full") from None
+        except EngineDeadError as e:
+            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        metrics.on_output(first)
+        return first, gen
+
+    async def outputs_of(first: RequestOutput, gen):
+        yield first
+        async for out in gen:
+            metrics.on_output(out)
+            yield out
+
+    # -- info ------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if engine.error is not None:
+            raise APIError(503, f"the engine has stopped: {engine.error}", type="server_error")
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": created, "owned_by": "tinyvllm",
+            "root": model_name, "max_model_len": max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/engine/state")
+    async def engine_state():
+        """The engine as it runs (for the live page): requests, their blocks, counters."""
+        return engine.state
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def index():
+        page = STATIC / "index.html"
+        if not page.exists():
+            return HTMLResponse("<p>tinyvllm server: see /docs</p>")
+        return HTMLResponse(page.read_text(encoding="utf-8"))
+
+    # -- tokens ----------------------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give one of prompt or messages", param="prompt")
+        if req.messages is not None:
+            text = render_chat(req.messages, req.add_generation_prompt)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        check_model(req.model)
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"tokens: ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
+        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+    # -- completions -----------------------------------------------------------------------------
+    completion_fields = set(CompletionRequest.model_fields)
+    chat_fields = set(ChatCompletionRequest.model_fields)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        check_model(req.model)
+        if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+            raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
+        try:
+            params = req.sampling_params(req.max_tokens, req.logprobs)
+        except (ValueError, TypeError) as e:
+            raise bad_value(e, completion_fields, "prompt") from None
+        prompts = _completion_prompts(req.prompt)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        started = []
+        try:
+            for i, p in enumerate(prompts):
+                started.append(await run(f"{rid}-{i}", p, params, completion_fields, "prompt"))
+        except APIError:
+            for _, gen in started:
+                await gen.aclose()
+            raise
+        name = req.model or model_name
+        if req.stream:
+            return StreamingResponse(_stream_completions(rid, name, started, req, raw, tokenizer, outputs_of),
+                                     media_type="text/event-stream")
+        finals = []
+        for first, gen in started:
+            last = first
+            async for out in outputs_of(first, gen):
+                last = out
+            finals.append(last)
+        choices, prompt_tokens, completion_tokens = [], 0, 0
+        for i, out in enumerate(finals):
+            prompt_tokens += len(out.prompt_token_ids)
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                text = (out.prompt or "") + c.text if req.echo else c.text
+                choices.append({"index": i * params.n + c.index, "text": text,
+                                "logprobs": _completion_logprobs(c.token_ids, c.logprobs, tokenizer, req.logprobs)
+                                if req.logprobs is not None else None,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
+                "choices": choices, "usage": _usage(prompt_tokens, completion_tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        check_model(req.model)
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+            raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}",
+                           param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        try:
+            params = req.sampling_params(max_tokens, logprobs)
+        except (ValueError, TypeError) as e:
+            raise bad_value(e, chat_fields, "messages") from None
+        text = render_chat(req.messages, req.add_generation_prompt)
+        if params.max_tokens is None:  # as vLLM: what the context leaves
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            params.max_tokens = max(1, engine.engine.max_model_len - len(ids))
+        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        first, gen = await run(rid, prompt, params, chat_fields, "messages")
+        name = req.model or model_name
+        if req.stream:
+            return StreamingResponse(_stream_chat(rid, name, first, gen, req, raw, tokenizer, outputs_of),
+                                     media_type="text/event-stream")
+        last = first
+        async for out in outputs_of(first, gen):
+            last = out
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": {"content": _chat_logprobs(c.token_ids, c.logprobs, tokenizer, req.top_logprobs or 0)}
+                    if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in last.outputs]
+        n_out = sum(len(c.token_ids) for c in last.outputs)
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name,
+                "choices": choices, "usage": _usage(len(last.prompt_token_ids), n_out)}
+
+    return app
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _completion_prompts(prompt) -> list:
+    """OpenAI's four prompt shapes -> a list of engine prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt: the prompt is empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    if all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if all(isinstance(p, list) for p in prompt):
+        return [{"prompt_token_ids": p} for p in prompt]
+    raise APIError(400, "prompt: a string, a list of strings, a list of token ids, or a list of "
+                        "lists of token ids", param="prompt")
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _token_text(tokenizer, tid: int, lp) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([tid], skip_special_tokens=False)
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else -9999.0   # JSON has no -inf (vLLM writes -9999.0 too)
+
+
+def _completion_logprobs(token_ids, logprobs, tokenizer, k: int, offset: int = 0) -> dict:
+    """The legacy completions logprobs object: tokens, token_logprobs, top_logprobs, text_offset."""
+    res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    pos = offset
+    for tid, step in zip(token_ids, logprobs or []):
+        text = _token_text(tokenizer, tid, step.get(tid))
+        res["tokens"].append(text)
+        res["token_logprobs"].append(_finite(step[tid].logprob))
+        top = sorted(step.items(), key=lambda kv: kv[1].rank or 0)[:k]
+        res["top_logprobs"].append({_token_text(tokenizer, t, o): _finite(o.logprob) for t, o in top} if k else None)
+        res["text_offset"].append(pos)
+        pos += len(text)
+    return res
+
+
+def _chat_logprobs(token_ids, logprobs, tokenizer, k: int) -> list[dict]:
+    out = []
+    for tid, step in zip(token_ids, logprobs or []):
+        text = _token_text(tokenizer, tid, step.get(tid))
+        top = sorted(step.items(), key=lambda kv: kv[1].rank or 0)[:k]
+        out.append({"token": text, "logprob": _finite(step[tid].logprob), "bytes": list(text.encode()),
+                    "top_logprobs": [{"token": (t2 := _token_text(tokenizer, t, o)),
+                                      "logprob": _finite(o.logprob), "bytes": list(t2.encode())}
+                                     for t, o in top]})
+    return out
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class _Deltas:
+    """What each completion added since the last output: new text and new token ids."""
+
+    def __init__(self):
+        self.text: dict[int, int] = {}
+        self.tokens: dict[int, int] = {}
+
+    def of(self, c) -> tuple[str, list[int], Any]:
+        t0, n0 = self.text.get(c.index, 0), self.tokens.get(c.index, 0)
+        self.text[c.index], self.tokens[c.index] = len(c.text), len(c.token_ids)
+        lps = c.logprobs[n0:] if c.logprobs is not None else None
+        return c.text[t0:], c.token_ids[n0:], lps
+
+
+async def _stream_completions(rid, name, started, req, raw: Request, tokenizer, outputs_of):
+    created = int(time.time())
+    n = req.n
+    prompt_tokens = completion_tokens = 0
+    try:
+        for i, (first, gen) in enumerate(started):
+            deltas = _Deltas()
+            async for out in outputs_of(first, gen):
+                if await raw.is_disconnected():
+                    return   # the finally of the generators aborts the requests
+                for c in out.outputs:
+                    text, ids, lps = deltas.of(c)
+                    if not ids and c.finish_reason is None:
+                        continue
+                    choice = {"index": i * n + c.index, "text": text,
+                              "logprobs": _completion_logprobs(ids, lps, tokenizer, req.logprobs)
+                              if req.logprobs is not None else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    yield _sse({"id": rid, "object": "text_completion", "created": created,
+                                "model": name, "choices": [choice], "usage": None})
+                if out.finished:
+                    prompt_tokens += len(out.prompt_token_ids)
+                    completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if req.stream_options and req.stream_options.include_usage:
+            yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
+                        "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        yield "data: [DONE]\n\n"
+    finally:
+        for _, gen in started:
+            await gen.aclose()
+
+
+async def _stream_chat(rid, name, first, gen, req, raw: Request, tokenizer, outputs_of):
+    created = int(time.time())
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices, usage=None):
+        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return _sse(body)
+
+    try:
+        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(req.n)])
+        deltas = _Deltas()
+        last = first
+        async for out in outputs_of(first, gen):
+            if await raw.is_disconnected():
+                return
+            last = out
+            for c in out.outputs:
+                text, ids, lps = deltas.of(c)
+                if not ids and c.finish_reason is None:
+                    continue
+                yield chunk([{"index": c.index, "delta": {"content": text},
+                              "logprobs": {"content": _chat_logprobs(ids, lps, tokenizer, req.top_logprobs or 0)}
+                              if req.logprobs else None,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+        if include_usage:
+            yield chunk([], _usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await gen.aclose()

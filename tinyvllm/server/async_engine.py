@@ -1,0 +1,197 @@
+"""An AsyncLLM-style front for a phase's engine.
+
+The engine's `step` runs a model forward pass: seconds on a CPU. The web server's event loop
+must never wait on it, so one background thread owns the engine: it takes new requests and
+aborts from an inbox, steps while any request is unfinished, and hands each `RequestOutput` to
+the asyncio queue of its request through `loop.call_soon_threadsafe`. Only that thread touches
+the engine's queues; after each step it publishes a snapshot of the engine's state (requests,
+blocks, counters) that /metrics and the live page read without touching the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tinyvllm.outputs import RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (an error in a step, or shutdown)."""
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than --max-num-waiting allows."""
+
+
+class AsyncEngine:
+    """One engine stepped by one thread; requests come in and out through asyncio queues.
+
+    Args:
+        engine: a phase's Engine with the streaming API (phase 3 or later).
+        max_num_waiting: refuse a request (QueueFullError) when this many already wait for a
+            seat; None: no bound.
+    """
+
+    def __init__(self, engine: Any, max_num_waiting: int | None = None):
+        for name in ("add_group", "step", "abort_request", "has_unfinished_requests", "scheduler"):
+            if not hasattr(engine, name):
+                raise ValueError(
+                    f"phase: phase {getattr(engine, 'phase', '?')} has no streaming API "
+                    f"(add_request/step/abort_request, from phase 3 on); serve phase 3 or later")
+        self.engine = engine
+        self.max_num_waiting = max_num_waiting
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # ("add", group, q, loop) | ("abort", id)
+        self._wakeup = threading.Event()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.num_pending = 0                                  # added, not yet in the engine
+        self.generation_tokens = 0                            # tokens made since start
+        self._num_tokens: dict[str, int] = {}                 # request id -> its tokens so far
+        self.state: dict = self._snapshot(0.0)
+        self._thread = threading.Thread(target=self._run, name="tinyvllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- the event loop's side -------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_alive(self) -> None:
+        if self.error is not None or self._stopping:
+            raise EngineDeadError(f"the engine has stopped: {self.error or 'shutting down'}")
+
+    async def generate(self, request_id: str, prompt: Any,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs as the engine makes them, the last one finished. Raises
+        ValueError/TypeError on bad input before anything is queued; if the caller stops
+        iterating (a client disconnected), the request is aborted and its blocks freed."""
+        self.check_alive()
+        if self.max_num_waiting is not None and (
+                self.state["num_waiting"] + self.num_pending >= self.max_num_waiting):
+            raise QueueFullError(f"the server has {self.max_num_waiting} requests waiting "
+                                 f"(--max-num-waiting); try again later")
+        group = self.engine.make_request(request_id, prompt, params, arrival_time=time.perf_counter())
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (asyncio.get_running_loop(), q)
+        self.num_pending += 1
+        self._inbox.put(("add", group))
+        self._wakeup.set()
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError(f"the engine has stopped: {out}") from out
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the engine thread's next turn (it frees the blocks)."""
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the thread after its current step; unfinished requests are aborted."""
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    # -- the engine thread -----------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.num_pending -= 1
+                if item.request_id in self._queues:   # not cancelled while it sat in the inbox
+                    self.engine.add_group(item)
+            else:
+                self.engine.abort_request(item)
+                self._num_tokens.pop(item, None)
+
+    def _run(self) -> None:
+        engine = self.engine
+        last = time.perf_counter()
+        tokens_per_s = 0.0
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not engine.has_unfinished_requests():
+                    self.state = self._snapshot(0.0)
+                    self._wakeup.wait(0.5)
+                    self._wakeup.clear()
+                    continue
+                outputs = engine.step()
+                now = time.perf_counter()
+                made = 0
+                for out in outputs:
+                    n = sum(len(c.token_ids) for c in out.outputs)
+                    made += n - self._num_tokens.get(out.request_id, 0)
+                    if out.finished:
+                        self._num_tokens.pop(out.request_id, None)
+                    else:
+                        self._num_tokens[out.request_id] = n
+                self.generation_tokens += made
+                # a smoothed rate (about the last ten steps), for the live page
+                tokens_per_s = 0.8 * tokens_per_s + 0.2 * made / max(now - last, 1e-6)
+                last = now
+                self.state = self._snapshot(tokens_per_s)
+                for out in outputs:
+                    entry = self._queues.get(out.request_id)
+                    if entry is not None:
+                        entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+        except BaseException as e:  # every waiting client must hear of it
+            self.error = e
+            for loop, q in list(self._queues.values()):
+                loop.call_soon_threadsafe(q.put_nowait, e)
+            raise
+        finally:
+            self._drain_inbox()
+            if engine.has_unfinished_requests():
+                engine.abort_request(list(engine.groups))
+
+    def _snapshot(self, tokens_per_s: float) -> dict:
+        """The engine's state as plain data: read by /metrics and GET /v1/engine/state."""
+        engine = self.engine
+        sched, alloc = engine.scheduler, engine.allocator
+        ref_counts = getattr(alloc, "ref_counts", None) or []
+
+        def describe(seq) -> dict:
+            table = seq.block_table
+            blocks = list(table.block_ids) if table is not None else []
+            return {"request_id": seq.group.request_id, "index": seq.index,
+                    "num_prompt_tokens": len(seq.group.prompt_token_ids),
+                    "num_output_tokens": seq.num_output_tokens,
+                    "blocks": blocks,
+                    "shared_blocks": [b for b in blocks if b < len(ref_counts) and ref_counts[b] > 1]}
+
+        stats = engine.get_stats()
+        return {
+            "phase": engine.phase,
+            "running": [describe(s) for s in list(sched.running)],
+            "waiting": [describe(s) for s in list(sched.waiting)],
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "num_blocks": alloc.num_blocks,
+            "num_free_blocks": alloc.num_free_blocks,
+            "block_size": alloc.block_size,
+            "kv_cache_usage_perc": 1.0 - alloc.num_free_blocks / max(alloc.num_blocks, 1),
+            "num_preemptions": int(stats.get("num_preemptions", 0)),
+            "prefix_cache_queries": int(stats.get("prefix_cache_queries", 0)),
+            "prefix_cache_hits": int(stats.get("prefix_cache_hits", 0)),
+            "generation_tokens": self.generation_tokens,
+            "tokens_per_s": tokens_per_s,
+        }

@@ -1,0 +1,61 @@
+"""`tinyvllm serve`: its flags and its main (kept beside the server; tinyvllm/cli.py adds it)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `serve` to the `tinyvllm` parser: model, host, port, phase, api key, engine args."""
+    from tinyvllm.bench.cli import add_engine_args
+
+    p = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn) with a live page at /",
+        description="Serve a model with OpenAI's API: /v1/completions, /v1/chat/completions, "
+                    "/v1/models, /tokenize, /detokenize, /health, /metrics; the live page at /.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--model", dest="model_flag", default=None, help="the same, as a flag")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--phase", type=int, default=None, metavar="N",
+                   help="which phase's engine (3 or later: the streaming API); default the newest")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 (or set TINYVLLM_API_KEY)")
+    p.add_argument("--max-num-waiting", type=int, default=None,
+                   help="answer 503 when this many requests already wait for a seat (default: no bound)")
+    p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    add_engine_args(p)
+    return p
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Build the engine, then run uvicorn until SIGINT/SIGTERM."""
+    import uvicorn
+
+    import phases
+    from tinyvllm.bench.cli import engine_args_from
+    from tinyvllm.server.app import build_app
+    from tinyvllm.server.async_engine import AsyncEngine
+
+    model = args.model or args.model_flag
+    if args.max_num_waiting is not None and args.max_num_waiting < 1:
+        raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}")
+    engine_cls = phases.get_engine_class(args.phase)
+    engine = engine_cls(model, **engine_args_from(args))
+    async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
+    name = args.served_model_name or (os.path.basename(os.path.normpath(model)) if model
+                                      else "SmolLM2-135M-Instruct")
+    api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
+    app = build_app(async_engine, name, api_key=api_key, max_model_len=engine.max_model_len)
+    print(f"tinyvllm: serving {name!r} (phase {engine.phase}) on http://{args.host}:{args.port}",
+          file=sys.stderr, flush=True)
+    # uvicorn's SIGTERM: stop accepting, let open requests finish (at most 30 s), then the
+    # lifespan's shutdown stops the engine thread, aborting what still runs.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=30)
+    return 0

@@ -1,0 +1,85 @@
+"""Prometheus metrics with vLLM's names under a `tinyvllm:` prefix.
+
+Gauges and the engine's counters are read at scrape time from the engine thread's snapshot (a
+custom collector); token counters and latency histograms are fed by the front as outputs arrive.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tinyvllm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class _EngineCollector:
+    """Gauges and counters read from `AsyncEngine.state` when /metrics is scraped."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        s = self.engine.state
+        for name, doc, value in (
+                ("num_requests_running", "Sequences in the running batch.", s["num_running"]),
+                ("num_requests_waiting", "Sequences waiting for a seat.", s["num_waiting"]),
+                ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).",
+                 s["kv_cache_usage_perc"]),
+                ("num_free_blocks", "KV-cache blocks free in the pool.", s["num_free_blocks"]),
+                ("num_blocks", "KV-cache blocks in the pool.", s["num_blocks"])):
+            yield GaugeMetricFamily(f"tinyvllm:{name}", doc, value=value)
+        for name, doc, value in (
+                ("num_preemptions", "Sequences preempted since start.", s["num_preemptions"]),
+                ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 s["prefix_cache_queries"]),
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_cache_hits"])):
+            yield CounterMetricFamily(f"tinyvllm:{name}", doc, value=value)
+
+
+class ServerMetrics:
+    """The server's registry: per-request counters and histograms, plus the engine's state."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        r = self.registry
+        self.prompt_tokens = Counter("tinyvllm:prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter("tinyvllm:generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("tinyvllm:request_success", "Requests finished, by reason.",
+                                ["finished_reason"], registry=r)
+        self.ttft = Histogram("tinyvllm:time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tinyvllm:inter_token_latency_seconds", "Time between two tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tinyvllm:e2e_request_latency_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS + (160.0, 320.0), registry=r)
+        self._last: dict[str, tuple[float, int]] = {}   # request id -> (time, tokens so far)
+
+    def on_output(self, out: RequestOutput) -> None:
+        """Record one output of a request as it reaches the front."""
+        now = time.perf_counter()
+        n = sum(len(c.token_ids) for c in out.outputs)
+        seen = self._last.get(out.request_id)
+        if seen is None:
+            if n and out.metrics is not None:
+                self.ttft.observe(now - out.metrics.arrival_time)
+        elif n > seen[1]:
+            self.itl.observe((now - seen[0]) / (n - seen[1]))
+        if n:
+            self.generation_tokens.inc(n - (seen[1] if seen else 0))
+            self._last[out.request_id] = (now, n)
+        if out.finished:
+            self._last.pop(out.request_id, None)
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+            for c in out.outputs:
+                self.requests.labels(finished_reason=c.finish_reason or "abort").inc()
+            if out.metrics is not None:
+                self.e2e.observe(now - out.metrics.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
