@@ -46,6 +46,24 @@ def _tokens(llm, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
+@pytest.fixture(scope="module")
+def near_draft_dir(loopy_dir, tmp_path_factory):
+    """The loopy model with noise on every weight: a draft that agrees with it often, not always."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path_factory.mktemp("tiny-near-draft")
+    for f in loopy_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    g = torch.Generator().manual_seed(0)
+    weights = load_file(str(loopy_dir / "model.safetensors"))
+    save_file({k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in weights.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 def _all_blocks_free(engine):
     a = engine.allocator
     ok = a.num_free_blocks == a.num_blocks and not any(a.ref_counts)
@@ -70,7 +88,7 @@ def llm(model, phase, **kwargs) -> LLM:
 SETUPS = {
     "default": {},
     "chunked prefill, small budget": dict(max_num_batched_tokens=8),
-    "preemption, small pool": dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16),
+    "preemption, small pool": dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16),
     "no prefix caching": dict(enable_prefix_caching=False),
 }
 
@@ -109,7 +127,7 @@ def test_draft_model_greedy_same_tokens_as_phase5(tiny_model_dir, draft_dir, dra
 
 
 def test_draft_model_under_preemption(tiny_model_dir, draft_dir):
-    args = dict(block_size=4, num_kv_blocks=14, max_num_batched_tokens=16)
+    args = dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16)
     prompts = _prompts(6, seed=4)
     ref_llm = llm(tiny_model_dir, 5, **args)
     ref = _tokens(ref_llm, prompts, GREEDY)
@@ -219,33 +237,40 @@ def test_abort_mid_speculation_frees_every_block(loopy_dir, config):
 
 # -- sampling: the same distribution -----------------------------------------------------------
 def _homogeneous(a: list, b: list) -> tuple[bool, float]:
-    """Chi-square test that two samples come from one distribution (at the 0.1% level)."""
-    cats = sorted(set(a) | set(b))
+    """Chi-square test that two samples come from one distribution (at the 0.1% level).
+    Outcomes seen fewer than 10 times in both samples together are pooled into one."""
+    total = {c: a.count(c) + b.count(c) for c in set(a) | set(b)}
+    rare = {c for c, t in total.items() if t < 10}
+    a = ["rare" if c in rare else c for c in a]
+    b = ["rare" if c in rare else c for c in b]
+    cats = set(a) | set(b)
     stat = 0.0
     for c in cats:
         na, nb = a.count(c), b.count(c)
-        total = na + nb
-        ea, eb = total * len(a) / (len(a) + len(b)), total * len(b) / (len(a) + len(b))
+        ea, eb = (na + nb) * len(a) / (len(a) + len(b)), (na + nb) * len(b) / (len(a) + len(b))
         stat += (na - ea) ** 2 / ea + (nb - eb) ** 2 / eb
     return stat < chi2_critical(max(1, len(cats) - 1)), stat
 
 
 @pytest.mark.parametrize("config", ["ngram", "draft"])
-def test_sampling_distribution_is_the_target_s(loopy_dir, draft_dir, config):
-    """The first tokens of one prompt over 400 seeds, with and without speculation."""
+def test_sampling_distribution_is_the_target_s(loopy_dir, near_draft_dir, config):
+    """The first tokens of one prompt over 200 seeds, with and without speculation."""
     spec = dict(NGRAM, num_speculative_tokens=3) if config == "ngram" else {
-        "method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3}
-    prompt = {"prompt_token_ids": [40, 41, 42, 40, 41, 42, 40, 41]}
-    n = 400
-    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=4, ignore_eos=True, seed=s)
+        "method": "draft_model", "model": str(near_draft_dir), "num_speculative_tokens": 3}
+    # a prompt that ends in the loop the model falls into: drafts often right, often wrong
+    start = [40, 41, 42, 43, 44]
+    loop = _tokens(llm(loopy_dir, 5), [{"prompt_token_ids": start}], GREEDY)[0]
+    prompt = {"prompt_token_ids": start + loop}
+    n = 200
+    params = [SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True, seed=s)
               for s in range(n)]
     plain = _tokens(llm(loopy_dir, 5), [prompt] * n, params)
     engine_llm = llm(loopy_dir, 6, speculative_config=spec)
     engine_llm.llm_engine.reset_stats()
     fast = _tokens(engine_llm, [prompt] * n, params)
     stats = engine_llm.llm_engine.get_stats()
-    assert stats["spec_num_accepted_tokens"] > 50 and stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"]
-    for j in range(1, 4):  # token 0 comes from the prefill, no drafts; 1..3 are verified ones
+    assert 20 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    for j in range(1, 3):  # token 0 comes from the prefill, no drafts; 1, 2 are verified ones
         ok, stat = _homogeneous([tuple(t[: j + 1]) for t in plain], [tuple(t[: j + 1]) for t in fast])
         assert ok, f"tokens 0..{j}: chi2 {stat:.1f}"
     # seeds reproduce: the same requests again give the same tokens
