@@ -128,9 +128,8 @@ def test_draft_model_greedy_same_tokens_as_phase5(tiny_model_dir, draft_dir, dra
 
 def test_draft_model_under_preemption(tiny_model_dir, draft_dir):
     args = dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16)
-    prompts = _prompts(6, seed=4)
-    ref_llm = llm(tiny_model_dir, 5, **args)
-    ref = _tokens(ref_llm, prompts, GREEDY)
+    prompts = _prompts(4, seed=4)
+    ref = _tokens(llm(tiny_model_dir, 5, **args), prompts, GREEDY)
     spec = llm(tiny_model_dir, 6, speculative_config={"method": "draft_model", "model": str(draft_dir),
                                                        "num_speculative_tokens": 3}, **args)
     spec.llm_engine.reset_stats()
