@@ -177,6 +177,9 @@ class Engine(Phase5Engine):
         s["spec_num_drafts"] += 1
         s["spec_num_draft_tokens"] += len(drafts)
         s["spec_num_accepted_tokens"] += accepted
+        metrics = seq.group.metrics  # the same counts per request, in RequestOutput.metrics
+        metrics.spec_num_draft_tokens += len(drafts)
+        metrics.spec_num_accepted_tokens += accepted
         per_pos = s["spec_num_accepted_tokens_per_pos"]
         per_pos.extend([0] * (len(drafts) - len(per_pos)))
         for j in range(accepted):

@@ -101,9 +101,13 @@ def test_ngram_greedy_same_tokens_as_phase5(loopy_dir, setup):
     ref = _tokens(llm(loopy_dir, 5, **args), prompts, params)
     spec = llm(loopy_dir, 6, speculative_config=NGRAM, **args)
     spec.llm_engine.reset_stats()
-    assert _tokens(spec, prompts, params) == ref
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == ref
     stats = spec.llm_engine.get_stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    # per request, in RequestOutput.metrics, adding up to the engine's counts
+    assert sum(o.metrics.spec_num_draft_tokens for o in outs) == stats["spec_num_draft_tokens"]
+    assert sum(o.metrics.spec_num_accepted_tokens for o in outs) == stats["spec_num_accepted_tokens"]
     if setup.startswith("preemption"):
         assert stats["num_preemptions"] > 0
     assert _all_blocks_free(spec.llm_engine)
