@@ -335,3 +335,35 @@ def test_default_model_ngram_greedy_same_tokens(default_model_dir):
     assert spec.generate([text], params)[0].outputs[0].token_ids == ref
     stats = spec.llm_engine.get_stats()
     assert stats["spec_num_accepted_tokens"] > 0, stats
+
+
+def test_draft_quantization_is_phase5s(tiny_model_dir):
+    """A draft's own `quantization` is phase 5's feature: refused, naming it, while phase 5 lacks
+    it; once phase 5 has it, a quantized copy of the target drafts and greedy output is unchanged."""
+    from phases.p05_quantization import Engine as Phase5Engine
+
+    config = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2,
+              "quantization": "int8"}
+    if "quantization" not in Phase5Engine.ENGINE_ARGS:
+        with pytest.raises(ValueError, match="quantization"):
+            LLM(str(tiny_model_dir), phase=6, speculative_config=config)
+        return
+    ref = _tokens(llm(tiny_model_dir, 5), [PROMPT], GREEDY)
+    assert _tokens(LLM(str(tiny_model_dir), phase=6, speculative_config=config), [PROMPT], GREEDY) == ref
+
+
+def test_reuse_workload_prompts_are_seeded_and_reused(tiny_model_dir):
+    """The bench's `reuse` dataset: the same seed gives the same prompts; each holds the text its
+    answer must copy (a function, records, lines)."""
+    from tinyvllm.bench.workloads import make_workload
+    from tinyvllm.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model_dir)
+    a = make_workload("latency", tok, 320, dataset="reuse", num_prompts=6, seed=3)
+    b = make_workload("latency", tok, 320, dataset="reuse", num_prompts=6, seed=3)
+    c = make_workload("latency", tok, 320, dataset="reuse", num_prompts=6, seed=4)
+    assert a.requests == b.requests and a.requests != c.requests
+    texts = [tok.decode(list(r.prompt_token_ids[1:])) for r in a.requests]
+    assert all(any(w in t for w in ("def summarize", "name=", "@example.org")) for t in texts)
+    with pytest.raises(ValueError, match="input-len"):
+        make_workload("latency", tok, 320, dataset="reuse", input_len=8)
