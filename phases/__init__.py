@@ -13,6 +13,7 @@ PHASES: dict[int, str] = {
     3: "phases.p03_continuous_batching",
     4: "phases.p04_triton_kernels",
     5: "phases.p05_quantization",
+    6: "phases.p06_speculative_decoding",
 }
 
 

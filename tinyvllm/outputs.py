@@ -36,13 +36,16 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestMetrics:
-    """Wall-clock times (time.perf_counter seconds) of one request's life."""
+    """Wall-clock times (time.perf_counter seconds) of one request's life, and its draft counts."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # speculative decoding (phase 6 on): draft tokens proposed for this request, and accepted
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -135,12 +135,19 @@ class Engine(Phase1Engine):
                             self.make_attention(meta))                             # (N, D)
         self.record_prompt_logprobs(hidden, [(seq, seq.num_computed_tokens, n, meta.query_start_loc[i])
                                              for i, (seq, n) in enumerate(batch)])
-        done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
+        rows, sampled = self.logits_rows(batch, meta.query_start_loc)
         for seq, n in batch:
             seq.num_computed_tokens += n
-        last_rows = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in done], dtype=torch.long,
-                                 device=self.device)
-        return self.model.compute_logits(hidden[last_rows]), [batch[i][0] for i in done]
+        rows = torch.tensor(rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[rows]), sampled
+
+    def logits_rows(self, batch: list[tuple[Sequence, int]], query_start_loc: list[int]
+                    ) -> tuple[list[int], list[Sequence]]:
+        """Which rows of the flat batch need logits: the last row of every sequence whose last
+        token is computed this step (called before num_computed_tokens moves). Returns the rows
+        and those sequences. (Phase 6 asks for several rows of one sequence.)"""
+        done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
+        return [query_start_loc[i + 1] - 1 for i in done], [batch[i][0] for i in done]
 
     # -- numbers for the bench -----------------------------------------------------------------
     def reset_stats(self) -> None:

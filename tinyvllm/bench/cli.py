@@ -120,7 +120,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     w.add_argument("--num-prompts", type=int, default=None,
                    help=f"requests (defaults: {per_workload('num_prompts')})")
     w.add_argument("--dataset", choices=DATASETS, default=None,
-                   help="chat: chat-template prompts (throughput's default); random: random tokens")
+                   help="chat: chat-template prompts (throughput's default); random: random tokens; "
+                        "reuse: chat prompts whose answers copy the prompt (code edits, reformatting, "
+                        "extraction), where speculative decoding's n-gram drafts pay")
     w.add_argument("--input-len", default=None,
                    help="prompt tokens of random prompts, N or LO-HI (for prefix: after the shared "
                         "prefix) (defaults: latency 128, prefix 32, throughput 128 with --dataset random)")

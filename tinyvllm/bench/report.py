@@ -62,6 +62,11 @@ def summarize(name: str, info: dict, runs: list[RunResult], roofline: dict, sequ
         entry[key] = _median([r.stats.get(key) for r in runs])
     q, h = entry["prefix_cache_queries"], entry["prefix_cache_hits"]
     entry["prefix_cache_hit_rate"] = h / q if q else None
+    # speculative decoding (phase 6): accepted / proposed drafts, and tokens per verified run
+    drafts, proposed, accepted = (entry["spec_num_drafts"], entry["spec_num_draft_tokens"],
+                                  entry["spec_num_accepted_tokens"])
+    entry["spec_acceptance_rate"] = accepted / proposed if proposed else None
+    entry["spec_mean_accepted_length"] = 1 + accepted / drafts if drafts else None
     used, reserved = entry["peak_kv_tokens_used"], entry["peak_kv_tokens_reserved"]
     entry["kv_token_utilization"] = used / reserved if used is not None and reserved else None
     entry["peak_memory_bytes"] = med(lambda r: r.peak_memory_bytes)
@@ -136,6 +141,9 @@ def format_table(report: dict) -> str:
              ("KV used", lambda e: _fmt(e["kv_token_utilization"], 100, 0, "%")),
              ("peak mem GiB", lambda e: _fmt(e["peak_memory_bytes"], gib, 2)),
              ("roofline", lambda e: _percent(e["fraction_of_roofline"]))]
+    if any(e.get("spec_num_drafts") for e in report["engines"]):
+        cols += [("accepted", lambda e: _fmt(e.get("spec_acceptance_rate"), 100, 0, "%")),
+                 ("tok/run", lambda e: _fmt(e.get("spec_mean_accepted_length"), digits=2))]
     rows = [[h for h, _ in cols]] + [[f(e) for _, f in cols] for e in report["engines"]]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     for k, r in enumerate(rows):

@@ -28,7 +28,8 @@ from .workloads import Workload
 # Counters a phase's engine.get_stats() may have; the report gives null for the ones it lacks.
 STATS_KEYS = ("num_kv_blocks", "block_size", "peak_kv_blocks_used", "peak_kv_tokens_reserved",
               "peak_kv_tokens_used", "contiguous_kv_tokens_reserved", "prefix_cache_queries",
-              "prefix_cache_hits", "num_preemptions")
+              "prefix_cache_hits", "num_preemptions", "spec_num_drafts", "spec_num_draft_tokens",
+              "spec_num_accepted_tokens")
 
 # Bytes per element of a quantized KV cache, by the name `kv_cache_dtype` gives it.
 KV_CACHE_DTYPE_BYTES = {"int8": 1, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "float16": 2,

@@ -4,7 +4,8 @@ Three workloads, after the three questions people ask of an inference engine:
 
 - `throughput`: many requests submitted at once, offline, as `LLM.generate` on a list does. How
   many output tokens per second can the engine produce? Prompts are chat conversations (the
-  model's chat template around a question) or random tokens; each request's `max_tokens` is
+  model's chat template around a question), `reuse` chat prompts whose answers copy the prompt,
+  or random tokens; each request's `max_tokens` is
   drawn from a range, and `ignore_eos` holds it to exactly that many tokens.
 - `latency`: one request alone (or several, each sent when the one before has finished). How long
   until its first token (TTFT), and how long for each token after that (TPOT)?
@@ -22,7 +23,7 @@ import random
 from dataclasses import dataclass, field, replace
 
 WORKLOADS = ("throughput", "latency", "prefix")
-DATASETS = ("chat", "random")
+DATASETS = ("chat", "random", "reuse")
 
 # What each workload uses when a flag is not given. Lengths are "N" or "LO-HI" (inclusive).
 DEFAULTS: dict[str, dict] = {
@@ -67,6 +68,29 @@ CHAT_QUESTIONS = (
     "What were the main causes of the French Revolution?",
     "How can I improve my sleep?",
 )
+
+# The `reuse` dataset (speculative decoding's case): chat prompts whose answers copy much of
+# the prompt: edit a piece of code, reformat records, extract lines. Made from the seed.
+_NAMES = ("alice", "bruno", "chen", "dana", "emeka", "fatima", "goran", "hana", "ivan", "julia")
+_CITIES = ("Paris", "Lagos", "Osaka", "Lima", "Oslo", "Cairo", "Quito", "Perth", "Delhi", "Turin")
+
+
+def reuse_prompt(rng: random.Random) -> str:
+    """One seeded task whose answer repeats most of its prompt."""
+    people = rng.sample(_NAMES, rng.randint(4, 6))
+    kind = rng.randrange(3)
+    if kind == 0:
+        old, new = rng.sample(("total", "count", "result", "value", "acc"), 2)
+        body = "\n".join(f"    {old} = {old} + item.{n}_score * {rng.randint(2, 9)}" for n in people)
+        code = f"def summarize(items):\n    {old} = 0\n    for item in items:\n{body}\n    return {old}"
+        return f"Rename the variable `{old}` to `{new}` in this Python function. Reply with the whole function only.\n\n{code}"
+    rows = [(n, rng.randint(18, 80), rng.choice(_CITIES)) for n in people]
+    if kind == 1:
+        text = "\n".join(f"name={n}; age={a}; city={c}" for n, a, c in rows)
+        return f"Reformat these records as CSV lines with the header name,age,city. Keep every record.\n\n{text}"
+    text = "\n".join(f"{n.title()} ({a}) lives in {c} and writes to {n}@example.org." for n, a, c in rows)
+    return f"Copy every line of this text that mentions an email address, unchanged, one per line.\n\n{text}"
+
 
 # Warm-up runs cap every request at this many new tokens: enough to run prefill and a few
 # decode steps (first-call allocations, thread pools, lazy imports) without a second full run.
@@ -171,10 +195,10 @@ def make_workload(name: str, tokenizer, vocab_size: int, *, num_prompts: int | N
     d = DEFAULTS[name]
     if dataset is not None and dataset not in DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {dataset!r}")
-    if name == "prefix" and dataset == "chat":
+    if name == "prefix" and dataset in ("chat", "reuse"):
         raise ValueError("--dataset: the prefix workload uses random tokens (a shared random prefix)")
-    if dataset == "chat" and input_len is not None:
-        raise ValueError("--input-len applies to --dataset random; chat prompts have their own lengths")
+    if dataset in ("chat", "reuse") and input_len is not None:
+        raise ValueError(f"--input-len applies to --dataset random; {dataset} prompts have their own lengths")
     if prefix_len is not None and name != "prefix":
         raise ValueError("--prefix-len applies to the prefix workload only")
     num_prompts = d["num_prompts"] if num_prompts is None else num_prompts
@@ -203,9 +227,10 @@ def make_workload(name: str, tokenizer, vocab_size: int, *, num_prompts: int | N
         for _ in range(num_prompts):
             suffix = random_tokens(rng.randint(in_lo, in_hi))
             requests.append(BenchRequest(shared + suffix, rng.randint(out_lo, out_hi)))
-    elif dataset == "chat":
+    elif dataset in ("chat", "reuse"):
         for _ in range(num_prompts):
-            text = tokenizer.apply_chat_template([{"role": "user", "content": rng.choice(CHAT_QUESTIONS)}],
+            question = rng.choice(CHAT_QUESTIONS) if dataset == "chat" else reuse_prompt(rng)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                  add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)
             requests.append(BenchRequest((vocab[0],) + tuple(ids), rng.randint(out_lo, out_hi)))
