@@ -48,7 +48,8 @@ CHROMIUM_FLAGS = [
 # The words the glossary must define, each under a heading of its own (the lessons link to them)
 GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode",
                   "Chunked prefill", "Preemption", "Prefix cache", "TTFT", "TPOT",
-                  "Grouped-query attention", "Online softmax", "Split-KV", "Quantization")
+                  "Grouped-query attention", "Online softmax", "Split-KV", "Quantization",
+                  "Speculative decoding")
 SOLUTION_TAG = "solution"
 
 
