@@ -137,6 +137,8 @@ class Engine:
         first position, positions computed, its first row in `hidden` (N, D))."""
         for seq, start, num_new, row in spans:
             group = seq.group
+            if group is None:  # a sequence that is no request's (phase 6's draft model)
+                continue
             positions = group.prompt_rows_wanted(start, num_new)
             if positions:
                 rows = torch.tensor([row + p - start for p in positions], device=hidden.device)

@@ -35,6 +35,7 @@ class DraftSequence:
     """What the draft engine's `run_model` reads of a sequence: tokens, cached count, blocks."""
 
     __slots__ = ("token_ids", "num_computed_tokens", "block_table")
+    group = None  # a draft pass serves no request of its own: no prompt logprobs to record
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
