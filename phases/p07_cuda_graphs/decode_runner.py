@@ -44,7 +44,7 @@ class StaticDecodeBuffers:
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, scratch_block: int,
                  device: torch.device):
         self.block_size, self.scratch_block = block_size, scratch_block
-        z = dict(dtype=torch.int64, device=device)
+        z = {"dtype": torch.int64, "device": device}
         self.input_ids = torch.zeros(max_rows, **z)                  # (B,)
         self.positions = torch.zeros(max_rows, **z)                  # (B,)
         self.slot_mapping = torch.zeros(max_rows, **z)               # (B,)

@@ -11,6 +11,8 @@ one newest token; no prefill chunk, no speculative tokens):
 - `DecodeRunner.run(bucket)` runs the forward: on CUDA a graph per bucket, captured once and
   replayed (`CudaGraphDecodeRunner`); on a CPU the same buffers eagerly.
 - The batch's sampling parameters are tensors, and the sampler is vectorized (`BatchSampler`).
+- At start, each layer's q/k/v and gate/up projections are fused into one product each
+  (`fuse_projections`; the same outputs bit for bit, fewer operator calls; every step).
 
 Every other step (prefill chunks, speculative verification, more requests than the largest
 bucket) runs phase 6's `run_model` unchanged, and `enforce_eager=True` is phase 6 exactly.
@@ -34,6 +36,7 @@ from .decode_runner import (
     bucket_for,
     default_capture_sizes,
 )
+from .fused import fuse_projections
 from .input_batch import InputBatch
 
 
@@ -50,6 +53,8 @@ class Engine(Phase6Engine):
         self.capture_sizes = c.cudagraph_capture_sizes or default_capture_sizes(c.max_num_seqs)
         if c.enforce_eager:
             return
+        # q/k/v and gate/up as one product each: bit-identical outputs, fewer operator calls
+        self.num_fused_modules = fuse_projections(self.model)
         max_blocks = cdiv(self.max_model_len, self.block_size)
         self.input_batch = InputBatch(c.max_num_seqs, self.max_model_len, max_blocks)
         self.buffers = StaticDecodeBuffers(self.capture_sizes[-1], max_blocks, self.block_size,

@@ -167,3 +167,26 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir):
             got = runner.run(bucket)[:n]
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert runner.num_captures == len(engine.capture_sizes) == len(runner.graphs)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_model_dir_llama3"])
+def test_fused_projections_are_bit_identical(request, fixture):
+    import copy
+
+    from phases.p07_cuda_graphs.fused import FusedLlamaAttention, FusedLlamaMLP, fuse_projections
+
+    class NoCache:  # attention stand-in: the projections and MLP are what is checked
+        def __call__(self, layer_idx, q, k, v):
+            return q + k.repeat_interleave(q.shape[1] // k.shape[1], 1) * v.repeat_interleave(
+                q.shape[1] // v.shape[1], 1)
+
+    model = LLM(str(request.getfixturevalue(fixture)), phase=7, enforce_eager=True).llm_engine.model
+    fused = copy.deepcopy(model)
+    n_layers = len(model.model.layers)
+    assert fuse_projections(fused) == 2 * n_layers
+    assert isinstance(fused.model.layers[0].self_attn, FusedLlamaAttention)
+    assert isinstance(fused.model.layers[0].mlp, FusedLlamaMLP)
+    with torch.inference_mode():
+        for n in (1, 2, 3, 8):
+            ids, pos = torch.randint(0, 300, (n,)), torch.arange(n) + 5
+            assert torch.equal(model(ids, pos, NoCache()), fused(ids, pos, NoCache()))

@@ -35,7 +35,7 @@ def test_vectorized_equals_sampler(seed, mix):
     ref = rows(params, 100 * seed)
     want, _ = Sampler()(logits, ref)
     mine = rows(params, 100 * seed)
-    t = lambda attr, dtype: torch.tensor([getattr(p, attr) for p in params], dtype=dtype)  # noqa: E731
+    t = lambda attr, dtype: torch.tensor([getattr(p, attr) for p in params], dtype=dtype)
     got = sample(logits, t("temperature", torch.float32), t("top_k", torch.int64), t("top_p", torch.float32),
                  t("min_p", torch.float32), [r.generator for r in mine])
     assert got.tolist() == want
