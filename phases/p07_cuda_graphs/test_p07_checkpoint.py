@@ -173,7 +173,11 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir):
 def test_fused_projections_are_bit_identical(request, fixture):
     import copy
 
-    from phases.p07_cuda_graphs.fused import FusedLlamaAttention, FusedLlamaMLP, fuse_projections
+    from phases.p07_cuda_graphs.fused import (
+        FusedLlamaAttention,
+        FusedLlamaMLP,
+        fuse_projections,
+    )
 
     class NoCache:  # attention stand-in: the projections and MLP are what is checked
         def __call__(self, layer_idx, q, k, v):
