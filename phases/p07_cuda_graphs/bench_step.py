@@ -2,6 +2,7 @@
 
     python -m phases.p07_cuda_graphs.bench_step [--model DIR] [--batch 1 8] [--steps 30] [--gc-freeze]
         [--profile]
+    python -m phases.p07_cuda_graphs.bench_step --fused [--model DIR] [--batch 1 8]
 
 Each batch: `batch` requests are prefilled, then `steps` decode steps are timed (median of the
 per-step times); with --profile, torch.profiler's table of one step's top CPU ops is printed.
@@ -41,6 +42,36 @@ def decode_step_times(engine, batch: int, steps: int, gc_freeze: bool) -> list[f
     return times
 
 
+class _NoCache:
+    """Attention stand-in (returns q): times the projections and MLP alone."""
+
+    def __call__(self, layer_idx, q, k, v):
+        return q
+
+
+def bench_fused(model_dir, batches: list[int], repeat: int = 15) -> None:
+    """The model's forward with separate and with fused projections, interleaved, min of `repeat`."""
+    import copy
+
+    from .fused import fuse_projections
+
+    model = LLM(model_dir, phase=7, enforce_eager=True).llm_engine.model
+    t = time.perf_counter()
+    fused = copy.deepcopy(model)
+    fuse_projections(fused)
+    print(f"copy + fuse_projections: {time.perf_counter() - t:.2f} s")
+    for n in batches:
+        ids, pos = torch.randint(0, 1000, (n,)), torch.arange(n) + 20
+        times: dict[str, list[float]] = {"separate": [], "fused": []}
+        for _ in range(repeat):
+            for name, m in (("separate", model), ("fused", fused)):
+                t = time.perf_counter()
+                m(ids, pos, _NoCache())
+                times[name].append(time.perf_counter() - t)
+        print(f"batch {n:3d}  forward separate {1e3 * min(times['separate']):7.1f} ms, "
+              f"fused {1e3 * min(times['fused']):7.1f} ms (min of {repeat}, interleaved)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None)
@@ -48,8 +79,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--gc-freeze", action="store_true")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--fused", action="store_true", help="time separate against fused projections")
     a = ap.parse_args()
     torch.set_grad_enabled(False)
+    if a.fused:
+        return bench_fused(a.model, a.batch)
     engines = {"phase 7": LLM(a.model, phase=7, max_num_seqs=max(a.batch)).llm_engine,
                "enforce_eager (phase 6)": LLM(a.model, phase=7, max_num_seqs=max(a.batch),
                                               enforce_eager=True).llm_engine}
