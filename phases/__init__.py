@@ -14,6 +14,7 @@ PHASES: dict[int, str] = {
     4: "phases.p04_triton_kernels",
     5: "phases.p05_quantization",
     6: "phases.p06_speculative_decoding",
+    7: "phases.p07_cuda_graphs",
 }
 
 

@@ -1,0 +1,157 @@
+"""Static buffers, buckets, and the decode forward run on them: eagerly, or as CUDA graphs.
+
+A CUDA graph records the kernels a forward pass launches, with the *addresses* of their inputs
+and outputs, and replays them all with one launch. So a replay reads its inputs from exactly
+the tensors it was captured with: the step's input ids, positions, slots, block tables and
+sequence lengths live in `StaticDecodeBuffers`, allocated once at the largest batch size, and
+each step copies its values into their first rows. A graph also fixes every shape, so one is
+captured per batch-size *bucket* (`cudagraph_capture_sizes`) and a step of n requests runs the
+bucket just above n, with the rows past n padded: their token writes its K/V into a scratch
+block no request owns, and their logits are dropped before sampling.
+
+`DecodeRunner.run(bucket)` is the one interface: `DecodeRunner` (any device) runs the model
+eagerly on the buffers; `CudaGraphDecodeRunner` captures a graph per bucket on its first use
+(after one warm-up run) and replays it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phases.p02_paged_kv import AttentionMetadata
+from phases.p02_paged_kv.paged_attention import decode_attention
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    """vLLM's default buckets: 1, 2, 4, 8, then every 8, up to max_num_seqs (always included)."""
+    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
+    if not sizes or sizes[-1] != max_num_seqs:
+        sizes.append(max_num_seqs)
+    return sizes
+
+
+def bucket_for(n: int, sizes: list[int]) -> int:
+    """The smallest bucket that holds n rows."""
+    for s in sizes:
+        if s >= n:
+            return s
+    raise ValueError(f"{n} rows is more than the largest bucket ({sizes[-1]})")
+
+
+class StaticDecodeBuffers:
+    """A decode step's inputs at fixed addresses, `max_rows` rows each (one query per row)."""
+
+    def __init__(self, max_rows: int, max_blocks: int, block_size: int, scratch_block: int,
+                 device: torch.device):
+        self.block_size, self.scratch_block = block_size, scratch_block
+        z = {"dtype": torch.int64, "device": device}
+        self.input_ids = torch.zeros(max_rows, **z)                  # (B,)
+        self.positions = torch.zeros(max_rows, **z)                  # (B,)
+        self.slot_mapping = torch.zeros(max_rows, **z)               # (B,)
+        self.seq_lens = torch.ones(max_rows, **z)                    # (B,) after this step's write
+        self.block_tables = torch.zeros(max_rows, max_blocks, **z)   # (B, M)
+        self.num_blocks_used = 1  # block-table columns the real rows use (eager runs read only these)
+
+    def fill(self, token_ids: torch.Tensor, num_computed: torch.Tensor, block_table: torch.Tensor,
+             num_blocks: torch.Tensor, bucket: int) -> None:
+        """Rows 0..n-1 from a batch's first n rows (token_ids (n, L), num_computed (n,),
+        block_table (n, M), num_blocks (n,)); rows n..bucket-1 padded to the scratch block."""
+        n, bs = len(num_computed), self.block_size
+        pos = num_computed                                            # the query's position
+        ids = token_ids.gather(1, pos[:, None])[:, 0]
+        slots = block_table.gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+        m = int(num_blocks.max())
+        self.input_ids[:n].copy_(ids, non_blocking=True)
+        self.positions[:n].copy_(pos, non_blocking=True)
+        self.slot_mapping[:n].copy_(slots, non_blocking=True)
+        self.seq_lens[:n].copy_(pos + 1, non_blocking=True)
+        self.block_tables[:n, :m].copy_(block_table[:, :m], non_blocking=True)
+        # padding: token 0 at position 0, written to the scratch block's first slot, attending
+        # to that slot alone
+        self.input_ids[n:bucket] = 0
+        self.positions[n:bucket] = 0
+        self.slot_mapping[n:bucket] = self.scratch_block * bs
+        self.seq_lens[n:bucket] = 1
+        self.block_tables[n:bucket, 0] = self.scratch_block
+        self.num_blocks_used = m
+
+
+class DecodeRunner:
+    """Runs the decode forward on the first `bucket` rows of the static buffers, eagerly, through
+    the engine's own attention backend (`make_attention`). Returns the logits (bucket, V)."""
+
+    def __init__(self, model, buffers: StaticDecodeBuffers, make_attention):
+        self.model, self.buf, self.make_attention = model, buffers, make_attention
+
+    def metadata(self, bucket: int) -> AttentionMetadata:
+        b, m = self.buf, self.buf.num_blocks_used
+        tables = b.block_tables[:bucket, :m]
+        idx = torch.arange(bucket, device=tables.device)
+        return AttentionMetadata(
+            slot_mapping=b.slot_mapping[:bucket], query_start_loc=list(range(bucket + 1)),
+            seq_lens=b.seq_lens[:bucket].tolist(), block_tables=tables, prefill_rows=[],
+            decode_token_idx=idx, decode_block_tables=tables, decode_seq_lens=b.seq_lens[:bucket])
+
+    def run(self, bucket: int) -> torch.Tensor:
+        b = self.buf
+        hidden = self.model(b.input_ids[:bucket], b.positions[:bucket],
+                            self.make_attention(self.metadata(bucket)))             # (bucket, D)
+        return self.model.compute_logits(hidden)                                     # (bucket, V)
+
+
+class StaticDecodeAttention:
+    """A decode-only attention backend whose every shape is fixed by the bucket, so it can be
+    captured: it reads all M block-table columns (the mask hides what is past each row's length)
+    instead of the longest row's, which would be a shape known only at run time."""
+
+    def __init__(self, cache, buf: StaticDecodeBuffers, bucket: int):
+        self.cache, self.buf, self.bucket = cache, buf, bucket
+        self._inputs = None
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, n = self.buf, self.bucket
+        self.cache.write(layer_idx, b.slot_mapping[:n], k, v)
+        if self._inputs is None:  # once per step, shared by the layers
+            t = b.block_tables.shape[1] * b.block_size
+            past_end = torch.arange(t, device=q.device)[None, :] >= b.seq_lens[:n, None]     # (n, T)
+            mask = torch.zeros(past_end.shape, dtype=q.dtype, device=q.device).masked_fill_(past_end, float("-inf"))
+            self._inputs = (b.block_tables[:n].flatten(), mask[:, None, None, :])
+        return decode_attention(q, *self.cache.layer(layer_idx), *self._inputs)
+
+
+class CudaGraphDecodeRunner(DecodeRunner):
+    """One CUDA graph per bucket, captured at its first use after a warm-up run, all sharing one
+    memory pool; a replay reads the static buffers and writes `outputs[bucket]`."""
+
+    def __init__(self, model, buffers: StaticDecodeBuffers, cache):
+        super().__init__(model, buffers, make_attention=None)
+        self.cache = cache
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.num_captures = 0
+
+    def forward(self, bucket: int) -> torch.Tensor:
+        b = self.buf
+        hidden = self.model(b.input_ids[:bucket], b.positions[:bucket],
+                            StaticDecodeAttention(self.cache, b, bucket))
+        return self.model.compute_logits(hidden)
+
+    def capture(self, bucket: int) -> None:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.forward(bucket)  # warm-up: lazy inits and allocator growth stay out of the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[bucket] = self.forward(bucket)
+        self.pool = self.pool or graph.pool()
+        self.graphs[bucket] = graph
+        self.num_captures += 1
+
+    def run(self, bucket: int) -> torch.Tensor:
+        if bucket not in self.graphs:
+            self.capture(bucket)
+        self.graphs[bucket].replay()
+        return self.outputs[bucket]

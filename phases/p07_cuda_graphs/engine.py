@@ -1,0 +1,102 @@
+"""Phase 7 engine: a persistent batch, static buffers, buckets, and captured decode steps.
+
+What changes from phase 6, for decode-only steps (every scheduled request computes exactly its
+one newest token; no prefill chunk, no speculative tokens):
+
+- The step's requests live in an `InputBatch` that persists between steps and is updated with
+  what changed (one token, sometimes one block), instead of lists rebuilt from every sequence.
+- Its inputs are copied into `StaticDecodeBuffers` (fixed addresses, the largest size) and the
+  batch is padded up to the next bucket of `cudagraph_capture_sizes`; padded rows write to a
+  scratch KV block that the allocator never hands out.
+- `DecodeRunner.run(bucket)` runs the forward: on CUDA a graph per bucket, captured once and
+  replayed (`CudaGraphDecodeRunner`); on a CPU the same buffers eagerly.
+- The batch's sampling parameters are tensors, and the sampler is vectorized (`BatchSampler`).
+- At start, each layer's q/k/v and gate/up projections are fused into one product each
+  (`fuse_projections`; the same outputs bit for bit, fewer operator calls; every step).
+
+Every other step (prefill chunks, speculative verification, more requests than the largest
+bucket) runs phase 6's `run_model` unchanged, and `enforce_eager=True` is phase 6 exactly.
+Overridden: `make_allocator` (one block fewer: the scratch block), `run_model`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phases.p02_paged_kv import BlockAllocator
+from phases.p02_paged_kv.block_allocator import cdiv
+from phases.p06_speculative_decoding import Engine as Phase6Engine
+from tinyvllm.sequence import Sequence
+
+from .batch_sampler import BatchSampler
+from .decode_runner import (
+    CudaGraphDecodeRunner,
+    DecodeRunner,
+    StaticDecodeBuffers,
+    bucket_for,
+    default_capture_sizes,
+)
+from .fused import fuse_projections
+from .input_batch import InputBatch
+
+
+class Engine(Phase6Engine):
+    """The phase 7 engine: phase 6, with decode-only steps on a persistent batch and static,
+    bucketed buffers (CUDA graphs on a GPU)."""
+
+    phase = 7
+    ENGINE_ARGS = Phase6Engine.ENGINE_ARGS | {"enforce_eager", "cudagraph_capture_sizes"}
+
+    def __init__(self, model=None, **engine_args):
+        super().__init__(model, **engine_args)
+        c = self.config
+        self.capture_sizes = c.cudagraph_capture_sizes or default_capture_sizes(c.max_num_seqs)
+        if c.enforce_eager:
+            return
+        # q/k/v and gate/up as one product each: bit-identical outputs, fewer operator calls
+        self.num_fused_modules = fuse_projections(self.model)
+        max_blocks = cdiv(self.max_model_len, self.block_size)
+        self.input_batch = InputBatch(c.max_num_seqs, self.max_model_len, max_blocks)
+        self.buffers = StaticDecodeBuffers(self.capture_sizes[-1], max_blocks, self.block_size,
+                                           self.scratch_block, self.device)
+        if self.device.type == "cuda":
+            self.runner = CudaGraphDecodeRunner(self.model, self.buffers, self.kv_cache)
+        else:
+            self.runner = DecodeRunner(self.model, self.buffers, self.make_attention)
+        self.sampler = BatchSampler(self.tokenizer)
+        self.num_static_steps = 0  # decode steps run on the static buffers (for tests)
+
+    def make_allocator(self, num_blocks: int) -> BlockAllocator:
+        # the pool's last block is the padded rows' scratch block: never handed out
+        if self.config.enforce_eager:
+            return super().make_allocator(num_blocks)
+        if num_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2 when enforce_eager is False (one block is "
+                             f"the scratch block of padded decode rows), got {num_blocks}")
+        self.scratch_block = num_blocks - 1
+        return super().make_allocator(num_blocks - 1)
+
+    def is_static_decode(self, batch: list[tuple[Sequence, int]]) -> bool:
+        """True for a step the static path runs: every request computes just its newest token."""
+        return (not self.config.enforce_eager and len(batch) <= self.capture_sizes[-1]
+                and all(n == 1 and seq.num_computed_tokens == seq.num_tokens - 1 for seq, n in batch))
+
+    @torch.inference_mode()
+    def run_model(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        if not self.is_static_decode(batch):
+            return super().run_model(batch)
+        seqs = [seq for seq, _ in batch]
+        ib = self.input_batch
+        rows = ib.sync(seqs)                      # rows 0..n-1, in the batch's own order
+        n = ib.num_reqs
+        bucket = bucket_for(n, self.capture_sizes)
+        self.buffers.fill(ib.token_ids[:n], ib.num_computed[:n], ib.block_table[:n], ib.num_blocks[:n], bucket)
+        logits = self.runner.run(bucket)[:n]     # (n, V): the padded rows dropped
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        ib.num_computed[:n] += 1
+        order = torch.tensor(rows)
+        self.sampler.params = (ib.temperature[:n][order], ib.top_k[:n][order], ib.top_p[:n][order],
+                               ib.min_p[:n][order], [ib.generators[r] for r in rows])
+        self.num_static_steps += 1
+        return logits[order.to(logits.device)], seqs

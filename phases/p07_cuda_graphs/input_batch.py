@@ -1,0 +1,143 @@
+"""The persistent batch (vLLM V1's `InputBatch`): one row per running request, kept between steps.
+
+Phases 2-6 rebuild every input tensor of a step from Python lists: each running sequence's
+tokens, positions, slots and block table, every step. Here the batch *persists*: a request gets a
+row when it joins, the row is updated in place with what changed (one new token, a new block),
+and it is given back when the request leaves. So the CPU work of a step is proportional to what
+changed, not to batch x length.
+
+    row r:  token_ids[r, :num_tokens[r]]       prompt + output tokens       (R, max_model_len)
+            num_computed[r]                    tokens whose K/V is cached
+            block_table[r, :num_blocks[r]]     its KV blocks                (R, max_blocks)
+            temperature, top_k, top_p, min_p   its sampling params as tensors (R,)
+            generators[r]                      its own torch.Generator (None when greedy)
+
+Rows stay dense (0 .. num_reqs-1, no holes), so a step's inputs are the first num_reqs rows.
+When the request of row r leaves, the *last* row moves into r, copying only its valid tokens
+and blocks (`num_tokens[last]` + `num_blocks[last]` elements), not a whole max_model_len row:
+
+    before: row 0 A | row 1 B (finishes) | row 2 C      after: row 0 A | row 1 C
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tinyvllm.sequence import Sequence
+
+
+class InputBatch:
+    """Preallocated per-request tensors for up to `max_num_reqs` running requests.
+
+    Args:
+        max_num_reqs: rows (max_num_seqs).
+        max_model_len: token columns of a row.
+        max_blocks: block-table columns of a row (max_model_len / block_size, rounded up).
+    """
+
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int):
+        self.max_num_reqs, self.max_model_len, self.max_blocks = max_num_reqs, max_model_len, max_blocks
+        r = max_num_reqs
+        # CPU tensors: the engine copies the few it needs into the device's static buffers
+        self.token_ids = torch.zeros(r, max_model_len, dtype=torch.int64)   # (R, L)
+        self.num_tokens = torch.zeros(r, dtype=torch.int64)                 # (R,)
+        self.num_computed = torch.zeros(r, dtype=torch.int64)               # (R,)
+        self.block_table = torch.zeros(r, max_blocks, dtype=torch.int64)    # (R, M)
+        self.num_blocks = torch.zeros(r, dtype=torch.int64)                 # (R,)
+        self.temperature = torch.zeros(r, dtype=torch.float32)              # (R,)
+        self.top_k = torch.zeros(r, dtype=torch.int64)                      # (R,) 0 = off
+        self.top_p = torch.ones(r, dtype=torch.float32)                     # (R,)
+        self.min_p = torch.zeros(r, dtype=torch.float32)                    # (R,)
+        self.generators: list[torch.Generator | None] = [None] * r
+        self.seqs: list[Sequence | None] = [None] * r
+        self._tables: list[object] = [None] * r  # the BlockTable object each row mirrors
+        self.row_of: dict[int, int] = {}         # seq_id -> row
+        self.num_reqs = 0
+        self.elements_copied = 0  # token and block-table elements moved by swaps (for tests)
+
+    # -- requests in and out -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> int:
+        """Give `seq` the next free row, filled from scratch. Returns the row."""
+        if seq.seq_id in self.row_of:
+            raise ValueError(f"seq {seq.seq_id} already has row {self.row_of[seq.seq_id]}")
+        if self.num_reqs == self.max_num_reqs:
+            raise ValueError(f"the batch is full (max_num_reqs={self.max_num_reqs})")
+        r = self.num_reqs
+        self.num_reqs += 1
+        self.seqs[r], self.row_of[seq.seq_id] = seq, r
+        n = seq.num_tokens
+        self.token_ids[r, :n] = torch.tensor(seq.token_ids, dtype=torch.int64)
+        self.num_tokens[r] = n
+        self.num_blocks[r] = 0
+        self._tables[r] = None
+        self.update(seq)
+        p = seq.params
+        self.temperature[r], self.top_k[r] = p.temperature, p.top_k
+        self.top_p[r], self.min_p[r] = p.top_p, p.min_p
+        self.generators[r] = seq.generator
+        return r
+
+    def remove(self, seq_id: int) -> None:
+        """Drop a request's row; the last row moves into the hole (valid elements only)."""
+        r = self.row_of.pop(seq_id)
+        last = self.num_reqs - 1
+        if r != last:
+            n, nb = int(self.num_tokens[last]), int(self.num_blocks[last])
+            self.token_ids[r, :n] = self.token_ids[last, :n]
+            self.block_table[r, :nb] = self.block_table[last, :nb]
+            self.elements_copied += n + nb
+            for t in (self.num_tokens, self.num_computed, self.num_blocks, self.temperature,
+                      self.top_k, self.top_p, self.min_p):
+                t[r] = t[last]
+            for lst in (self.generators, self.seqs, self._tables):
+                lst[r] = lst[last]
+            self.row_of[self.seqs[r].seq_id] = r
+        self.seqs[last] = self.generators[last] = self._tables[last] = None
+        self.num_reqs = last
+
+    # -- what changed since the last step ------------------------------------------------------
+    def update(self, seq: Sequence) -> None:
+        """Copy into `seq`'s row what changed since it was last seen: new tokens, new blocks, the
+        computed count. A request that was preempted and re-admitted has a new block table
+        object: its blocks are copied again from the first."""
+        r = self.row_of[seq.seq_id]
+        old, n = int(self.num_tokens[r]), seq.num_tokens
+        if n > old:  # usually one token: the one sampled last step
+            self.token_ids[r, old:n] = torch.tensor(seq.token_ids[old:n], dtype=torch.int64)
+            self.num_tokens[r] = n
+        table = seq.block_table
+        ids = table.block_ids if table is not None else []
+        start = int(self.num_blocks[r]) if table is self._tables[r] else 0
+        if len(ids) > start:
+            self.block_table[r, start:len(ids)] = torch.tensor(ids[start:], dtype=torch.int64)
+        self.num_blocks[r] = len(ids)
+        self._tables[r] = table
+        self.num_computed[r] = seq.num_computed_tokens
+
+    def sync(self, seqs: list[Sequence]) -> list[int]:
+        """Make the batch hold exactly `seqs` (this step's requests): remove the rows of those
+        that left, add the new ones, update the others. Returns each seq's row, in order."""
+        keep = {s.seq_id for s in seqs}
+        for seq_id in [sid for sid in self.row_of if sid not in keep]:
+            self.remove(seq_id)
+        rows = []
+        for s in seqs:
+            if s.seq_id in self.row_of:
+                self.update(s)
+                rows.append(self.row_of[s.seq_id])
+            else:
+                rows.append(self.add(s))
+        return rows
+
+    # -- checks --------------------------------------------------------------------------------
+    def state(self) -> dict[str, object]:
+        """Every row's valid contents, keyed by seq_id (for comparing with a batch built from
+        scratch: row order may differ, contents may not)."""
+        out = {}
+        for r in range(self.num_reqs):
+            n, nb = int(self.num_tokens[r]), int(self.num_blocks[r])
+            out[self.seqs[r].seq_id] = (
+                self.token_ids[r, :n].tolist(), int(self.num_computed[r]), self.block_table[r, :nb].tolist(),
+                float(self.temperature[r]), int(self.top_k[r]), float(self.top_p[r]), float(self.min_p[r]),
+                self.generators[r])
+        return out

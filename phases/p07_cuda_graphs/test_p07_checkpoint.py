@@ -1,0 +1,196 @@
+"""Phase 7 checkpoint: the static decode path gives the eager engine's tokens.
+
+- every bucket size (1..max_num_seqs requests) gives phase 6's greedy tokens (enforce_eager=True);
+- padded rows write only the scratch block, and never change a real row's tokens;
+- batches that shrink (requests finish), grow (requests arrive mid-stream), are preempted, and
+  cross bucket boundaries stay correct; seeded sampling too, through the vectorized sampler;
+- bad cudagraph_capture_sizes / enforce_eager: errors naming the argument, and an LLM built
+  before keeps generating;
+- on a GPU: graph replay equals eager logits for every bucket, one capture per bucket.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phases.p07_cuda_graphs.decode_runner import bucket_for, default_capture_sizes
+from tinyvllm import LLM, SamplingParams
+
+PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven",
+           "tiny", "paged attention", "graphs and buckets", "z y x"]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def tokens(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def drive(engine, schedule, max_steps=200):
+    """Add requests at the steps `schedule` says ({step: [(id, prompt, params)]}); run to the end.
+    Returns {id: token ids}."""
+    out, step = {}, 0
+    while step < max_steps and (engine.has_unfinished_requests() or any(k >= step for k in schedule)):
+        for rid, prompt, params in schedule.get(step, []):
+            engine.add_request(rid, prompt, params)
+        for o in engine.step():
+            out[o.request_id] = o.outputs[0].token_ids
+        step += 1
+    return out
+
+
+def test_default_capture_sizes():
+    assert default_capture_sizes(256)[:6] == [1, 2, 4, 8, 16, 24] and default_capture_sizes(256)[-1] == 256
+    assert default_capture_sizes(12) == [1, 2, 4, 8, 12]
+    assert default_capture_sizes(1) == [1]
+    assert [bucket_for(n, [1, 2, 4, 8]) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+@pytest.mark.parametrize("n", range(1, 9))
+def test_every_bucket_gives_eager_tokens(make_llm, tiny_model_dir, n):
+    fast = make_llm(tiny_model_dir, 7, max_num_seqs=8)
+    eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True)
+    before = fast.llm_engine.num_static_steps
+    assert tokens(fast, PROMPTS[:n], GREEDY) == tokens(eager, PROMPTS[:n], GREEDY)
+    assert fast.llm_engine.num_static_steps - before >= GREEDY.max_tokens - 1  # the decodes ran static
+
+
+def test_padding_writes_only_the_scratch_block(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir, 7, max_num_seqs=8, cudagraph_capture_sizes=(8,))
+    engine = llm.llm_engine
+    for i in range(3):
+        engine.add_request(f"pad{i}", PROMPTS[i], GREEDY)
+    engine.step()  # the prefills
+    kv = engine.kv_cache.kv
+    before = kv.clone()
+    seqs = list(engine.scheduler.running)
+    steps = engine.num_static_steps
+    engine.step()  # one decode step: 3 real rows padded to 8
+    assert engine.num_static_steps == steps + 1
+    bs = engine.block_size
+    changed = (kv != before).flatten(4).any(-1).any(0).any(0).flatten().nonzero()[:, 0].tolist()  # slots
+    real = {s.block_table.slot(s.num_computed_tokens - 1, bs) for s in seqs}
+    scratch = set(range(engine.scratch_block * bs, (engine.scratch_block + 1) * bs))
+    assert set(changed) - scratch == real
+    assert set(changed) & scratch  # the padded rows did write, there
+    engine.abort_request([f"pad{i}" for i in range(3)])
+
+
+def test_padded_rows_never_change_real_rows(make_llm, tiny_model_dir):
+    exact = make_llm(tiny_model_dir, 7, max_num_seqs=8, cudagraph_capture_sizes=(1, 2, 3, 4, 5, 6, 7, 8))
+    padded = make_llm(tiny_model_dir, 7, max_num_seqs=8, cudagraph_capture_sizes=(8,))
+    for n in (1, 3, 5):
+        assert tokens(padded, PROMPTS[:n], GREEDY) == tokens(exact, PROMPTS[:n], GREEDY)
+
+
+def test_shrink_grow_cross_buckets_and_preempt(make_llm, tiny_model_dir):
+    """Requests of different lengths finish (shrink: 8 -> 4 -> 2 -> 1 buckets), others arrive
+    mid-stream (grow across buckets); a small cache forces preemptions."""
+    def sp(k):
+        return SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+    schedule = {0: [(f"a{i}", PROMPTS[i], sp(3 + 3 * i)) for i in range(5)],
+                4: [(f"b{i}", PROMPTS[5 + i], sp(12)) for i in range(4)],
+                9: [("c0", PROMPTS[0], sp(20))],
+                30: [("d0", PROMPTS[2], sp(5))]}
+    for kw in ({}, {"num_kv_blocks": 9, "block_size": 8}):
+        fast = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, **kw).llm_engine
+        eager = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, enforce_eager=True,
+                    **{k: (v + 1 if k == "num_kv_blocks" else v) for k, v in kw.items()}).llm_engine
+        got, want = drive(fast, schedule), drive(eager, schedule)
+        assert len(want) == 11 and got == want
+        assert fast.num_static_steps > 10
+        if kw:
+            assert fast.scheduler.num_preemptions > 0
+
+
+def test_seeded_sampling_equals_eager(make_llm, tiny_model_dir):
+    fast = make_llm(tiny_model_dir, 7, max_num_seqs=8)
+    eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True)
+    vec = fast.llm_engine.sampler.num_vectorized
+    params = [SamplingParams(max_tokens=8, temperature=0.8, top_k=7, seed=1),
+              SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, min_p=0.05, seed=2),
+              SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=8, temperature=0.6)]
+    got = [o.outputs[0].token_ids for o in fast.generate(PROMPTS[:4], params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:4], params, use_tqdm=False)]
+    assert got[:3] == want[:3]  # the unseeded row draws its seed from each engine's own generator
+    assert fast.llm_engine.sampler.num_vectorized > vec
+    # penalties and logprobs go through Sampler unchanged
+    p = SamplingParams(max_tokens=6, temperature=0.9, seed=4, presence_penalty=0.5, logprobs=2)
+    o1, o2 = fast.generate(PROMPTS[:2], p, use_tqdm=False), eager.generate(PROMPTS[:2], p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in o1] == [o.outputs[0].token_ids for o in o2]
+    assert o1[0].outputs[0].logprobs == o2[0].outputs[0].logprobs
+
+
+@pytest.mark.parametrize("kwargs,match,exc", [
+    ({"cudagraph_capture_sizes": []}, "cudagraph_capture_sizes", ValueError),
+    ({"cudagraph_capture_sizes": [4, 2]}, "cudagraph_capture_sizes", ValueError),
+    ({"cudagraph_capture_sizes": [1, 16]}, "cudagraph_capture_sizes", ValueError),
+    ({"cudagraph_capture_sizes": [0, 2]}, "cudagraph_capture_sizes", ValueError),
+    ({"enforce_eager": "yes"}, "enforce_eager", TypeError),
+    ({"num_kv_blocks": 1}, "num_kv_blocks", ValueError),
+])
+def test_bad_input(make_llm, tiny_model_dir, kwargs, match, exc):
+    before = make_llm(tiny_model_dir, 7, max_num_seqs=8)
+    with pytest.raises(exc, match=match):
+        LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, **kwargs)
+    assert len(tokens(before, PROMPTS[:2], GREEDY)[0]) == GREEDY.max_tokens
+
+
+@pytest.mark.slow
+def test_default_model_every_bucket(make_llm, default_model_dir):
+    fast = make_llm(default_model_dir, 7, max_num_seqs=8)
+    eager = make_llm(default_model_dir, 7, max_num_seqs=8, enforce_eager=True)
+    p = SamplingParams(max_tokens=8, temperature=0)
+    for n in (1, 3, 8):
+        assert tokens(fast, PROMPTS[:n], p) == tokens(eager, PROMPTS[:n], p)
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir):
+    from phases.p07_cuda_graphs.decode_runner import CudaGraphDecodeRunner, DecodeRunner
+
+    engine = LLM(str(tiny_model_dir), phase=7, max_num_seqs=16, device="cuda").llm_engine
+    runner = engine.runner
+    assert isinstance(runner, CudaGraphDecodeRunner)
+    eager = DecodeRunner(engine.model, engine.buffers, engine.make_attention)
+    for i in range(16):
+        engine.add_request(f"g{i}", PROMPTS[i % len(PROMPTS)], GREEDY)
+    engine.step()  # prefills: the cache now holds every prompt
+    ib = engine.input_batch
+    ib.sync(list(engine.scheduler.running))
+    for _ in range(2):  # the second round replays: no new capture
+        for bucket in engine.capture_sizes:
+            n = min(bucket, ib.num_reqs)
+            engine.buffers.fill(ib.token_ids[:n], ib.num_computed[:n], ib.block_table[:n], ib.num_blocks[:n],
+                                bucket)
+            want = eager.run(bucket)[:n].clone()
+            got = runner.run(bucket)[:n]
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert runner.num_captures == len(engine.capture_sizes) == len(runner.graphs)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_model_dir_llama3"])
+def test_fused_projections_are_bit_identical(request, fixture):
+    import copy
+
+    from phases.p07_cuda_graphs.fused import (
+        FusedLlamaAttention,
+        FusedLlamaMLP,
+        fuse_projections,
+    )
+
+    class NoCache:  # attention stand-in: the projections and MLP are what is checked
+        def __call__(self, layer_idx, q, k, v):
+            return q + k.repeat_interleave(q.shape[1] // k.shape[1], 1) * v.repeat_interleave(
+                q.shape[1] // v.shape[1], 1)
+
+    model = LLM(str(request.getfixturevalue(fixture)), phase=7, enforce_eager=True).llm_engine.model
+    fused = copy.deepcopy(model)
+    n_layers = len(model.model.layers)
+    assert fuse_projections(fused) == 2 * n_layers
+    assert isinstance(fused.model.layers[0].self_attn, FusedLlamaAttention)
+    assert isinstance(fused.model.layers[0].mlp, FusedLlamaMLP)
+    with torch.inference_mode():
+        for n in (1, 2, 3, 8):
+            ids, pos = torch.randint(0, 300, (n,)), torch.arange(n) + 5
+            assert torch.equal(model(ids, pos, NoCache()), fused(ids, pos, NoCache()))
