@@ -189,7 +189,7 @@ def test_checkpoint_fails_when_the_gain_is_removed(wide_tiny_dir):
     judge that passes the real phase must report a failure."""
     cp = declared_checkpoints(2)[0]
     # A shorter generation than the real checkpoint's: the judged ratio is ~1x either way.
-    cp = replace(cp, workload_args={**cp.workload_args, "output_len": 64}, rounds=1)
+    cp = replace(cp, workload_args={**cp.workload_args, "output_len": 48}, rounds=1)
     model = model_path(cp, wide_tiny_dir)
     slowed = EngineRunner(2, model, cp.engine_args)
     slowed.engine = _RecomputingEngine(model, **cp.engine_args)
