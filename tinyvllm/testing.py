@@ -120,7 +120,8 @@ class ThroughputCheckpoint:
 
     Each phase declares its checkpoints in its package (`THROUGHPUT_CHECKPOINTS` in
     `phases/pNN_*/__init__.py`). The test runs this phase and the baseline on the workload in one
-    process, rounds interleaved, warm-up excluded, and asserts the median ratio >= `min_gain`.
+    process, rounds interleaved, warm-up excluded, and asserts the ratio of their best rounds >=
+    `min_gain`.
 
     Attributes:
         name: what is compared, e.g. "cached decode over recompute".
