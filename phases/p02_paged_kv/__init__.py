@@ -1,15 +1,22 @@
 """Phase 2: a KV cache in fixed-size blocks: block allocator, block tables, paged attention."""
 
+from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
+from tinyvllm.testing import ThroughputCheckpoint
+
 from .block_allocator import BlockAllocator, BlockTable
 from .engine import Engine
 from .kv_cache import KVCache
-from .paged_attention import AttentionMetadata, PagedAttention, decode_attention, decode_gather, paged_attention
+from .paged_attention import (
+           AttentionMetadata,
+           PagedAttention,
+           decode_attention,
+           decode_gather,
+           paged_attention,
+)
 
 __all__ = ["Engine", "BlockAllocator", "BlockTable", "KVCache", "AttentionMetadata", "PagedAttention",
            "paged_attention", "decode_attention", "decode_gather"]
 
-from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
-from tinyvllm.testing import ThroughputCheckpoint
 
 # The gain phase 2 exists for: one request's long generation, each decode step running the model
 # on one new token instead of the whole sequence (tests/test_throughput.py checks it).

@@ -1,5 +1,8 @@
 """Phase 3: continuous batching, with preemption, chunked prefill and prefix caching."""
 
+from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
+from tinyvllm.testing import ThroughputCheckpoint
+
 from .engine import Engine
 from .prefix_cache import PrefixBlockTable, PrefixCachingBlockAllocator
 from .scheduler import Scheduler, SchedulerOutput, SequenceStatus
@@ -7,8 +10,6 @@ from .scheduler import Scheduler, SchedulerOutput, SequenceStatus
 __all__ = ["Engine", "Scheduler", "SchedulerOutput", "SequenceStatus", "PrefixCachingBlockAllocator",
            "PrefixBlockTable"]
 
-from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
-from tinyvllm.testing import ThroughputCheckpoint
 
 # The gain phase 3 exists for: requests queueing for seats (max_num_seqs below the number of
 # requests) with mixed output lengths. Static batches (phase 2, transformers' generate) keep a
