@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -101,3 +102,64 @@ def make_tiny_llama(folder: str | os.PathLike, *, hidden_size: int = 64, num_lay
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "add_bos_token": False,
         "chat_template": TINY_CHAT_TEMPLATE}, indent=2))
     return folder
+
+
+# A tiny model wide enough that matrix math, not Python, sets a step's time (about 8M
+# parameters): the throughput checkpoints run on it where the default model would take minutes.
+WIDE_TINY_LLAMA: dict = dict(hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
+                             intermediate_size=1024, max_position_embeddings=512)
+# The shell command that writes it, for a checkpoint's `bench_command` (then --model /tmp/wide-tiny).
+WIDE_TINY_LLAMA_COMMAND = ("python -c \"from tinyvllm.testing import WIDE_TINY_LLAMA, make_tiny_llama; "
+                           "make_tiny_llama('/tmp/wide-tiny', **WIDE_TINY_LLAMA)\" && ")
+
+
+@dataclass(frozen=True)
+class ThroughputCheckpoint:
+    """A phase's speed claim, checked by tests/test_throughput.py: the workload the phase exists
+    for, and the gain in output tokens per second it claims over `baseline` there.
+
+    Each phase declares its checkpoints in its package (`THROUGHPUT_CHECKPOINTS` in
+    `phases/pNN_*/__init__.py`). The test runs this phase and the baseline on the workload in one
+    process, rounds interleaved, warm-up excluded, and asserts the ratio of their best rounds >=
+    `min_gain`.
+
+    Attributes:
+        name: what is compared, e.g. "cached decode over recompute".
+        baseline: the phase number it is compared with, or "hf" (transformers' `generate` on
+            static batches of `max_num_seqs`).
+        workload: a `tinyvllm.bench` workload name: "throughput", "latency" or "prefix".
+        workload_args: keyword arguments of `tinyvllm.bench.workloads.make_workload`
+            (num_prompts, dataset, input_len, output_len, seed, ...).
+        model: "wide-tiny" (`make_tiny_llama(**WIDE_TINY_LLAMA)`, random weights, seconds) or
+            "default" (SmolLM2-135M-Instruct, minutes).
+        engine_args: engine arguments for both engines (each gets those its phase acts on).
+        claimed_gain: the gain on a CPU this checkpoint stands for.
+        claim_source: where `claimed_gain` comes from (a committed report or a measurement, with
+            its machine).
+        min_gain: what the test asserts, with a margin for a busy 2-core machine: well below the
+            claim, well above 1.0 where a gain is claimed (about 0.8 for a "no loss" claim).
+        gpu_min_gain: the same on a CUDA GPU; None: not measured.
+        bench_command: the command that reproduces the comparison.
+        rounds: measured rounds per engine (after one warm-up each).
+    """
+
+    name: str
+    baseline: int | str
+    workload: str
+    workload_args: dict
+    model: str
+    engine_args: dict
+    claimed_gain: float
+    claim_source: str
+    min_gain: float
+    bench_command: str
+    gpu_min_gain: float | None = None
+    rounds: int = 3
+
+    def __post_init__(self) -> None:
+        if self.model not in ("wide-tiny", "default"):
+            raise ValueError(f"model must be 'wide-tiny' or 'default', got {self.model!r}")
+        if not (isinstance(self.baseline, int) or self.baseline == "hf"):
+            raise ValueError(f"baseline must be a phase number or 'hf', got {self.baseline!r}")
+        if not 0 < self.min_gain <= self.claimed_gain:
+            raise ValueError(f"min_gain must be in (0, claimed_gain={self.claimed_gain}], got {self.min_gain}")

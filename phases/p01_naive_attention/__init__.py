@@ -4,3 +4,7 @@ from .attention import NaiveAttention, causal_attention
 from .engine import Engine
 
 __all__ = ["Engine", "NaiveAttention", "causal_attention"]
+
+
+# Phase 1 is the first rung: the baseline of phase 2's checkpoint, with no phase before it.
+THROUGHPUT_CHECKPOINTS: tuple = ()

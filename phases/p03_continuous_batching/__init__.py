@@ -1,8 +1,42 @@
 """Phase 3: continuous batching, with preemption, chunked prefill and prefix caching."""
 
+from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
+from tinyvllm.testing import ThroughputCheckpoint
+
 from .engine import Engine
 from .prefix_cache import PrefixBlockTable, PrefixCachingBlockAllocator
 from .scheduler import Scheduler, SchedulerOutput, SequenceStatus
 
 __all__ = ["Engine", "Scheduler", "SchedulerOutput", "SequenceStatus", "PrefixCachingBlockAllocator",
            "PrefixBlockTable"]
+
+
+# The gain phase 3 exists for: requests queueing for seats (max_num_seqs below the number of
+# requests) with mixed output lengths. Static batches (phase 2, transformers' generate) keep a
+# finished request's seat empty until the longest of its batch ends; continuous batching refills
+# it at the next step (tests/test_throughput.py checks it).
+_QUEUED = dict(num_prompts=16, dataset="random", input_len="16-64", output_len="8-128", seed=0)
+_QUEUED_FLAGS = "--num-prompts 16 --dataset random --input-len 16-64 --output-len 8-128 --max-num-seqs 4"
+
+THROUGHPUT_CHECKPOINTS = (
+    ThroughputCheckpoint(
+        name="requests queueing for 4 seats: continuous over static batching",
+        baseline=2, workload="throughput", model="wide-tiny", engine_args=dict(max_num_seqs=4),
+        workload_args=_QUEUED,
+        claimed_gain=1.37,
+        claim_source="docs/assets/bench/throughput-64-4seqs.json (SmolLM2-135M, 64 requests, 4 seats, "
+                     "2-core EPYC): 1.37x; throughput-8seqs.json (8 seats): 1.23x",
+        min_gain=1.1,
+        bench_command=(WIDE_CMD + "tinyvllm bench throughput --model /tmp/wide-tiny --phases 2-3 "
+                       + _QUEUED_FLAGS + " --repeat 3")),
+    ThroughputCheckpoint(
+        name="requests queueing for 4 seats: continuous batching over transformers' generate",
+        baseline="hf", workload="throughput", model="wide-tiny", engine_args=dict(max_num_seqs=4),
+        workload_args=_QUEUED,
+        claimed_gain=2.3,
+        claim_source="docs/assets/bench/throughput-8seqs.json (SmolLM2-135M, 32 requests, 8 seats, "
+                     "2-core EPYC): 147 / 63 tok/s = 2.3x",
+        min_gain=1.3,
+        bench_command=(WIDE_CMD + "tinyvllm bench throughput --model /tmp/wide-tiny --phases 3 --vs hf "
+                       + _QUEUED_FLAGS + " --repeat 3")),
+)

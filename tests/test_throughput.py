@@ -1,0 +1,197 @@
+"""Throughput checkpoints: each phase keeps the speed-up it exists for.
+
+Every phase declares, in its package, `THROUGHPUT_CHECKPOINTS`: the workload it exists for, its
+baseline (the phase before, or transformers) and the gain it claims there (`ThroughputCheckpoint`
+in tinyvllm/testing.py). This file runs both engines on that workload in one process: a warm-up
+each (not measured), then rounds interleaved (A B, B A, A B, ...), and asserts the ratio of each
+engine's best round is at least the checkpoint's `min_gain`. Speed is only ever asserted as a ratio
+taken in one process, with a margin wide enough for a busy 2-core machine.
+
+    pytest -m throughput            # every phase's checkpoints
+    pytest -m "throughput and phase03"
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+
+import phases
+from conftest import PHASE_NUMBERS, phase_params
+from tinyvllm.bench.runners import EngineRunner, RunResult
+from tinyvllm.bench.workloads import WARMUP_MAX_TOKENS, Workload, make_workload
+from tinyvllm.testing import WIDE_TINY_LLAMA, ThroughputCheckpoint, make_tiny_llama
+
+pytestmark = pytest.mark.throughput
+
+
+def declared_checkpoints(phase: int) -> tuple[ThroughputCheckpoint, ...] | None:
+    """The phase package's `THROUGHPUT_CHECKPOINTS` (None: it declares none)."""
+    return getattr(importlib.import_module(phases.PHASES[phase]), "THROUGHPUT_CHECKPOINTS", None)
+
+
+def checkpoint_params():
+    """(phase, checkpoint) for every declared checkpoint, marked with its phase's marker."""
+    params = []
+    for p in phase_params():
+        phase = p.values[0]
+        for i, cp in enumerate(declared_checkpoints(phase) or ()):
+            params.append(pytest.param(phase, cp, id=f"phase{phase}-vs-{cp.baseline}-{i}", marks=p.marks))
+    return params
+
+
+# -- measuring ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wide_tiny_dir(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("wide-tiny"), **WIDE_TINY_LLAMA)
+
+
+def model_path(cp: ThroughputCheckpoint, wide_tiny_dir) -> str:
+    if cp.model == "default":
+        from tinyvllm.download import ensure_default_model
+        return str(ensure_default_model(quiet=True))
+    return str(wide_tiny_dir)
+
+
+_RUNNERS: dict = {}  # engines shared between checkpoints (phase 3 serves two)
+
+
+def engine_runner(phase: int, model: str, engine_args: dict) -> EngineRunner:
+    key = (phase, model, tuple(sorted(engine_args.items())))
+    if key not in _RUNNERS:
+        _RUNNERS[key] = EngineRunner(phase, model, engine_args)
+    return _RUNNERS[key]
+
+
+def baseline_runner(cp: ThroughputCheckpoint, model: str, candidate: EngineRunner):
+    if cp.baseline != "hf":
+        return engine_runner(cp.baseline, model, cp.engine_args)
+    pytest.importorskip("transformers", reason="the 'hf' checkpoint compares with transformers' generate")
+    from tinyvllm.bench.hf import HFRunner
+    e = candidate.engine
+    return HFRunner(model, e.device, e.dtype, e.config.max_num_seqs, sorted(e.eos_token_ids))
+
+
+def build_workload(cp: ThroughputCheckpoint, model: str) -> Workload:
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.tokenizer import Tokenizer
+    return make_workload(cp.workload, Tokenizer(model), ModelConfig.from_pretrained(model).vocab_size,
+                         **cp.workload_args)
+
+
+def measure(workload: Workload, candidate, baseline, rounds: int) -> tuple[list[float], list[float]]:
+    """Output tok/s of each engine per round: one warm-up each (short, not recorded), then
+    `rounds` rounds, the order alternating (A B, B A, ...) so neither always runs first. Each run
+    gets its own salt, so no prefix cache finds an earlier run's prompts."""
+    seed = workload.params.get("seed", 0)
+    salts = workload.salts(1 + rounds, seed)
+    warm = workload.for_run(salts[0], WARMUP_MAX_TOKENS)
+    for r in (candidate, baseline):
+        r.run(warm)
+    speeds: dict[int, list[float]] = {id(candidate): [], id(baseline): []}
+    for k, salt in enumerate(salts[1:]):
+        wl = workload.for_run(salt)
+        for r in ((candidate, baseline) if k % 2 == 0 else (baseline, candidate)):
+            res: RunResult = r.run(wl)
+            speeds[id(r)].append(res.output_tok_per_s)
+    return speeds[id(candidate)], speeds[id(baseline)]
+
+
+# -- judging: shared by the real checkpoints and the test that they can fail -------------------
+
+@dataclass
+class Verdict:
+    passed: bool
+    ratio: float
+    message: str
+
+
+def judge(cp: ThroughputCheckpoint, phase: int, candidate_tok_s: list[float],
+          baseline_tok_s: list[float]) -> Verdict:
+    """Best round of each engine, and their ratio. Contention on a shared machine only ever slows
+    a run, so an engine's fastest round is the one least disturbed; a median of per-round ratios
+    swung by more than 5x between rounds while other jobs loaded the 2-core machine."""
+    min_gain = cp.min_gain
+    if torch.cuda.is_available():
+        min_gain = 1.0 if cp.gpu_min_gain is None else cp.gpu_min_gain  # None: not measured, no loss
+    best_c, best_b = max(candidate_tok_s), max(baseline_tok_s)
+    ratio = best_c / best_b
+    base = f"phase {cp.baseline}" if cp.baseline != "hf" else "transformers"
+    message = (f"phase {phase} over {base}, {cp.name}: {best_c:.1f} vs {best_b:.1f} output tok/s (best of "
+               f"{len(candidate_tok_s)} rounds; per round "
+               f"{', '.join(f'{c:.1f}/{b:.1f}' for c, b in zip(candidate_tok_s, baseline_tok_s))}): "
+               f"ratio {ratio:.2f}x, must be >= {min_gain:.2f}x (margin {ratio - min_gain:+.2f}; "
+               f"claimed {cp.claimed_gain:.2f}x: {cp.claim_source}). Reproduce: {cp.bench_command}")
+    return Verdict(ratio >= min_gain, ratio, message)
+
+
+def assert_gain(cp: ThroughputCheckpoint, phase: int, candidate_tok_s, baseline_tok_s) -> Verdict:
+    verdict = judge(cp, phase, candidate_tok_s, baseline_tok_s)
+    print(verdict.message)
+    assert verdict.passed, verdict.message
+    return verdict
+
+
+# -- the checkpoints ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("phase,cp", checkpoint_params())
+def test_throughput_checkpoint(phase, cp, wide_tiny_dir):
+    model = model_path(cp, wide_tiny_dir)
+    candidate = engine_runner(phase, model, cp.engine_args)
+    baseline = baseline_runner(cp, model, candidate)
+    workload = build_workload(cp, model)
+    cand, base = measure(workload, candidate, baseline, cp.rounds)
+    assert_gain(cp, phase, cand, base)
+
+
+@pytest.mark.parametrize("phase", phase_params())
+def test_every_phase_declares_a_checkpoint(phase):
+    """The first phase is the baseline of the second; every later phase claims a gain (or no
+    loss) over the phase before it, on the workload it exists for."""
+    cps = declared_checkpoints(phase)
+    module = phases.PHASES[phase]
+    assert cps is not None, (
+        f"phase {phase} ({module}) declares no THROUGHPUT_CHECKPOINTS in its __init__.py: every phase "
+        f"states the workload it exists for and its gain over phase {phase - 1} there "
+        f"(a ThroughputCheckpoint, see tinyvllm/testing.py and docs/architecture.md)")
+    assert all(isinstance(cp, ThroughputCheckpoint) for cp in cps)
+    if phase == min(PHASE_NUMBERS):
+        assert cps == (), "the first phase has no phase before it to be compared with"
+        return
+    assert any(cp.baseline == phase - 1 for cp in cps), (
+        f"phase {phase} ({module}) must declare a checkpoint against phase {phase - 1}, the phase it extends")
+
+
+# -- the checkpoints can fail ------------------------------------------------------------------
+
+class _RecomputingEngine(phases.get_engine_class(2)):
+    """Phase 2 with its gain removed: every step also runs the model over each running
+    sequence's whole context, as phase 1 does (the result is thrown away)."""
+
+    @torch.no_grad()
+    def step(self):
+        from phases.p01_naive_attention import NaiveAttention
+        for seq in self.running:
+            ids = torch.tensor(seq.token_ids, device=self.device)                  # (T,)
+            self.model(ids, torch.arange(len(ids), device=self.device), NaiveAttention())  # (T, D)
+        return super().step()
+
+
+@pytest.mark.phase02
+def test_checkpoint_fails_when_the_gain_is_removed(wide_tiny_dir):
+    """Phase 2's checkpoint, run on phase 2 with its KV cache's benefit removed: the same
+    judge that passes the real phase must report a failure."""
+    cp = declared_checkpoints(2)[0]
+    # A shorter generation than the real checkpoint's: the judged ratio is ~1x either way.
+    cp = replace(cp, workload_args={**cp.workload_args, "output_len": 48}, rounds=1)
+    model = model_path(cp, wide_tiny_dir)
+    slowed = EngineRunner(2, model, cp.engine_args)
+    slowed.engine = _RecomputingEngine(model, **cp.engine_args)
+    cand, base = measure(build_workload(cp, model), slowed, engine_runner(1, model, {}), cp.rounds)
+    verdict = judge(cp, 2, cand, base)
+    assert not verdict.passed, f"the checkpoint did not notice the lost gain: {verdict.message}"
+    assert cp.bench_command in verdict.message and f"{verdict.ratio:.2f}x" in verdict.message
