@@ -64,17 +64,41 @@ def tiny_model_dir_llama3(tmp_path_factory) -> Path:
 
 
 _LLMS: dict = {}
+# Engines of a large model held at once: one engine of the default model holds its weights
+# (plus oneDNN's packed copy) and a KV pool, about 1.5 GB; seven phases' worth would not fit.
+MAX_LARGE_ENGINES = 2
+LARGE_MODEL_BYTES = 100 * 2**20
+# A KV pool big enough for any test (the CPU default is 2 GiB, zero-filled, per engine).
+TEST_KV_CACHE_MEMORY = 256 * 2**20
+
+
+def _model_bytes(model) -> int:
+    return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
 
 
 @pytest.fixture(scope="session")
 def make_llm():
-    """make_llm(model_dir, phase, **engine_args) -> a cached LLM."""
+    """make_llm(model_dir, phase, **engine_args) -> a cached LLM. Engines of large models are
+    kept only while they are among the most recently used MAX_LARGE_ENGINES."""
+    import gc
+
     from tinyvllm import LLM
 
     def make(model, phase, **kwargs):
-        key = (str(model), phase, tuple(sorted(kwargs.items())))
+        key = (str(model), phase, repr(sorted(kwargs.items())))  # repr: values may be dicts
+        large = _model_bytes(model) > LARGE_MODEL_BYTES
         if key not in _LLMS:
-            _LLMS[key] = LLM(str(model), phase=phase, **kwargs)
+            if large:
+                older = [k for k in _LLMS if _model_bytes(k[0]) > LARGE_MODEL_BYTES]
+                for k in older[: max(0, len(older) - MAX_LARGE_ENGINES + 1)]:
+                    del _LLMS[k]
+                gc.collect()
+            args = dict(kwargs)
+            if ("kv_cache_memory" in phases.get_engine_class(phase).ENGINE_ARGS
+                    and "kv_cache_memory" not in args and "num_kv_blocks" not in args):
+                args["kv_cache_memory"] = TEST_KV_CACHE_MEMORY
+            _LLMS[key] = LLM(str(model), phase=phase, **args)
+        _LLMS[key] = _LLMS.pop(key)  # most recently used last
         return _LLMS[key]
 
     yield make

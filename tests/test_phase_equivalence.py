@@ -9,6 +9,9 @@ from conftest import phase_params
 from tinyvllm import SamplingParams
 
 
+_PHASE1_TOKENS: dict = {}  # (model, batch, length) -> phase 1's greedy tokens
+
+
 def _prompts(batch: int, length: int, vocab: int, seed: int):
     rng = random.Random(seed)
     # lengths vary around `length` so a batch mixes short and long prompts
@@ -24,8 +27,13 @@ def test_greedy_equals_phase1(phase, batch, length, model_fixture, request, make
     ref_llm, llm = make_llm(model, 1), make_llm(model, phase)
     prompts = _prompts(batch, length, ref_llm.llm_engine.model_config.vocab_size, seed=batch * 1000 + length)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    # phase 1 runs each prompt alone: the reference with no batching at all
-    ref = [ref_llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    # phase 1 runs each prompt alone: the reference with no batching at all (made once, shared
+    # by every phase's case)
+    key = (model_fixture, batch, length)
+    if key not in _PHASE1_TOKENS:
+        _PHASE1_TOKENS[key] = [ref_llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids
+                               for p in prompts]
+    ref = _PHASE1_TOKENS[key]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
 

@@ -61,7 +61,7 @@ _RUNNERS: dict = {}  # engines shared between checkpoints (phase 3 serves two)
 
 
 def engine_runner(phase: int, model: str, engine_args: dict) -> EngineRunner:
-    key = (phase, model, tuple(sorted(engine_args.items())))
+    key = (phase, model, repr(sorted(engine_args.items())))  # repr: values may be dicts
     if key not in _RUNNERS:
         _RUNNERS[key] = EngineRunner(phase, model, engine_args)
     return _RUNNERS[key]

@@ -123,4 +123,7 @@ class QuantizedPagedAttention(PagedAttention):
         k_cache, v_cache = self.cache.gather(layer_idx, self.used)
         if self.attend is None:
             return paged_attention(q, k_cache, v_cache, self.compact_meta)
+        # the CPU path attends a prompt with nothing cached over this step's K/V directly: hand it
+        # what the cache holds (quantized and back), so every query sees the stored values
+        k, v = (dequantize_kv(*quantize_kv(x, self.cache.kv_cache_dtype), q.dtype) for x in (k, v))
         return self.attend(q, k, v, k_cache, v_cache, self.compact_meta)
