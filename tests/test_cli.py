@@ -106,3 +106,13 @@ def test_engine_never_imports_transformers(tiny_model_dir):
             f"LLM({str(tiny_model_dir)!r}).generate('hi', SamplingParams(max_tokens=3), use_tqdm=False); "
             "assert 'transformers' not in sys.modules, 'the engine imported transformers'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_generate_and_bench_never_import_the_server_stack(tiny_model_dir):
+    # `tinyvllm generate` and `tinyvllm bench` must start without FastAPI/uvicorn (a machine with
+    # only torch and the engine's needs runs them; and importing the server costs startup time)
+    code = ("import sys; from tinyvllm.cli import main; "
+            f"main(['generate', '--model', {str(tiny_model_dir)!r}, '--prompt', 'hi', '--max-tokens', '2']); "
+            "bad = [m for m in ('fastapi', 'uvicorn', 'starlette') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)

@@ -114,3 +114,15 @@ def test_truncated_in_header_names_file(tiny_model_dir, tmp_path):
         with pytest.raises(ValueError, match="model.safetensors") as e:
             load_model(d, torch.float32, torch.device("cpu"))
         assert str(f) in str(e.value) and "truncated" in str(e.value)
+
+
+def test_random_like_keeps_names_shapes_and_files(tiny_model_dir, tmp_path):
+    from tinyvllm.testing import make_random_like
+
+    out = make_random_like(tiny_model_dir, tmp_path / "rand")
+    want, got = load_file(tiny_model_dir / "model.safetensors"), load_file(out / "model.safetensors")
+    assert {k: v.shape for k, v in want.items()} == {k: v.shape for k, v in got.items()}
+    assert not torch.equal(want["model.layers.0.self_attn.q_proj.weight"], got["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(got["model.norm.weight"], torch.ones_like(got["model.norm.weight"]))
+    assert (out / "tokenizer.json").read_text() == (tiny_model_dir / "tokenizer.json").read_text()
+    load_model(out, torch.float32, torch.device("cpu"))  # the engine's loader takes it

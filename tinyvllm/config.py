@@ -164,7 +164,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     # phase 5: quantization
     quantization: str | None = None
-    quantization_group_size: int = 128
+    quantization_group_size: int | None = None  # None: the largest of 128, 64, 32 that fits the model
     kv_cache_dtype: str = "auto"
     # phase 6: speculative decoding
     speculative_config: dict | None = None
@@ -195,7 +195,7 @@ class EngineConfig:
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
-        _check_choice("quantization_group_size", self.quantization_group_size, QUANTIZATION_GROUP_SIZES)
+        _check_choice("quantization_group_size", self.quantization_group_size, (None, *QUANTIZATION_GROUP_SIZES))
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise TypeError(f"speculative_config must be a dict or None, got {self.speculative_config!r}")

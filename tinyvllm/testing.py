@@ -104,6 +104,38 @@ def make_tiny_llama(folder: str | os.PathLike, *, hidden_size: int = 64, num_lay
     return folder
 
 
+def make_random_like(source: str | os.PathLike, folder: str | os.PathLike, *, seed: int = 0,
+                     std: float = 0.02) -> Path:
+    """Write `folder`: `source`'s config and tokenizer files, with random weights of its tensors'
+    names and shapes (norms = 1). For timing a model's shape on a machine its weights cannot reach
+    (the GPU machines here see no model hub, and ~0.5 GB does not travel): speed does not depend
+    on the values, but the tokens are noise.
+
+        python -m tinyvllm.testing random-like ~/.cache/tinyvllm/SmolLM2-135M-Instruct /tmp/smol-random
+    """
+    import shutil
+
+    from safetensors import safe_open
+
+    from tinyvllm.weights import safetensors_files
+
+    source, folder = Path(source), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    for f in source.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy(f, folder / f.name)
+    tensors = {}
+    for f in safetensors_files(source):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                shape = st.get_slice(name).get_shape()
+                tensors[name] = (torch.ones(shape) if name.endswith("norm.weight")
+                                 else torch.randn(shape, generator=g) * std)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 # A tiny model wide enough that matrix math, not Python, sets a step's time (about 8M
 # parameters): the throughput checkpoints run on it where the default model would take minutes.
 WIDE_TINY_LLAMA: dict = dict(hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,
@@ -163,3 +195,11 @@ class ThroughputCheckpoint:
             raise ValueError(f"baseline must be a phase number or 'hf', got {self.baseline!r}")
         if not 0 < self.min_gain <= self.claimed_gain:
             raise ValueError(f"min_gain must be in (0, claimed_gain={self.claimed_gain}], got {self.min_gain}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    if len(sys.argv) != 4 or sys.argv[1] != "random-like":
+        sys.exit("usage: python -m tinyvllm.testing random-like SOURCE_MODEL_DIR OUT_DIR")
+    print(make_random_like(sys.argv[2], sys.argv[3]))

@@ -22,7 +22,7 @@ from phases.p04_triton_kernels import Engine as Phase4Engine
 from phases.p04_triton_kernels import cpu_paged_attention
 
 from .kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantized_bytes_per_block
-from .quant import QuantizedLinear, check_group_size
+from .quant import INT4_GROUP_SIZES, QuantizedLinear, check_group_size
 
 
 def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -30,13 +30,26 @@ def linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
-def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> nn.Module:
+def default_group_size(model: nn.Module) -> int:
+    """int4's group when none is asked for: the largest offered size (128, then 64, then 32) that
+    divides every linear layer's input size (the default model's 576 = 4.5 x 128 gets 64)."""
+    sizes = {m.in_features for _, m in linear_layers(model)}
+    fits = [g for g in sorted(INT4_GROUP_SIZES, reverse=True) if all(i % g == 0 for i in sizes)]
+    if not fits:
+        raise ValueError(f"quantization='int4': no quantization_group_size of {list(INT4_GROUP_SIZES)} divides "
+                         f"every layer's input size {sorted(sizes)}")
+    return fits[0]
+
+
+def quantize_model(model: nn.Module, method: str, group_size: int | None = None) -> nn.Module:
     """Replace every linear layer of `model` by a `QuantizedLinear`, in place; the float weights
     are dropped. Every layer is checked before any is changed, so a model that cannot be
-    quantized is left as it was."""
+    quantized is left as it was. group_size None (int4): `default_group_size(model)`."""
     layers = linear_layers(model)
     if not layers:
         raise ValueError(f"quantization={method!r}: the model has no linear layers to quantize")
+    if method == "int4" and group_size is None:
+        group_size = default_group_size(model)
     for name, m in layers:
         if not m.weight.is_floating_point():
             raise ValueError(f"quantization={method!r}: layer {name} has a {m.weight.dtype} weight, not a float one")
@@ -45,7 +58,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int = 128) -> nn.M
     for name, m in layers:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, QuantizedLinear(m.weight, m.bias, method, group_size))
+        setattr(parent, attr, QuantizedLinear(m.weight, m.bias, method, group_size or 128))
     return model
 
 

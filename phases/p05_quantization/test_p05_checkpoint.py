@@ -220,3 +220,17 @@ def test_fbgemm_keeps_outlier_columns_in_float():
     plain = torch.ops.quantized.linear_dynamic(x, layer.packed("fbgemm_w8a8"), True)  # one scale for all
     err = lambda y: ((y - ref).norm() / ref.norm()).item()
     assert err(layer(x)) < 0.02 < err(plain)
+
+
+def test_int4_group_size_defaults_to_the_largest_that_fits(tiny_model_dir):
+    from torch import nn
+
+    from phases.p05_quantization.engine import default_group_size
+
+    # the default model: hidden 576 = 4.5 x 128, MLP 1536: groups of 64 (128 would not divide 576)
+    assert default_group_size(nn.Sequential(nn.Linear(576, 1536), nn.Linear(1536, 576))) == 64
+    assert default_group_size(nn.Sequential(nn.Linear(256, 512), nn.Linear(512, 256))) == 128
+    with pytest.raises(ValueError, match="quantization_group_size"):
+        default_group_size(nn.Sequential(nn.Linear(48, 64)))
+    model = LLM(str(tiny_model_dir), phase=5, quantization="int4").llm_engine.model  # no group size asked
+    assert {m.group_size for m in model.modules() if hasattr(m, "group_size")} == {64}  # tiny: inputs 64, 128

@@ -61,12 +61,15 @@ def bench_fused(model_dir, batches: list[int], repeat: int = 15) -> None:
     fuse_projections(fused)
     print(f"copy + fuse_projections: {time.perf_counter() - t:.2f} s")
     for n in batches:
-        ids, pos = torch.randint(0, 1000, (n,)), torch.arange(n) + 20
+        device = model.model.embed_tokens.weight.device
+        ids, pos = torch.randint(0, 1000, (n,), device=device), torch.arange(n, device=device) + 20
         times: dict[str, list[float]] = {"separate": [], "fused": []}
         for _ in range(repeat):
             for name, m in (("separate", model), ("fused", fused)):
                 t = time.perf_counter()
                 m(ids, pos, _NoCache())
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the GPU's time, not the launches'
                 times[name].append(time.perf_counter() - t)
         print(f"batch {n:3d}  forward separate {1e3 * min(times['separate']):7.1f} ms, "
               f"fused {1e3 * min(times['fused']):7.1f} ms (min of {repeat}, interleaved)", flush=True)

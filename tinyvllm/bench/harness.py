@@ -57,13 +57,33 @@ def check_repeat(repeat) -> None:
         raise ValueError(f"--repeat must be an integer >= 1; got {repeat!r}")
 
 
+def share_gpu(engine_args: dict, n: int) -> list[dict]:
+    """Engine arguments for n engines held at once in this process. On a GPU an engine sizes its
+    KV pool as `gpu_memory_utilization` of the card less what is already in use, so the first
+    engine of a ladder would take it all. Unless the command sized the pool itself, engine i of
+    n gets gpu_memory_utilization * (i + 1) / n: each finds its elders' share in use and takes an
+    equal share of the same fraction."""
+    from tinyvllm.weights import resolve_device
+
+    sized = {"kv_cache_memory", "num_kv_blocks"} & {k for k, v in engine_args.items() if v is not None}
+    if n == 1 or sized or resolve_device(engine_args.get("device") or "auto").type != "cuda":
+        return [engine_args] * n
+    from dataclasses import fields
+
+    from tinyvllm.config import EngineConfig
+
+    default = next(f.default for f in fields(EngineConfig) if f.name == "gpu_memory_utilization")
+    util = engine_args.get("gpu_memory_utilization") or default
+    return [dict(engine_args, gpu_memory_utilization=util * (i + 1) / n) for i in range(n)]
+
+
 def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: list[str],
                  hf_batch_size: int | None = None) -> list:
     """An `EngineRunner` per phase (at least one), then the peers asked for (`vs`: 'hf'). The
     Hugging Face batch size defaults to the engines' max_num_seqs."""
     if not phases_:
         raise ValueError("--phases: at least one phase must run")
-    runners: list = [EngineRunner(p, model, engine_args) for p in phases_]
+    runners: list = [EngineRunner(p, model, args) for p, args in zip(phases_, share_gpu(engine_args, len(phases_)))]
     for peer in dict.fromkeys(vs):  # each peer once
         if peer != "hf":
             raise ValueError(f"--vs must be 'hf'; got {peer!r}")

@@ -2,9 +2,18 @@
 
 `AsyncEngine` steps the engine in one background thread and hands each request's outputs to its
 own asyncio queue; `build_app` makes the FastAPI app (endpoints, errors, /metrics).
+
+The names are imported on first use (PEP 562), so `tinyvllm generate` and `tinyvllm bench`, whose
+parser lives beside this package's `cli.py`, never import FastAPI or uvicorn.
 """
 
-from tinyvllm.server.app import build_app
-from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError
+from importlib import import_module
 
-__all__ = ["AsyncEngine", "EngineDeadError", "build_app"]
+_EXPORTS = {"AsyncEngine": "async_engine", "EngineDeadError": "async_engine", "build_app": "app"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
