@@ -46,7 +46,7 @@ CASES = {
     "bs16-d128-gqa4-decode-split4-f16": dict(bs=16, d=128, group=4, kvh=2, batch=DECODES, dtype="float16", splits=4),
     "bs32-d64-gqa3-mixed-f16": dict(bs=32, d=64, group=3, kvh=1, batch=MIXED, dtype="float16", splits=1),
     # split-KV chosen by the rule (None): one long decode has too few programs to fill the machine
-    "bs16-d64-gqa4-one-long-decode-auto-split-f32": dict(bs=16, d=64, group=4, kvh=1, batch=[("12*bs+7", 1)],
+    "bs16-d64-gqa4-one-long-decode-auto-split-f32": dict(bs=16, d=64, group=4, kvh=1, batch=[("20*bs+7", 1)],
                                                          dtype="float32", splits=None),
 }
 CACHE_CASES = {

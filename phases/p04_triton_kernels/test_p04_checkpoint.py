@@ -106,11 +106,14 @@ def test_split_kv_rule():
 
     # (max_query_len, seqs, KV heads, longest context, block_size, SMs)
     assert choose_num_kv_splits(7, 1, 2, 4096, 16, 132) == 1          # a prefill in the batch: no split
-    assert choose_num_kv_splits(1, 64, 3, 4096, 16, 132) == 1         # 192 programs fill 132 SMs
-    assert choose_num_kv_splits(1, 1, 3, 48, 16, 132) == 1            # 3 blocks: too short to cut
+    # the H100 sweep's fastest split at each decode shape (lesson, "Tuned on an H100"):
+    assert choose_num_kv_splits(1, 64, 3, 4096, 16, 132) == 8         # 192 programs, 16 per SM wanted: 11 -> 8
+    assert choose_num_kv_splits(1, 64, 3, 512, 16, 132) == 4          # 32 blocks, >= 8 each: 4
+    assert choose_num_kv_splits(1, 8, 3, 4096, 16, 132) == MAX_KV_SPLITS  # 24 programs
     assert choose_num_kv_splits(1, 1, 3, 4096, 16, 132) == MAX_KV_SPLITS  # 3 programs, 256 blocks
-    assert choose_num_kv_splits(1, 8, 3, 4096, 16, 132) == 8          # 24 programs: ~11 per -> 8
-    assert choose_num_kv_splits(1, 1, 1, 16 * 4 * 5, 16, 132) == 4    # 20 blocks, >= 4 each: 5 -> 4
+    assert choose_num_kv_splits(1, 1, 3, 48, 16, 132) == 1            # 3 blocks: too short to cut
+    assert choose_num_kv_splits(1, 1, 1, 16 * 8 * 5, 16, 132) == 4    # 40 blocks, >= 8 each: 5 -> 4
+    assert choose_num_kv_splits(1, 2048, 8, 4096, 16, 132) == 1       # 16,384 programs: enough
     for seqs in range(1, 40):
         n = choose_num_kv_splits(1, seqs, 2, 2000, 16, 108)
         assert n & (n - 1) == 0 and 1 <= n <= MAX_KV_SPLITS

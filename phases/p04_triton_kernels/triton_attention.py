@@ -38,7 +38,14 @@ import triton.language as tl
 # The most segments split-KV cuts a sequence into, and the fewest blocks a segment gets: a
 # segment much shorter than that costs more in partial results and merging than it saves.
 MAX_KV_SPLITS = 16
-MIN_BLOCKS_PER_SPLIT = 4
+MIN_BLOCKS_PER_SPLIT = 8
+# Decode programs split-KV aims at per SM. A decode program is small (a 16-row tile, two warps)
+# and waits on memory most of the time, so an SM needs many of them in flight; on an H100 the
+# sweep in the lesson found the fastest split at 64 x 4,096 tokens where this rule puts it.
+PROGRAMS_PER_SM = 16
+# Launch options of a decode step (a 16 x 16 score tile): two warps and two stages beat Triton's
+# defaults (four warps, three stages) at every decode shape of that sweep.
+DECODE_NUM_WARPS, DECODE_NUM_STAGES = 2, 2
 # On a CPU (the interpreter) there are no SMs to fill; this stands in for their number so the
 # rule gives the same kind of answer it gives on a small GPU.
 INTERPRETER_NUM_SMS = 4
@@ -265,16 +272,15 @@ def choose_num_kv_splits(max_query_len: int, num_seqs: int, num_kv_heads: int, m
                          block_size: int, num_sms: int) -> int:
     """The split-KV rule: how many segments each sequence's blocks are cut into.
 
-    Split only a batch of decodes (a prefill chunk brings enough query tiles of its own), and only
-    when its (sequence, KV head) pairs, one program each, are fewer than the GPU's SMs: then
-    split so that there are about two programs per SM, with at least MIN_BLOCKS_PER_SPLIT blocks
-    per segment and at most MAX_KV_SPLITS segments, rounded down to a power of two (a compiled
-    kernel per count).
+    Split only a batch of decodes (a prefill chunk brings enough query tiles of its own): its
+    (sequence, KV head) pairs are one program each; split so that there are about
+    PROGRAMS_PER_SM programs per SM, with at least MIN_BLOCKS_PER_SPLIT blocks per segment and at
+    most MAX_KV_SPLITS segments, rounded down to a power of two (a compiled kernel per count).
     """
     programs = num_seqs * num_kv_heads
-    if max_query_len > 1 or programs >= num_sms:
+    if max_query_len > 1:
         return 1
-    by_sms = -(-2 * num_sms // programs)
+    by_sms = -(-PROGRAMS_PER_SM * num_sms // programs)
     by_length = -(-max_seq_len // block_size) // MIN_BLOCKS_PER_SPLIT
     splits = min(MAX_KV_SPLITS, by_sms, by_length)
     return 1 if splits < 2 else 2 ** int(math.log2(splits))
@@ -287,17 +293,28 @@ def num_sms(device: torch.device) -> int:
     return INTERPRETER_NUM_SMS
 
 
+def launch_options(max_query_len: int, num_warps: int | None, num_stages: int | None) -> dict:
+    """Triton launch options: those asked for, else DECODE_NUM_WARPS/STAGES for a batch of
+    decodes, else Triton's defaults."""
+    if max_query_len == 1:
+        num_warps = num_warps or DECODE_NUM_WARPS
+        num_stages = num_stages or DECODE_NUM_STAGES
+    return {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+
+
 def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, max_seq_len: int, scale: float | None = None,
-                      num_kv_splits: int | None = None) -> torch.Tensor:
+                      num_kv_splits: int | None = None, num_warps: int | None = None,
+                      num_stages: int | None = None) -> torch.Tensor:
     """Paged attention for a flat batch of prefill chunks and decodes, in one launch.
 
     q, out: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d), holding every token of
     every sequence (this step's too: call `reshape_and_cache` first); query_start_loc (B+1,),
     seq_lens (B,), block_tables (B, M): int32, as in `AttentionMetadata`. max_query_len and
     max_seq_len (host ints) choose the tile shape and the split. num_kv_splits: None picks it by
-    `choose_num_kv_splits`; a power of two forces it. Returns out.
+    `choose_num_kv_splits`; a power of two forces it. num_warps, num_stages: Triton's launch
+    options (None: `launch_options`' choice), for tuning sweeps. Returns out.
     """
     q = _last_dim_contiguous(q)
     n, h, d = q.shape
@@ -326,7 +343,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         num_seqs, h, d, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_P2=head_p2,
-        NUM_SPLITS=num_kv_splits, IEEE_DOT=q.dtype == torch.float32)
+        NUM_SPLITS=num_kv_splits, IEEE_DOT=q.dtype == torch.float32,
+        **launch_options(max_query_len, num_warps, num_stages))
     if num_kv_splits > 1:
         merge_attn_states(out, part_out, part_lse)
     return out
