@@ -18,6 +18,10 @@ PROMPTS = [
     "Give me a short tip for learning to cook. Réponds aussi en français, s'il te plaît.",
 ]
 MAX_TOKENS = 32
+# Phase 1 recomputes the whole sequence for every token: all eight prompts took 70 s of the
+# 2-core CPU's 16-minute suite (pytest --durations, 2026-11-23). It answers the first four;
+# every later phase answers all eight.
+PHASE1_PROMPTS = 4
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,9 @@ def hf_greedy(hf_gguf, chat_prompt_ids):
 def test_greedy_matches_transformers(phase, make_llm, default_model_dir, chat_prompt_ids, hf_greedy):
     llm = make_llm(default_model_dir, phase)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in chat_prompt_ids], params, use_tqdm=False)
+    n = PHASE1_PROMPTS if phase == 1 else len(PROMPTS)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in chat_prompt_ids[:n]], params, use_tqdm=False)
+    assert len(outs) == n
     for prompt, out, ref in zip(PROMPTS, outs, hf_greedy):
         assert out.outputs[0].token_ids == ref, f"phase {phase} differs from transformers on {prompt!r}"
     # the references are not trivial: most run the full 32 tokens, some end with EOS
