@@ -14,6 +14,6 @@ demo: setup
 test: setup
 	@$(PY) -m pytest
 
-## test-fast: the inner loop: no default-model runs, speed checkpoints, notebooks or docs build
+## test-fast: the inner loop: no default-model runs, speed checkpoints, notebooks, docs build or server
 test-fast: setup
 	@$(PY) -m pytest -m "not slow and not throughput and not notebooks and not docs and not server"

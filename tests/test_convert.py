@@ -52,6 +52,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert (unpermute_qk(permute(w, 4), 4) == w).all()
 
 
+@pytest.mark.slow  # transformers' own GGUF loading takes ~35 s of the CPU
 @pytest.mark.parametrize("text", SAMPLE_TEXTS)
 def test_tokenizer_equals_transformers_gguf(hf_gguf, default_model_dir, text):
     _, hf_tok = hf_gguf

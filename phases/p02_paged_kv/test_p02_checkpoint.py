@@ -169,6 +169,7 @@ def test_too_small_kv_cache_memory_is_a_clear_error(tiny_model_dir):
         LLM(str(tiny_model_dir), phase=2, kv_cache_memory=0)
 
 
+@pytest.mark.throughput  # a speed ratio: with the throughput tier, out of `make test-fast`
 def test_cached_decode_at_least_2x_recompute(tmp_path):
     """One request, 256 new tokens, on a model wide enough that matrix math, not Python, sets
     the time. Phase 1 runs the model over 64..319 tokens per step; phase 2 over one. The gap is
