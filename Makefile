@@ -14,6 +14,7 @@ demo: setup
 test: setup
 	@$(PY) -m pytest
 
-## test-fast: the inner loop: no default-model runs, speed checkpoints, notebooks, docs build or server
+## test-fast: the inner loop: no default-model runs, speed checkpoints, notebooks, docs build,
+## server or Triton interpreter
 test-fast: setup
-	@$(PY) -m pytest -m "not slow and not throughput and not notebooks and not docs and not server"
+	@$(PY) -m pytest -m "not slow and not throughput and not notebooks and not docs and not server and not interpreter"

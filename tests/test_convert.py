@@ -63,6 +63,13 @@ def test_tokenizer_equals_transformers_gguf(hf_gguf, default_model_dir, text):
     assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow  # shares the transformers GGUF load above
+def test_chat_template_is_the_gguf_files(hf_gguf, default_model_dir):
+    _, hf_tok = hf_gguf
+    cfg = json.loads((default_model_dir / "tokenizer_config.json").read_text())
+    assert cfg["chat_template"] == hf_tok.chat_template
+
+
 def test_digits_are_split_one_by_one(default_model_dir):
     # llama.cpp's 'smollm' pre-tokenizer and SmolLM2's own tokenizer.json split digits singly
     tok = Tokenizer(default_model_dir)
@@ -70,8 +77,12 @@ def test_digits_are_split_one_by_one(default_model_dir):
     assert len(ids) == 5 and tok.decode(ids) == "12345"
 
 
-def test_chat_template_equals_transformers(hf_gguf, default_model_dir):
-    _, hf_tok = hf_gguf
+def test_chat_template_equals_transformers(default_model_dir):
+    # transformers renders the template from our converted folder (its tokenizer loads in a
+    # second); that the folder's template is the GGUF file's is the slow test above's check.
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(default_model_dir)
     tok = Tokenizer(default_model_dir)
     for messages in ([{"role": "user", "content": "Hi!"}],
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

@@ -71,6 +71,7 @@ def test_stop_strings(phase, tiny_model_dir, make_llm):
     assert kept.text == text[: cut + len(stop)]
 
 
+@pytest.mark.slow  # the default model
 def test_stop_string_on_default_model(make_llm, default_model_dir):
     llm = make_llm(default_model_dir, 1)
     msgs = [{"role": "user", "content": "What is the capital of France?"}]

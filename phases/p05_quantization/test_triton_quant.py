@@ -31,6 +31,7 @@ CHECK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.interpreter
 def test_triton_kernels_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", CHECK.format(device="cpu", tol=1e-5)], cwd=ROOT, env=env,
