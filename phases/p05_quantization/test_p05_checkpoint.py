@@ -217,9 +217,16 @@ def test_fbgemm_keeps_outlier_columns_in_float():
     x = torch.randn(4, 128) * 0.5
     x[:, 7] = 60.0
     ref = layer.reference_forward(x)
-    plain = torch.ops.quantized.linear_dynamic(x, layer.packed("fbgemm_w8a8"), True)  # one scale for all
+    q_before = layer.qweight.clone()
+    packed, columns = layer.packed("fbgemm_w8a8")
+    plain = torch.ops.quantized.linear_dynamic(x, packed, True)  # one scale for all
     err = lambda y: ((y - ref).norm() / ref.norm()).item()
     assert err(layer(x)) < 0.02 < err(plain)
+    # the int8 weight is now stored column-major (an outlier column is one contiguous row), and
+    # `qweight` is a view of that storage: the same values, no third copy
+    assert columns.shape == (128, 64) and columns.is_contiguous()
+    assert layer.qweight.data_ptr() == columns.data_ptr() and torch.equal(layer.qweight, q_before)
+    assert torch.allclose(layer.reference_forward(x), ref)
 
 
 def test_int4_group_size_defaults_to_the_largest_that_fits(tiny_model_dir):
