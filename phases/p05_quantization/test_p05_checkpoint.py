@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phases.p05_quantization import quant
 from phases.p05_quantization.engine import linear_layers, quantize_model
 from phases.p05_quantization.kv_quant import (KV_CACHE_DTYPES, QuantizedKVCache, dequantize_kv,
                                               quantize_kv, quantized_bytes_per_block)
@@ -227,6 +228,22 @@ def test_fbgemm_keeps_outlier_columns_in_float():
     assert columns.shape == (128, 64) and columns.is_contiguous()
     assert layer.qweight.data_ptr() == columns.data_ptr() and torch.equal(layer.qweight, q_before)
     assert torch.allclose(layer.reference_forward(x), ref)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fbgemm_two_passes_when_outlier_columns_are_many(bias):
+    """Many columns above the threshold (the LM head's input at a large batch): the layer splits x
+    into a coarse and a fine int8 part instead, and stays within 0.5% of the reference."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear(torch.randn(64, 128) * 0.05, torch.randn(64) if bias else None, "int8",
+                            kernel="fbgemm_w8a8")
+    x = torch.randn(8, 128)
+    x[:, :16] *= 20.0                                              # 16 of 128 columns > 3.0
+    assert (x.abs().amax(0) > quant.OUTLIER_THRESHOLD).sum() > quant.MAX_OUTLIER_COLUMNS * 128
+    ref = layer.reference_forward(x)
+    plain = torch.ops.quantized.linear_dynamic(x, layer.packed("fbgemm_w8a8")[0], True)
+    err = lambda y: ((y - ref).norm() / ref.norm()).item()
+    assert err(layer(x)) < 0.005 < err(plain)
 
 
 def test_int4_group_size_defaults_to_the_largest_that_fits(tiny_model_dir):
