@@ -148,8 +148,8 @@ class QuantizedLinear(nn.Module):
 
     def choose_kernel(self, num_rows: int) -> str:
         """The fastest kernel measured on a CPU for this format and row count (bench_kernels.py,
-        the lesson): int8: fbgemm's dynamic int8 (W8A8, with LLM.int8()'s outlier columns in
-        float) at every row count; int4: PyTorch's int4 kernel at one row, dequantize-then-matmul
+        the lesson): int8: fbgemm's int8 (W8A8, x in a coarse and a fine int8 part) at every
+        row count; int4: PyTorch's int4 kernel at one row, dequantize-then-matmul
         from two rows on."""
         if self.kernel != "auto":
             return self.kernel
@@ -203,59 +203,38 @@ def _pack_fbgemm(layer: QuantizedLinear):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
         qw = torch._make_per_channel_quantized_tensor(
-            layer.qweight.contiguous(), layer.scale.double(), torch.zeros_like(layer.scale, dtype=torch.long), 0)
-    packed = torch.ops.quantized.linear_prepack(qw, None if layer.bias is None else layer.bias.float())
-    # The outlier columns (below) are gathered at every call: a column of the (O, I) weight is
-    # O bytes spread over O cache lines, and the LM head's 49,152-row columns made that gather a
-    # tenth of a decode step. So the int8 weight is kept column-major, (I, O), a column one
-    # contiguous row; `qweight` becomes the (O, I) view of it, so there is no third copy.
-    columns = layer.qweight.T.contiguous()                                       # (I, O)
-    layer.qweight = columns.T
-    return packed, columns
-
-
-OUTLIER_THRESHOLD = 3.0  # input columns holding a value above it stay in float (LLM.int8() uses 6)
-MAX_OUTLIER_COLUMNS = 1 / 32  # more outlier columns than this fraction of the input: two passes
+            layer.qweight, layer.scale.double(), torch.zeros_like(layer.scale, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qw, None if layer.bias is None else layer.bias.float())
 
 
 def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    # fbgemm quantizes the activations to uint8 per call (one scale for the whole x), multiplies
-    # int8 x int8 -> int32 and returns float: W8A8 with dynamic activation scales.
-    # reduce_range=True: 7-bit activations, so that pairs of u8 x s8 products cannot saturate
-    # the 16-bit sums of AVX2's vpmaddubsw (without it, measured errors up to 12% of the output).
-    # An LLM's hidden states have a few channels far larger than the rest; one scale for all
-    # would round every other channel to a handful of levels. So, as LLM.int8() does, the input
-    # columns holding a value above OUTLIER_THRESHOLD are taken out of x and multiplied in float
-    # with their int8 weight columns: a small (N, k) @ (k, O) product beside the int8 one, then
-    # each output channel's scale. Where they are many (the LM head's input has ~20 at one row,
-    # ~130 at 64), that float product would cost more than float32 itself: then x goes through
-    # fbgemm as two int8 parts instead (`_fbgemm_two_pass`).
-    packed, columns = layer.packed("fbgemm_w8a8")
-    x = x.float().contiguous()                                                   # (N, I)
-    cols = (x.abs().amax(0) > OUTLIER_THRESHOLD).nonzero().flatten()             # (k,)
-    if len(cols) == 0:
-        return torch.ops.quantized.linear_dynamic(x, packed, True)
-    if len(cols) > MAX_OUTLIER_COLUMNS * layer.in_features:
-        return _fbgemm_two_pass(layer, x, packed)
-    y = torch.ops.quantized.linear_dynamic(x.index_fill(1, cols, 0.0), packed, True)
-    y_outliers = x.index_select(1, cols) @ columns.index_select(0, cols).float()  # (N, O)
-    return y.addcmul_(y_outliers, layer.scale)
+    """fbgemm's int8 x int8 -> int32 product, with x itself in int8: W8A8.
 
-
-def _fbgemm_two_pass(layer: QuantizedLinear, x: torch.Tensor, packed) -> torch.Tensor:
-    """x = coarse + fine: the coarse part is x rounded to 7 bits with one scale s1; the fine part
-    is what that rounding lost (at most s1 / 2 a value), rounded to 7 bits with its own scale s2,
-    about 126x smaller. Both go through fbgemm in one call of 2N rows, each scaled to the same
-    range so that one activation scale fits them: the weight is read once, and the activations
-    keep ~13 bits whatever their outliers (measured: 0.08% error where one scale gave 6.6%)."""
-    s1 = x.abs().amax().clamp(min=1e-12) / 63              # levels -63..63 around zero point 64
-    fine = x - torch.round(x / s1) * s1                    # (N, I), |fine| <= s1 / 2
-    s2 = fine.abs().amax().clamp(min=1e-12) / 63
+    fbgemm multiplies uint8 activations by the int8 weight, so x must be rounded to 8 bits at
+    every call, with one scale for the whole call. We keep 7 of them (levels -63..63 around
+    zero point 64): on AVX2, without VNNI, fbgemm sums pairs of u8 x s8 products in 16 bits,
+    which saturate above 7-bit activations (with 8 bits we measured errors up to 12% of a layer's
+    output). One 7-bit scale is not enough for an LLM's hidden states, whose few huge channels
+    (the outliers of LLM.int8()) set the scale and round every other channel to a handful of
+    levels. So each row (token) is first divided by its own largest value (a token's scale,
+    as vLLM's per-token W8A8 does), then goes in as two parts: a *coarse* one, rounded to
+    levels of 1/63, and a *fine* one, what that rounding lost (at most 1/126), which times 126
+    has the coarse part's range and so takes the same scale. Both go through fbgemm in one call
+    of 2N rows, and y = (y_coarse + y_fine / 126) * the row's scale: the weight is read once,
+    and each token keeps about 13 bits."""
+    x = x if x.dtype == torch.float32 else x.float()
+    row_max = torch.linalg.vector_norm(x, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12)  # (N, 1)
+    x = x / row_max                                                              # each row in [-1, 1]
+    coarse = torch.fake_quantize_per_tensor_affine(x, 1 / 63, 64, 0, 127)      # levels of 1/63
+    both = torch.cat((x, (x - coarse).mul_(126)))                              # (2N, I)
     y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-        torch.cat((x, fine * (s1 / s2))), float(s1), 64, packed)                # (2N, O)
+        both, 1 / 63, 64, layer.packed("fbgemm_w8a8"))                          # (2N, O)
     n = len(x)
-    y_fine = y[n:] if layer.bias is None else y[n:] - layer.bias                 # bias once
-    return y[:n].add_(y_fine, alpha=float(s2 / s1))
+    y_fine = y[n:] if layer.bias is None else y[n:] - layer.bias                 # the bias once
+    y = y[:n].add_(y_fine, alpha=1 / 126)
+    if layer.bias is None:
+        return y.mul_(row_max)
+    return (y - layer.bias).mul_(row_max).add_(layer.bias)   # the bias is not scaled by the row
 
 
 def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
