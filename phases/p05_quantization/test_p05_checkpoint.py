@@ -222,6 +222,13 @@ def test_fbgemm_two_parts_keep_precision_beside_an_outlier_channel(bias):
     plain = torch.ops.quantized.linear_dynamic(x, layer.packed("fbgemm_w8a8"), True)  # one scale for all
     err = lambda y: ((y - ref).norm() / ref.norm()).item()
     assert err(layer(x)) < 0.002 and err(plain) > 0.02
+    # a token far larger than the others (a sequence's first token often is) does not set the
+    # other tokens' step: each row has its own scale
+    x = torch.randn(4, 128) * 0.5
+    x[0] *= 500.0
+    out, ref = layer(x), layer.reference_forward(x)
+    row_err = ((out - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
+    assert row_err < 0.002
 
 
 def test_int4_group_size_defaults_to_the_largest_that_fits(tiny_model_dir):
