@@ -204,7 +204,8 @@ def _pack_fbgemm(layer: QuantizedLinear):
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
         qw = torch._make_per_channel_quantized_tensor(
             layer.qweight, layer.scale.double(), torch.zeros_like(layer.scale, dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None if layer.bias is None else layer.bias.float())
+    # no bias inside: each call's output is rescaled per row first, then the bias is added once
+    return torch.ops.quantized.linear_prepack(qw, None)
 
 
 def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
@@ -230,11 +231,8 @@ def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     y = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         both, 1 / 63, 64, layer.packed("fbgemm_w8a8"))                          # (2N, O)
     n = len(x)
-    y_fine = y[n:] if layer.bias is None else y[n:] - layer.bias                 # the bias once
-    y = y[:n].add_(y_fine, alpha=1 / 126)
-    if layer.bias is None:
-        return y.mul_(row_max)
-    return (y - layer.bias).mul_(row_max).add_(layer.bias)   # the bias is not scaled by the row
+    y = y[:n].add_(y[n:], alpha=1 / 126).mul_(row_max)                          # (N, O)
+    return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
