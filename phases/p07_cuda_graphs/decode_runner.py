@@ -16,10 +16,14 @@ eagerly on the buffers; `CudaGraphDecodeRunner` captures a graph per bucket on i
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from phases.p02_paged_kv import AttentionMetadata
 from phases.p02_paged_kv.paged_attention import decode_attention
+
+from .fused import decode_forward, fused_model
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -78,10 +82,14 @@ class StaticDecodeBuffers:
 
 class DecodeRunner:
     """Runs the decode forward on the first `bucket` rows of the static buffers, eagerly, through
-    the engine's own attention backend (`make_attention`). Returns the logits (bucket, V)."""
+    the engine's own attention backend (`make_attention`). Returns the logits (bucket, V).
+
+    A fused model (`fuse_projections`) runs `decode_forward`, the same numbers with fewer
+    operator calls; any other (a quantized one, from phase 5) runs its own forward."""
 
     def __init__(self, model, buffers: StaticDecodeBuffers, make_attention):
         self.model, self.buf, self.make_attention = model, buffers, make_attention
+        self.model_forward = partial(decode_forward, model) if fused_model(model) else model
 
     def metadata(self, bucket: int) -> AttentionMetadata:
         b, m = self.buf, self.buf.num_blocks_used
@@ -94,8 +102,8 @@ class DecodeRunner:
 
     def run(self, bucket: int) -> torch.Tensor:
         b = self.buf
-        hidden = self.model(b.input_ids[:bucket], b.positions[:bucket],
-                            self.make_attention(self.metadata(bucket)))             # (bucket, D)
+        hidden = self.model_forward(b.input_ids[:bucket], b.positions[:bucket],
+                                    self.make_attention(self.metadata(bucket)))     # (bucket, D)
         return self.model.compute_logits(hidden)                                     # (bucket, V)
 
 

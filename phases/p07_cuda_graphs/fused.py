@@ -1,4 +1,4 @@
-"""Fused projections: one matrix product where the model does two or three on the same input.
+"""Fewer operator calls per layer, the same numbers: fused projections and a leaner decode forward.
 
     q_proj, k_proj, v_proj  (x @ Wq^T, x @ Wk^T, x @ Wv^T)  ->  qkv_proj: x @ [Wq; Wk; Wv]^T, split
     gate_proj, up_proj                                      ->  gate_up_proj: x @ [Wg; Wu]^T, split
@@ -8,6 +8,10 @@ vLLM's model files load the weights fused this way (`QKVParallelLinear`,
 same weight row; what changes is the number of operator calls per layer (5 products -> 2), each
 a few microseconds of dispatch on a CPU, a kernel launch on a GPU. Done once at engine start, on
 plain `tinyvllm.model.Linear` layers only (a quantized layer from phase 5 is left as it is).
+
+`decode_forward` is the model's forward written with fewer operators around those products
+(vLLM's fused residual add + RMSNorm, one rotation for q and k together), for the decode steps
+of a fused model; its outputs are the model's own, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tinyvllm.model import Linear, LlamaAttention, LlamaMLP, apply_rotary
+from tinyvllm.model import Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary
 
 
 def _fuse(layers: list[Linear]) -> Linear | None:
@@ -71,3 +75,51 @@ def fuse_projections(model: torch.nn.Module) -> int:
                 module.__class__ = FusedLlamaMLP
                 count += 1
     return count
+
+
+def fused_model(model: torch.nn.Module) -> bool:
+    """True when every decoder layer was fused (what `decode_forward` needs)."""
+    return all(type(layer.self_attn) is FusedLlamaAttention and type(layer.mlp) is FusedLlamaMLP
+               for layer in model.model.layers)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+    """vLLM's fused residual add + RMSNorm: residual <- x + residual, returns (norm(residual),
+    residual). In float32 `F.rms_norm` computes exactly `RMSNorm`'s numbers in one operator
+    call instead of seven (another dtype takes the module, whose variance is in float32)."""
+    residual = x if residual is None else x + residual
+    if residual.dtype != torch.float32:
+        return norm(residual), residual
+    return F.rms_norm(residual, norm.weight.shape, norm.weight, norm.eps), residual
+
+
+def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                   attn) -> torch.Tensor:
+    """`model.forward` for a fused model, with fewer operators: the same hidden states (N, D).
+
+    What it saves per layer, against `LlamaDecoderLayer` and the fused modules above:
+    - the residual add and the next RMSNorm as `add_rms_norm` (two calls instead of eight);
+    - RoPE once on q and k together (they sit side by side in qkv_proj's output), with
+      `rotate_half(x) * sin` written as `roll(x, d/2) * [-sin, sin]`: the same products,
+      since the two halves of `sin` are equal (one roll instead of chunk, neg and cat, twice);
+    - no module calls around it: the loop reads the weights' modules directly.
+    """
+    m = model.model
+    x = m.embed_tokens(input_ids)                                     # (N, D)
+    cos, sin = m.rotary_emb(positions, x.dtype)                       # (N, 1, d) each
+    n, half = x.shape[0], cos.shape[-1] // 2
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)      # [-sin, sin], once a step
+    h, residual = add_rms_norm(x, None, m.layers[0].input_layernorm)
+    for i, layer in enumerate(m.layers):
+        a = layer.self_attn
+        hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        qkv = a.qkv_proj(h).view(n, hq + 2 * hkv, d)                  # (N, H + 2 KVH, d)
+        qk = qkv[:, : hq + hkv]
+        qk = qk * cos + qk.roll(half, dims=-1) * sin                  # RoPE on q and k at once
+        out = attn(a.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:])   # (N, H, d)
+        h, residual = add_rms_norm(a.o_proj(out.reshape(n, hq * d)), residual,
+                                   layer.post_attention_layernorm)
+        gate, up = layer.mlp.gate_up_proj(h).chunk(2, dim=-1)
+        nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
+        h, residual = add_rms_norm(layer.mlp.down_proj(F.silu(gate) * up), residual, nxt)
+    return h

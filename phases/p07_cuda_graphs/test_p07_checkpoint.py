@@ -48,8 +48,11 @@ def test_default_capture_sizes():
 
 @pytest.mark.parametrize("n", range(1, 9))
 def test_every_bucket_gives_eager_tokens(make_llm, tiny_model_dir, n):
+    from phases.p07_cuda_graphs.fused import decode_forward
+
     fast = make_llm(tiny_model_dir, 7, max_num_seqs=8)
     eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True)
+    assert fast.llm_engine.runner.model_forward.func is decode_forward  # the leaner forward runs
     before = fast.llm_engine.num_static_steps
     assert tokens(fast, PROMPTS[:n], GREEDY) == tokens(eager, PROMPTS[:n], GREEDY)
     assert fast.llm_engine.num_static_steps - before >= GREEDY.max_tokens - 1  # the decodes ran static
@@ -178,7 +181,9 @@ def test_fused_projections_are_bit_identical(request, fixture):
     from phases.p07_cuda_graphs.fused import (
         FusedLlamaAttention,
         FusedLlamaMLP,
+        decode_forward,
         fuse_projections,
+        fused_model,
     )
 
     class NoCache:  # attention stand-in: the projections and MLP are what is checked
@@ -192,7 +197,11 @@ def test_fused_projections_are_bit_identical(request, fixture):
     assert fuse_projections(fused) == 2 * n_layers
     assert isinstance(fused.model.layers[0].self_attn, FusedLlamaAttention)
     assert isinstance(fused.model.layers[0].mlp, FusedLlamaMLP)
+    assert fused_model(fused) and not fused_model(model)
     with torch.inference_mode():
         for n in (1, 2, 3, 8):
             ids, pos = torch.randint(0, 300, (n,)), torch.arange(n) + 5
-            assert torch.equal(model(ids, pos, NoCache()), fused(ids, pos, NoCache()))
+            expected = model(ids, pos, NoCache())
+            assert torch.equal(expected, fused(ids, pos, NoCache()))
+            # the leaner decode forward (add + RMSNorm fused, one RoPE for q and k): same bits
+            assert torch.equal(expected, decode_forward(fused, ids, pos, NoCache()))
