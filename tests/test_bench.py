@@ -78,7 +78,7 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
     report = json.loads(report_path.read_text())
     assert plot_path.read_bytes()[:8] == PNG_SIGNATURE
 
-    for key in ("cpu", "cores", "torch", "device"):
+    for key in ("cpu", "cpu_capability", "cores", "torch", "device"):
         assert report["machine"][key]
     assert {"load_average_1min_before", "load_average_1min_after"} <= set(report["machine"])
     assert report["limits"]["memory_bandwidth"] > 0 and report["limits"]["matmul_flops"] > 0

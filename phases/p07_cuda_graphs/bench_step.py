@@ -1,19 +1,25 @@
 """Time one decode step, phase 7's static path against enforce_eager (phase 6), on one model.
 
     python -m phases.p07_cuda_graphs.bench_step [--model DIR] [--batch 1 8] [--steps 30] [--gc-freeze]
-        [--profile]
+        [--profile [--json FILE] [--plot FILE]]
     python -m phases.p07_cuda_graphs.bench_step --fused [--model DIR] [--batch 1 8]
 
-Each batch: `batch` requests are prefilled, then `steps` decode steps are timed (median of the
-per-step times); with --profile, torch.profiler's table of one step's top CPU ops is printed.
+Each batch: `batch` requests are prefilled in each engine, then `steps` decode steps of each are
+timed, interleaved (median of the per-step times); with --profile, one more step runs under torch.profiler and its time is split
+into the matrix products, attention (the paged gather, the cache write and SDPA) and the rest
+(every other operator and the Python between them: the median step minus the first two), with
+the table of its top CPU ops; --json saves those splits with the machine, --plot draws them.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -22,24 +28,84 @@ from tinyvllm import LLM, SamplingParams
 PROMPT = "Write a short story about a robot who learns to paint."
 
 
-def decode_step_times(engine, batch: int, steps: int, gc_freeze: bool) -> list[float]:
+def decode_step_times(engines: dict, batch: int, steps: int, gc_freeze: bool) -> dict[str, list[float]]:
+    """Each engine's decode step times, `batch` requests each, the engines' steps interleaved
+    (one step of each in turn), so a slower moment of the machine falls on both alike."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{i}", PROMPT, params)
-    engine.step()           # prefills
-    engine.step()           # warm-up decode
+    for engine in engines.values():
+        for i in range(batch):
+            engine.add_request(f"r{i}", PROMPT, params)
+        engine.step()           # prefills
+        engine.step()           # warm-up decode
     if gc_freeze:
         gc.collect()
-        gc.freeze()         # move what exists now out of the collector's reach
-    times = []
+        gc.freeze()             # move what exists now out of the collector's reach
+    times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    engine.abort_request([f"r{i}" for i in range(batch)])
+        for name, engine in engines.items():
+            t = time.perf_counter()
+            engine.step()
+            times[name].append(time.perf_counter() - t)
+    for engine in engines.values():
+        engine.abort_request([f"r{i}" for i in range(batch)])
     if gc_freeze:
         gc.unfreeze()
     return times
+
+
+# operators (self CPU time) counted as a step's matrix products and as its attention
+PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_pointwise",
+               "quantized::linear_with_input_q_dq_qweight_dq_output_fp32",
+               "aten::_weight_int4pack_mm_for_cpu")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
+                 "aten::index_copy_")
+
+
+def step_breakdown(engine) -> tuple[float, float, float]:
+    """One decode step under torch.profiler: (step, matrix products, attention) in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        engine.step()
+        step = time.perf_counter() - t
+    ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}   # microseconds
+    products = sum(ops.get(k, 0.0) for k in PRODUCT_OPS) / 1e3
+    attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS) / 1e3
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return 1e3 * step, products, attention
+
+
+def plot_breakdown(report: dict):
+    """Stacked bars: each (batch, engine)'s median step as matrix products, attention, the rest."""
+    from tinyvllm.bench.report import require_matplotlib
+
+    require_matplotlib()
+    from matplotlib.figure import Figure
+
+    batches = sorted({r["batch"] for r in report["rows"]})
+    fig = Figure(figsize=(9, 1.6 + 1.2 * len(report["rows"])), layout="constrained")
+    axes = fig.subplots(len(batches), 1, squeeze=False)[:, 0]
+    parts = (("products_ms", "matrix products", "#4c72b0"), ("attention_ms", "attention", "#dd8452"),
+             ("rest_ms", "the rest (other operators, Python)", "#c44e52"))
+    for ax, b in zip(axes, batches):
+        rows = [r for r in report["rows"] if r["batch"] == b]
+        left = [0.0] * len(rows)
+        for key, label, color in parts:
+            vals = [r[key] for r in rows]
+            ax.barh([r["engine"] for r in rows], vals, left=left, color=color, label=label)
+            left = [x + v for x, v in zip(left, vals)]
+        for y, r in enumerate(rows):
+            ax.text(r["step_ms"], y, f" {r['step_ms']:.1f} ms", va="center")
+        ax.set_title(f"batch {b}: one decode step", loc="left")
+        ax.set_xlim(0, 1.18 * max(r["step_ms"] for r in rows))
+        ax.invert_yaxis()
+    axes[-1].set_xlabel("milliseconds (median step; products and attention from torch.profiler)")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8)
+    m = report["machine"]
+    fig.suptitle(f"{m['cpu']} ({m.get('cpu_capability', '?')}), {m['torch_threads']} threads, "
+                 f"torch {m['torch']}", fontsize=9)
+    return fig
 
 
 class _NoCache:
@@ -83,28 +149,47 @@ def main() -> None:
     ap.add_argument("--gc-freeze", action="store_true")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--fused", action="store_true", help="time separate against fused projections")
+    ap.add_argument("--json", default=None, help="with --profile: save the step splits here")
+    ap.add_argument("--plot", default=None, help="with --profile: draw the step splits here (PNG)")
     a = ap.parse_args()
+    if (a.json or a.plot) and not a.profile:
+        ap.error("--json and --plot need --profile")
     torch.set_grad_enabled(False)
     if a.fused:
         return bench_fused(a.model, a.batch)
     engines = {"phase 7": LLM(a.model, phase=7, max_num_seqs=max(a.batch)).llm_engine,
                "enforce_eager (phase 6)": LLM(a.model, phase=7, max_num_seqs=max(a.batch),
                                               enforce_eager=True).llm_engine}
+    rows = []
     for b in a.batch:
+        times = decode_step_times(engines, b, a.steps, a.gc_freeze)
         for name, engine in engines.items():
-            ms = 1e3 * statistics.median(decode_step_times(engine, b, a.steps, a.gc_freeze))
+            ms = 1e3 * statistics.median(times[name])
             print(f"batch {b:3d}  {name:24s} decode step {ms:7.2f} ms (median of {a.steps})", flush=True)
             if a.profile:
-                from torch.profiler import ProfilerActivity, profile
-
                 params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
                 for i in range(b):
                     engine.add_request(f"p{i}", PROMPT, params)
                 engine.step(), engine.step()
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    engine.step()
-                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+                step, products, attention = step_breakdown(engine)
+                # the profiler slows every operator call a little, so "the rest" is taken from
+                # the unprofiled median step: what the products and attention do not explain
+                print(f"batch {b:3d}  {name:24s} profiled step {step:.1f} ms: matrix products "
+                      f"{products:.1f}, attention {attention:.1f}; the rest of the median step "
+                      f"{ms - products - attention:.1f}", flush=True)
                 engine.abort_request([f"p{i}" for i in range(b)])
+                rows.append(dict(batch=b, engine=name, step_ms=round(ms, 2), products_ms=round(products, 2),
+                                 attention_ms=round(attention, 2), rest_ms=round(ms - products - attention, 2)))
+    if a.json or a.plot:
+        from tinyvllm.bench.machine import machine_info
+
+        report = dict(command="python -m phases.p07_cuda_graphs.bench_step " + " ".join(sys.argv[1:]),
+                      date=time.strftime("%Y-%m-%d"), machine=machine_info(torch.device("cpu")),
+                      steps=a.steps, rows=rows)
+        if a.json:
+            Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
+        if a.plot:
+            plot_breakdown(report).savefig(a.plot, dpi=110)
 
 
 if __name__ == "__main__":

@@ -124,10 +124,12 @@ def run_kernels(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, de
 
 
 def format_kernels_table(report: dict) -> str:
+    from .report import cpu_name
+
     m, lim, s = report["machine"], report["limits"], report["shape"]
     lines = [(f"attention kernels, one layer: {s['heads']} query heads, {s['kv_heads']} KV heads, head_dim "
               f"{s['head_dim']}, block_size {s['block_size']}, {s['dtype']}; best of {report['repeat']}"),
-             (f"machine: {m['cpu']} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
+             (f"machine: {cpu_name(m)} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
               f"measured copy bandwidth {lim['memory_bandwidth'] / 1e9:.1f} GB/s"), ""]
     head = ["case", "seqs", "context", "kernel", "ms", "GB/s", "of copy", "vs phase3"]
     table = [head]

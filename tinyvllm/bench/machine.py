@@ -40,7 +40,8 @@ def cpu_model() -> str:
 
 def machine_info(device: torch.device) -> dict:
     """What the JSON report says about the machine."""
-    info = dict(cpu=cpu_model(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
+    info = dict(cpu=cpu_model(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                 torch=torch.__version__, python=platform.python_version(),
                 platform=platform.platform(), device=str(device))
     if device.type == "cuda":

@@ -115,7 +115,7 @@ def format_table(report: dict) -> str:
     lines = [
         (f"workload {w['name']}: {_count(w['num_requests'], 'request')}, {w['prompt_tokens']} prompt tokens, "
          f"{w['output_tokens']} output tokens ({w['params']['submission']}); model {report['model']['name']}"),
-        (f"machine: {m['cpu']} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
+        (f"machine: {cpu_name(m)} ({m['cores']} cores), {m.get('gpu', m['device'])}, torch {m['torch']}; "
          f"measured {lim['memory_bandwidth'] / 1e9:.1f} GB/s memory, "
          f"{lim['matmul_flops'] / 1e9:.1f} GFLOP/s {lim['matmul_dtype']} matmul; "
          f"load average {_fmt(m.get('load_average_1min_before'), digits=2)} before, "
@@ -160,6 +160,13 @@ def write_json(report: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def cpu_name(machine: dict) -> str:
+    """The CPU's name and the vector instructions PyTorch uses on it ("AVX2", "AVX512"): two CPUs
+    of one name can differ there, and CPU numbers follow it (older reports lack it)."""
+    cap = machine.get("cpu_capability")
+    return f"{machine['cpu']} ({cap})" if cap else machine["cpu"]
 
 
 # -- the plot ------------------------------------------------------------------------------------
@@ -240,7 +247,7 @@ def plot_report(report: dict) -> Figure:
     ax2.set_title("latency", fontsize=10)
     ax2.legend(fontsize=8, ncols=2, loc="upper center")
 
-    device = m.get("gpu") or f"{m['cpu']}, {m['cores']} cores"
+    device = m.get("gpu") or f"{cpu_name(m)}, {m['cores']} cores"
     fig.suptitle(f"tinyvllm bench {w['name']}: {report['model']['name']}, {_count(w['num_requests'], 'request')}, "
                  f"{w['output_tokens']} output tokens\n{device}, torch {m['torch']}", fontsize=10)
     return fig
