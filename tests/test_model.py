@@ -23,14 +23,11 @@ def test_logits_equal_transformers(model_fixture, request):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("small_rows", [0, 2])
-def test_linear_fast_paths_equal_f_linear(rows, bias, small_rows, monkeypatch):
-    """The model's Linear takes (W @ x^T)^T for up to `MAX_SMALL_ROWS` rows on a CPU (one row
-    padded to two) and oneDNN with a packed weight beyond: the same numbers as F.linear. Both
-    settings are run here, whichever this CPU picks."""
+def test_linear_fast_paths_equal_f_linear(rows, bias):
+    """The model's Linear takes (W @ x^T)^T for 1-2 rows on a CPU (one row padded to two) and
+    oneDNN with a packed weight from 3 rows on: the same numbers as F.linear."""
     from tinyvllm.model import Linear
 
-    monkeypatch.setattr(Linear, "MAX_SMALL_ROWS", small_rows)
     torch.manual_seed(rows)
     layer = Linear(48, 80, bias=bias)
     x = torch.randn(rows, 48)
@@ -38,17 +35,6 @@ def test_linear_fast_paths_equal_f_linear(rows, bias, small_rows, monkeypatch):
         y = layer(x)
     assert y.shape == (rows, 80) and y.is_contiguous()
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
-
-
-def test_small_rows_limit_follows_the_cpu(monkeypatch):
-    """AVX-512 keeps (W @ x^T)^T for 1-2 rows, AVX2 sends every row count to oneDNN, and
-    without oneDNN the small-row path stays (measured choices: see Linear)."""
-    from tinyvllm.model import small_rows_limit
-
-    for capability, limit in (("AVX512", 2), ("AVX2", 0)):
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert small_rows_limit(True) == limit
-        assert small_rows_limit(False) == 2
 
 
 def test_linear_packed_weight_follows_the_weight():

@@ -109,48 +109,34 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def small_rows_limit(use_onednn: bool) -> int:
-    """Up to how many rows `Linear` takes (W @ x^T)^T instead of oneDNN: 2 where oneDNN is missing
-    or the CPU has AVX-512 (measured faster there), 0 with AVX2 only (oneDNN measured faster)."""
-    if use_onednn and torch.backends.cpu.get_cpu_capability() in ("AVX2", "DEFAULT"):
-        return 0
-    return 2
-
-
 class Linear(nn.Linear):
     """`nn.Linear` (same weight, same names), with faster paths on a CPU.
 
     On a CPU the speed of a matrix product depends on the library that runs it and on the
     *shape*, far more than on its arithmetic. `F.linear` goes to MKL, a library tuned for
-    Intel CPUs; on this project's AMD CPUs, oneDNN (PyTorch's other CPU math library: run with
-    ONEDNN_VERBOSE=1 to see which instructions it uses) is faster at every batch size from 3
-    rows on. So, on an x86 CPU in float32:
+    Intel CPUs; on this project's AMD CPU, oneDNN (PyTorch's other CPU math library, which
+    reports using the CPU's AVX-512 units: run with ONEDNN_VERBOSE=1) is faster at every
+    batch size from 3 rows on. So, on an x86 CPU in float32:
 
     - From 3 rows on (decode batches, prefills), the product runs in oneDNN with the weight
       *pre-packed* once into oneDNN's blocked layout, the way vLLM's CPU backend does. The
       packed copy is made at the first call and again whenever the weight changes; it costs
       one more copy of the weights in memory.
-    - 1 or 2 rows depend on the CPU. With AVX-512 they take (W @ x^T)^T, which MKL runs with a
-      kernel that streams W fastest (one row alone is padded with a row of zeros, its output
-      dropped, to take it too). With AVX2 only, oneDNN is the fastest there too, and the
-      padding's extra operators cost more than they save, so every row count goes to oneDNN
-      (`small_rows_limit`).
+    - 1 or 2 rows take (W @ x^T)^T, which MKL runs with a kernel that streams W fastest;
+      one row alone is padded with a row of zeros (its output dropped) to take it too.
 
     Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
     it is plain `F.linear`.
 
-    Measured with all 211 weight matrices of the default model, `python -m tinyvllm.bench.linear
-    --repeat 9` (best of 9), torch 2.13.0+cpu, F.linear -> Linear:
-    - 2-core AMD EPYC with AVX-512: 1 row 44 -> 20 ms, 2 rows 73 -> 19, 4 rows 63 -> 21,
-      8 rows 66 -> 26, 16 rows 79 -> 34, 64 rows 159 -> 99, 512 rows 778 -> 667.
-    - 2-core AMD EPYC with AVX2 (`torch.backends.cpu.get_cpu_capability()`), the padded
-      (W @ x^T)^T against oneDNN: 1 row 55.6 against 49.3 ms (F.linear 50.2), 2 rows 52.3
-      against 51.1 (F.linear 76.3).
-    The numbers equal F.linear's up to float rounding (tests/test_model.py).
+    Measured on the project's 2-core CPU (AMD EPYC with AVX-512, torch 2.13.0+cpu), all 211
+    weight matrices of the default model, `python -m tinyvllm.bench.linear --repeat 9` (best
+    of 9), F.linear -> Linear: 1 row 44 -> 20 ms, 2 rows 73 -> 19, 4 rows 63 -> 21, 8 rows
+    66 -> 26, 16 rows 79 -> 34, 64 rows 159 -> 99, 512 rows 778 -> 667. The numbers equal
+    F.linear's up to float rounding (tests/test_model.py).
     """
 
+    MAX_SMALL_ROWS = 2  # up to here (W @ x^T)^T on a CPU; beyond, oneDNN
     use_onednn = onednn_available()
-    MAX_SMALL_ROWS = small_rows_limit(use_onednn)  # up to here (W @ x^T)^T on a CPU; beyond, oneDNN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] if x.dim() == 2 else 0
