@@ -135,7 +135,7 @@ def test_sampler_never_draws_a_zero_probability_token(u, monkeypatch):
     """Inverse transform sampling at the ends of [0, 1): the token found has probability > 0."""
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 0.0, 1e-8, 0.0, 0.0]])
     monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.full((1,), u))
-    toks = Sampler._draw(probs, [torch.Generator(), torch.Generator()])
+    toks = Sampler.draw(probs, [torch.Generator(), torch.Generator()])
     assert probs[0, toks[0]] > 0 and toks[1] == 2
     if u == 0.5:
         assert toks[0] == 3  # 0.5 is past the first quarter

@@ -34,18 +34,20 @@ class Sampler:
         """logits: (B, V) float32, one row per sequence -> (token ids, logprobs per row)."""
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(s.params.logprobs is not None for s in seqs) else None)
-        logits = self._apply_penalties(logits, seqs)
+        logits = self.apply_penalties(logits, seqs)
         if all(s.params.is_greedy for s in seqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
             tokens = self._sample(logits, seqs)
-        logprobs = [self._logprobs(raw_logprobs[i], tokens[i], s.params.logprobs)
+        logprobs = [self.token_logprobs(raw_logprobs[i], tokens[i], s.params.logprobs)
                     if raw_logprobs is not None and s.params.logprobs is not None else None
                     for i, s in enumerate(seqs)]
         return tokens, logprobs
 
     # -- logits processing ---------------------------------------------------------------------
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Each row's repetition, frequency and presence penalties, and min_tokens' ban on its stop
+        tokens: a processed copy of logits (B, V), or logits itself when no row has any."""
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties or s.min_tokens_pending]
         if not rows:
             return logits
@@ -78,7 +80,7 @@ class Sampler:
                 # top-k only: sample among the k best, no full-vocabulary sort
                 vals, idx = (logits[i] / p.temperature).topk(min(p.top_k, logits.shape[-1]))
                 probs = torch.softmax(vals, dim=-1)
-                tokens[i] = int(idx[self._draw(probs[None], [s.generator])[0]])
+                tokens[i] = int(idx[self.draw(probs[None], [s.generator])[0]])
             else:
                 full_rows.append(i)
         if full_rows:
@@ -86,13 +88,13 @@ class Sampler:
             temps = torch.tensor([seqs[i].params.temperature for i in full_rows],
                                  dtype=sub.dtype, device=sub.device)
             probs = torch.softmax(sub / temps[:, None], dim=-1)
-            probs = self._filter(probs, [seqs[i] for i in full_rows])
-            for r, tok in zip(full_rows, self._draw(probs, [seqs[i].generator for i in full_rows])):
+            probs = self.filter_probs(probs, [seqs[i] for i in full_rows])
+            for r, tok in zip(full_rows, self.draw(probs, [seqs[i].generator for i in full_rows])):
                 tokens[r] = tok
         return tokens
 
     @staticmethod
-    def _draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+    def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
         """One exact sample per row of probs (R, V), not necessarily normalized, each row from its
         own generator: the first token whose cumulative probability is above u * total."""
         u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(probs.device)
@@ -103,7 +105,7 @@ class Sampler:
         return torch.searchsorted(cdf, x, right=True)[:, 0].tolist()
 
     @staticmethod
-    def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def filter_probs(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Zero out tokens that top-k, top-p or min-p exclude. probs: (R, V)."""
         top_k = [s.params.top_k for s in seqs]
         top_p = [s.params.top_p for s in seqs]
@@ -129,9 +131,9 @@ class Sampler:
         each token's logprob and rank, plus the k most likely tokens' (no sampling rules apply:
         the model's own distribution, as vLLM returns)."""
         rows = torch.log_softmax(logits.float(), dim=-1)
-        return [self._logprobs(row, t, k) for row, t in zip(rows, tokens)]
+        return [self.token_logprobs(row, t, k) for row, t in zip(rows, tokens)]
 
-    def _logprobs(self, row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
+    def token_logprobs(self, row: torch.Tensor, token: int, k: int) -> dict[int, Logprob]:
         """The chosen token's logprob and rank, plus the k most likely tokens'."""
         chosen = float(row[token])
         out: dict[int, Logprob] = {}

@@ -68,7 +68,8 @@ class BlockAllocator:
         self.ref_counts[block_id] = 1
         return block_id
 
-    def _release_block(self, block_id: int) -> None:
+    def release_block(self, block_id: int) -> None:
+        """One reference fewer on `block_id`; with none left it goes back to the free list."""
         self.ref_counts[block_id] -= 1
         assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
         if self.ref_counts[block_id] == 0:
@@ -100,6 +101,6 @@ class BlockAllocator:
     def free(self, table: BlockTable) -> None:
         """Give back every block of `table` (shared blocks only lose one reference)."""
         for block_id in reversed(table.block_ids):  # tail first: phase 3's LRU keeps the prefix longest
-            self._release_block(block_id)
+            self.release_block(block_id)
         table.block_ids.clear()
         table.num_tokens = 0

@@ -56,7 +56,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             self.free_block_ids.append(block_id)
         return super()._take_block()
 
-    def _release_block(self, block_id: int) -> None:
+    def release_block(self, block_id: int) -> None:
         self.ref_counts[block_id] -= 1
         assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
         if self.ref_counts[block_id] == 0:

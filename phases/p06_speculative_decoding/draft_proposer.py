@@ -107,7 +107,7 @@ class DraftModelProposer:
         if seq.params.is_greedy:
             return self.sampler.sampler(logits, view)[0][0], None
         q = self.sampler.target_probs(logits, view)                                  # (1, V)
-        return Sampler._draw(q, [seq.generator])[0], q[0]
+        return Sampler.draw(q, [seq.generator])[0], q[0]
 
     def sync(self, running: list[Sequence]) -> None:
         """After a step: the draft keeps only the KV the target kept (the tokens before the

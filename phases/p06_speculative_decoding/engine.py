@@ -42,7 +42,7 @@ def truncate_table(allocator: BlockAllocator, table: BlockTable, num_tokens: int
     """Shrink `table` to `num_tokens` slots: blocks left with no slot go back to the pool."""
     keep = allocator.blocks_needed(num_tokens)
     while len(table.block_ids) > keep:
-        allocator._release_block(table.block_ids.pop())
+        allocator.release_block(table.block_ids.pop())
     table.num_tokens = min(table.num_tokens, num_tokens)
 
 

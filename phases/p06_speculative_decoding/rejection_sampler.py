@@ -81,9 +81,9 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
             residual = (p - draft_probs[j].to(p.dtype)).clamp_(min=0.0)
         if float(residual.sum()) <= 0.0:  # p == q up to rounding: a rejection was a rounding edge
             residual = p
-        out.append(Sampler._draw(residual[None], [generator])[0])
+        out.append(Sampler.draw(residual[None], [generator])[0])
         return out
-    out.append(Sampler._draw(target_probs[-1][None], [generator])[0])  # all accepted: the bonus
+    out.append(Sampler.draw(target_probs[-1][None], [generator])[0])  # all accepted: the bonus
     return out
 
 
@@ -95,9 +95,9 @@ class RejectionSampler:
 
     def target_probs(self, logits: torch.Tensor, views: list[SequenceAhead]) -> torch.Tensor:
         """(R, V) logits -> (R, V) the probabilities the Sampler would sample from, row by row."""
-        logits = self.sampler._apply_penalties(logits, views)
+        logits = self.sampler.apply_penalties(logits, views)
         probs = torch.softmax(logits / views[0].params.temperature, dim=-1)
-        probs = Sampler._filter(probs, views)
+        probs = Sampler.filter_probs(probs, views)
         return probs / probs.sum(dim=-1, keepdim=True)
 
     def __call__(self, logits: torch.Tensor, seq: Sequence, draft_token_ids: list[int],
@@ -119,4 +119,4 @@ class RejectionSampler:
         if k is None:
             return tokens, [None] * len(tokens)
         raw = torch.log_softmax(logits[: len(tokens)], dim=-1)  # reported as the Sampler does: raw
-        return tokens, [self.sampler._logprobs(raw[j], t, k) for j, t in enumerate(tokens)]
+        return tokens, [self.sampler.token_logprobs(raw[j], t, k) for j, t in enumerate(tokens)]

@@ -42,12 +42,12 @@ def dist(*vals: float) -> torch.Tensor:
 
 def truncated(logits: list[float], top_k=0, top_p=1.0) -> torch.Tensor:
     """A target as the Sampler makes it: softmax, then top-k / top-p cut, renormalized."""
-    class _S:  # what Sampler._filter reads of a sequence
+    class _S:  # what Sampler.filter_probs reads of a sequence
         class params:
             pass
     s = _S()
     s.params.top_k, s.params.top_p, s.params.min_p = top_k, top_p, 0.0
-    probs = Sampler._filter(torch.softmax(torch.tensor([logits], dtype=torch.float64), -1), [s])[0]
+    probs = Sampler.filter_probs(torch.softmax(torch.tensor([logits], dtype=torch.float64), -1), [s])[0]
     return probs / probs.sum()
 
 
@@ -120,9 +120,9 @@ def _mutant(p, drafts, q, g, residual_from_p=False, bonus_row=-1, accept_q_over_
             residual[d] = 0
         else:
             residual = (p[j] - q[j]).clamp(min=0)
-        out.append(Sampler._draw(residual[None], [g])[0])
+        out.append(Sampler.draw(residual[None], [g])[0])
         return out
-    out.append(Sampler._draw(p[bonus_row][None], [g])[0])
+    out.append(Sampler.draw(p[bonus_row][None], [g])[0])
     return out
 
 

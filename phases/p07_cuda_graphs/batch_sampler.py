@@ -4,7 +4,7 @@
 top-k-only rows one at a time. Here the parameters come as (B,) tensors (the persistent batch
 keeps them so), rows are grouped by masks, and each group is one batched op. The one loop left
 is the draw: one uniform number from each row's own `torch.Generator` (the same contract as
-`Sampler._draw`: inverse transform sampling, so a seeded request gives the same tokens in any
+`Sampler.draw`: inverse transform sampling, so a seeded request gives the same tokens in any
 batch, and the same tokens as `Sampler`).
 
 Penalties, min_tokens and logprobs need each row's history: a batch with any of them goes to
@@ -37,20 +37,20 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         vals, idx = (logits[r] / temperature[r, None]).topk(int(k.max()))   # (R, kmax)
         vals = vals.masked_fill(torch.arange(vals.shape[1], device=vals.device)[None, :] >= k[:, None],
                                 float("-inf"))
-        pick = Sampler._draw(torch.softmax(vals, dim=-1), [generators[i] for i in r.tolist()])
+        pick = Sampler.draw(torch.softmax(vals, dim=-1), [generators[i] for i in r.tolist()])
         tokens[r] = idx.gather(1, torch.tensor(pick, device=idx.device)[:, None])[:, 0]
     if bool(full.any()):
         r = full.nonzero()[:, 0]
         probs = torch.softmax(logits[r] / temperature[r, None], dim=-1)     # (R, V)
         probs = filter_probs(probs, top_k[r], top_p[r], min_p[r])
-        pick = Sampler._draw(probs, [generators[i] for i in r.tolist()])
+        pick = Sampler.draw(probs, [generators[i] for i in r.tolist()])
         tokens[r] = torch.tensor(pick, device=tokens.device)
     return tokens
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor) -> torch.Tensor:
-    """`Sampler._filter` with the parameters as (R,) tensors: zero out what top-k, top-p and
+    """`Sampler.filter_probs` with the parameters as (R,) tensors: zero out what top-k, top-p and
     min-p exclude. probs: (R, V)."""
     if bool((min_p > 0).any()):
         thresh = min_p.to(probs.dtype)[:, None]

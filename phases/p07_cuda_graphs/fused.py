@@ -86,7 +86,8 @@ def fused_model(model: torch.nn.Module) -> bool:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
     """vLLM's fused residual add + RMSNorm: residual <- x + residual, returns (norm(residual),
     residual). In float32 `F.rms_norm` computes exactly `RMSNorm`'s numbers in one operator
-    call instead of seven (another dtype takes the module, whose variance is in float32)."""
+    call instead of the module's eight (another dtype takes the module, whose variance is in
+    float32)."""
     residual = x if residual is None else x + residual
     if residual.dtype != torch.float32:
         return norm(residual), residual
@@ -98,7 +99,7 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
     """`model.forward` for a fused model, with fewer operators: the same hidden states (N, D).
 
     What it saves per layer, against `LlamaDecoderLayer` and the fused modules above:
-    - the residual add and the next RMSNorm as `add_rms_norm` (two calls instead of eight);
+    - the residual add and the next RMSNorm as `add_rms_norm` (two calls instead of nine);
     - RoPE once on q and k together (they sit side by side in qkv_proj's output), with
       `rotate_half(x) * sin` written as `roll(x, d/2) * [-sin, sin]`: the same products,
       since the two halves of `sin` are equal (one roll instead of chunk, neg and cat, twice);
