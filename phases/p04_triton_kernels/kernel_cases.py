@@ -80,6 +80,40 @@ def make_batch(batch: list, bs: int, kvh: int, d: int, dtype: torch.dtype, devic
     return meta, k_cache, v_cache, g
 
 
+def case_inputs(c: dict, device: str, dt: torch.dtype):
+    """An attention case's step: its metadata, the paged (k_cache, v_cache) of `make_batch`, the
+    step's (q, k, v), and the launch arguments `unified_attention` takes after (q, caches, out):
+    (query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len)."""
+    meta, k_cache, v_cache, g = make_batch(c["batch"], c["bs"], c["kvh"], c["d"], dt, device)
+    n, h = len(meta.slot_mapping), c["group"] * c["kvh"]
+    q, k, v = (torch.randn(n, heads, c["d"], generator=g).to(dt).to(device) for heads in (h, c["kvh"], c["kvh"]))
+    starts = meta.query_start_loc
+    max_q = max(b - a for a, b in zip(starts, starts[1:]))
+    launch = (torch.tensor(starts, dtype=torch.int32, device=device),
+              torch.tensor(meta.seq_lens, dtype=torch.int32, device=device),
+              meta.block_tables.to(torch.int32), max_q, max(meta.seq_lens))
+    return meta, (k_cache, v_cache), (q, k, v), launch
+
+
+def run_in_subprocess(module: str, *args: str, interpret: bool = True) -> dict:
+    """`python -m module *args` with TRITON_INTERPRET=1 (or, interpret=False, without it), from
+    the repository root: the interpreter has to be switched on before Triton is imported, so the
+    cases run in a process of their own and print one JSON object as their last line."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo))
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     """Run one attention case: write the step's K/V with `reshape_and_cache`, attend with
     `unified_attention`, compare with phase 2's `paged_attention` in float32."""
@@ -92,18 +126,11 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
 
     c = CASES[name]
     dtype = dtype or c["dtype"]
-    dt = getattr(torch, dtype)
-    h = c["group"] * c["kvh"]
-    meta, k_cache, v_cache, g = make_batch(c["batch"], c["bs"], c["kvh"], c["d"], dt, device)
-    n = len(meta.slot_mapping)
-    q, k, v = (torch.randn(n, heads, c["d"], generator=g).to(dt).to(device) for heads in (h, c["kvh"], c["kvh"]))
+    meta, (k_cache, v_cache), (q, k, v), launch = case_inputs(c, device, getattr(torch, dtype))
     reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-    starts = meta.query_start_loc
-    max_q = max(b - a for a, b in zip(starts, starts[1:]))
     out = torch.full_like(q, float("nan"))
-    unified_attention(q, k_cache, v_cache, out, torch.tensor(starts, dtype=torch.int32, device=device),
-                      torch.tensor(meta.seq_lens, dtype=torch.int32, device=device),
-                      meta.block_tables.to(torch.int32), max_q, max(meta.seq_lens), num_kv_splits=c["splits"])
+    unified_attention(q, k_cache, v_cache, out, *launch, num_kv_splits=c["splits"])
+    max_q = launch[3]
     ref = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta)
     chosen = c["splits"] or choose_num_kv_splits(max_q, len(meta.seq_lens), c["kvh"], max(meta.seq_lens),
                                                  c["bs"], num_sms(torch.device(device)))
@@ -159,17 +186,11 @@ def compile_for_cuda(capability: int = 90) -> list[str]:
     compiler. It catches what the interpreter lets through (a loop variable that changes type, a
     tl.dot tile below the hardware's minimum). Returns one line per compiled kernel."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from . import triton_attention as ta
 
     def build(fn, types: dict, consts: dict) -> str:
-        signature = {name: types.get(name, "i32") for name in fn.arg_names}
-        signature.update({name: "constexpr" for name in consts})
-        src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-        triton.compile(src, target=GPUTarget("cuda", capability, 32))
-        return f"{fn.__name__} {consts}"
+        return compile_kernel(fn, types, consts, capability)
 
     done = []
     for dt, splits, group in [("bf16", 1, 3), ("bf16", 8, 1), ("fp16", 4, 8), ("fp32", 1, 4), ("fp32", 2, 3)]:
@@ -179,13 +200,29 @@ def compile_for_cuda(capability: int = 90) -> list[str]:
         done.append(build(ta._unified_attention_kernel,
                           {**ptrs, **ints, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"},
                           dict(GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_SIZE=16,
-                               HEAD_P2=128, NUM_SPLITS=splits, IEEE_DOT=dt == "fp32")))
+                               HEAD_P2=128, NUM_SPLITS=splits, IEEE_DOT=dt == "fp32",
+                               LOAD_KV=ta._load_kv_block)))
         done.append(build(ta._reshape_and_cache_kernel,
                           {**{n: "*" + dt for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")},
-                           "slot_mapping_ptr": "*i64"}, dict(BLOCK_SIZE=32, KVH_P2=1, HEAD_P2=64)))
+                           "slot_mapping_ptr": "*i64"},
+                          dict(BLOCK_SIZE=32, KVH_P2=1, HEAD_P2=64, STORE_KV=ta._store_kv)))
     done.append(build(ta._merge_attn_states_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32",
                                                     "part_lse_ptr": "*fp32"}, dict(NUM_SPLITS=16, HEAD_P2=128)))
     return done
+
+
+def compile_kernel(fn, types: dict, consts: dict, capability: int = 90) -> str:
+    """Compile one kernel ahead of time for CUDA: `types` gives its arguments' Triton types
+    ("*fp16", "fp32"; unnamed ones "i32"), `consts` its constexprs. Returns one line naming it."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {name: types.get(name, "i32") for name in fn.arg_names}
+    signature.update({name: "constexpr" for name in consts})
+    src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", capability, 32))
+    return f"{fn.__name__} {consts}"
 
 
 def main(argv: list[str]) -> None:

@@ -9,30 +9,14 @@ reason on a CPU). The cases and their tolerances are in `kernel_cases.py`.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from phases.p04_triton_kernels.kernel_cases import CACHE_CASES, CASES
-
-REPO = Path(__file__).resolve().parents[2]
+from phases.p04_triton_kernels.kernel_cases import CACHE_CASES, CASES, run_in_subprocess
 
 
 def run_cases(*args: str, interpret: bool = True) -> dict:
-    """`python -m phases.p04_triton_kernels.kernel_cases *args` with TRITON_INTERPRET=1 (or,
-    interpret=False, without it)."""
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("TRITON_INTERPRET", None)
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "phases.p04_triton_kernels.kernel_cases", *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """`python -m phases.p04_triton_kernels.kernel_cases *args`, in the interpreter or not."""
+    return run_in_subprocess("phases.p04_triton_kernels.kernel_cases", *args, interpret=interpret)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,9 @@ What changes from phase 4:
   its float table (a lookup reads one row per token, not the whole matrix).
 - With `kv_cache_dtype="int8"` or `"fp8"`, the KV pool stores one byte per value plus a scale per
   token and KV head, so the same `kv_cache_memory` holds ~3.8x the blocks, and the scheduler
-  admits that many more sequences.
+  admits that many more sequences. Every attention backend reads it: the CPU path and phase 2's
+  through `QuantizedPagedAttention`, phase 4's Triton kernels with a quantizing write and a
+  dequantizing read passed into them (`triton_kv_quant.py`).
 
 Nothing else changes: the scheduler, the sampler and the attention math are phase 4's.
 """
@@ -80,10 +82,11 @@ class Engine(Phase4Engine):
 
     def __init__(self, model=None, **engine_args):
         super().__init__(model, **engine_args)
-        if self.attention_backend == "triton" and self.config.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype!r}: phase 4's Triton kernels "
-                             f"read an unquantized cache only (not built yet for int8/fp8); use "
-                             f"attention_backend='torch', or kv_cache_dtype='auto'")
+        if (self.attention_backend == "triton" and self.config.kv_cache_dtype.startswith("fp8")
+                and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9)):
+            raise ValueError(f"kv_cache_dtype={self.config.kv_cache_dtype!r}: the Triton kernels' float8 "
+                             f"e4m3 needs a GPU of compute capability 8.9 or more (Ada, Hopper); use "
+                             f"kv_cache_dtype='int8', or attention_backend='torch'")
         if self.config.quantization is not None:
             quantize_model(self.model, self.config.quantization, self.config.quantization_group_size)
 
@@ -100,6 +103,10 @@ class Engine(Phase4Engine):
 
     def make_attention(self, meta):
         if isinstance(self.kv_cache, QuantizedKVCache):
+            if self.attention_backend == "triton":
+                from .triton_kv_quant import TritonQuantizedPagedAttention  # imports Triton
+
+                return TritonQuantizedPagedAttention(self.kv_cache, meta)
             attend = cpu_paged_attention if self.attention_backend == "cpu" else None
             return QuantizedPagedAttention(self.kv_cache, meta, attend)
         return super().make_attention(meta)
