@@ -5,10 +5,11 @@
     python -m phases.p07_cuda_graphs.bench_step --fused [--model DIR] [--batch 1 8]
 
 Each batch: `batch` requests are prefilled in each engine, then `steps` decode steps of each are
-timed, interleaved (median of the per-step times); with --profile, one more step runs under torch.profiler and its time is split
-into the matrix products, attention (the paged gather, the cache write and SDPA) and the rest
-(every other operator and the Python between them: the median step minus the first two), with
-the table of its top CPU ops; --json saves those splits with the machine, --plot draws them.
+timed, interleaved (median of the per-step times). With --profile, five more steps run under
+torch.profiler and their time is split into the matrix products, attention (the paged gather,
+the cache write and SDPA) and the rest (every other operator and the Python between them: the
+median step minus the first two), with the table of their top CPU ops; --json saves those
+splits with the machine, --plot draws them.
 """
 
 from __future__ import annotations
@@ -61,17 +62,19 @@ ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::ind
                  "aten::index_copy_")
 
 
-def step_breakdown(engine) -> tuple[float, float, float]:
-    """One decode step under torch.profiler: (step, matrix products, attention) in ms."""
+def step_breakdown(engine, steps: int = 5) -> tuple[float, float, float]:
+    """`steps` decode steps under torch.profiler: (step, matrix products, attention), each the
+    mean per step in ms."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
-        engine.step()
-        step = time.perf_counter() - t
+        for _ in range(steps):
+            engine.step()
+        step = (time.perf_counter() - t) / steps
     ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}   # microseconds
-    products = sum(ops.get(k, 0.0) for k in PRODUCT_OPS) / 1e3
-    attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS) / 1e3
+    products = sum(ops.get(k, 0.0) for k in PRODUCT_OPS) / 1e3 / steps
+    attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS) / 1e3 / steps
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     return 1e3 * step, products, attention
 
