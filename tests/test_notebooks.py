@@ -10,7 +10,9 @@ The selected notebooks run NOTEBOOK_WORKERS at a time, each kernel with one thre
 (OMP_NUM_THREADS=1): on the 2-core machine CI runs on, two one-thread kernels finish the eight
 notebooks sooner than one two-thread kernel after another (small matrices gain little from a
 second thread, and notebook 04's Triton interpreter uses one core anyway). The numbers a notebook
-prints are not checked here; its committed outputs were executed alone.
+prints are not checked here; its committed outputs were executed alone, in full. So that the
+suite stays within CI's time, each benchmark cell (`run_bench`) runs one round without its
+warm-up here (`QUICK_BENCH`, a cell put first in the copy): the same code, fewer repeats.
 """
 
 from __future__ import annotations
@@ -29,6 +31,13 @@ NOTEBOOK_WORKERS = 2
 # Started first, so the short ones fill the other worker: alone, on the idle 2-core machine
 # (pytest --durations, 2026-11-23), these took 130, 115 and 101 s; the other five 8 to 35 s each.
 LONGEST_FIRST = ("03_continuous_batching", "01_naive_attention", "02_paged_kv")
+# Run first in each copy: `run_bench` with repeat=1 and no warm-up, whatever the cell asks (the
+# notebooks import it from the harness after this cell, so they get this one).
+QUICK_BENCH = """\
+import tinyvllm.bench.harness as _harness  # put here by tests/test_notebooks.py: one round per benchmark
+_run_bench = _harness.run_bench
+_harness.run_bench = lambda *args, **kwargs: _run_bench(*args, **{**kwargs, "repeat": 1, "warmup": False})
+"""
 
 
 def execute(path: Path, folder: Path) -> str | None:
@@ -40,6 +49,7 @@ def execute(path: Path, folder: Path) -> str | None:
     copy = folder / path.name
     shutil.copy(path, copy)
     nb = nbformat.read(copy, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(QUICK_BENCH))
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(folder)}})
     try:

@@ -162,9 +162,9 @@ def run_cache_case(name: str, device: str = "cpu", dtype: str | None = None) -> 
     return dict(max_err=err, tol=0.0)  # a copy: exact
 
 
-def engine_tokens(model_dir: str, phase: int, **engine_args) -> dict:
-    """Greedy tokens and seeded samples of one phase on a tiny model, with chunked prefill and a
-    prefix-cache hit (chunks with cached tokens before them) next to decodes."""
+def engine_tokens(model_dir: str, phase: int, sampled: bool = True, **engine_args) -> dict:
+    """Greedy tokens and (unless sampled=False) seeded samples of one phase on a tiny model, with
+    chunked prefill and a prefix-cache hit (chunks with cached tokens before them) next to decodes."""
     from tinyvllm import LLM, SamplingParams
 
     llm = LLM(model_dir, phase=phase, max_num_batched_tokens=24, **engine_args)
@@ -172,12 +172,12 @@ def engine_tokens(model_dir: str, phase: int, **engine_args) -> dict:
                for i, n in enumerate([5, 40, 17, 33])]
     prompts.append({"prompt_token_ids": prompts[1]["prompt_token_ids"][:32] + [9, 8, 7]})  # shares 2 blocks
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    sampled = llm.generate(prompts, [SamplingParams(temperature=0.9, top_p=0.95, seed=50 + i, max_tokens=10,
+    samples = llm.generate(prompts, [SamplingParams(temperature=0.9, top_p=0.95, seed=50 + i, max_tokens=10,
                                                     ignore_eos=True) for i in range(len(prompts))],
-                           use_tqdm=False)
+                           use_tqdm=False) if sampled else []
     return dict(backend=getattr(llm.llm_engine, "attention_backend", "torch"),
                 greedy=[o.outputs[0].token_ids for o in greedy],
-                sampled=[o.outputs[0].token_ids for o in sampled])
+                sampled=[o.outputs[0].token_ids for o in samples])
 
 
 def compile_for_cuda(capability: int = 90) -> list[str]:

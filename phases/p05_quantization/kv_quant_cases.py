@@ -4,7 +4,7 @@ Used by `test_triton_kv_quant.py` as phase 4's `kernel_cases.py` is by its tests
 subprocess with TRITON_INTERPRET=1 (`python -m phases.p05_quantization.kv_quant_cases` prints one
 JSON object, {case: {"max_err": ..., "tol": ...}}), on a CUDA GPU compiled in the test process,
 and without a GPU compiled ahead of time for one (`--compile 90`); `--engine MODEL_DIR FMT` runs
-phase 5's engine with attention_backend="triton" and kv_cache_dtype=FMT.
+phase 5's engine with attention_backend="triton" and kv_cache_dtype=FMT (greedy tokens).
 
 - Attention cases: phase 4's batches (decodes at the block edges, a whole prompt, a chunk after
   cached tokens; or decodes with split-KV) over a quantized cache whose every slot holds random
@@ -143,7 +143,8 @@ def main(argv: list[str]) -> None:
         return
     if argv and argv[0] == "--engine":  # --engine MODEL_DIR KV_CACHE_DTYPE: phase 5 with the kernels
         from phases.p04_triton_kernels.kernel_cases import engine_tokens
-        print(json.dumps(engine_tokens(argv[1], 5, attention_backend="triton", kv_cache_dtype=argv[2])))
+        print(json.dumps(engine_tokens(argv[1], 5, sampled=False, attention_backend="triton",
+                                       kv_cache_dtype=argv[2])))
         return
     results = {name: run_case(name) for name in CASES}
     results.update({name: run_write_case(name) for name in WRITE_CASES})
