@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -81,7 +79,7 @@ def step_breakdown(engine, steps: int = 5) -> tuple[float, float, float]:
 
 def plot_breakdown(report: dict):
     """Stacked bars: each (batch, engine)'s median step as matrix products, attention, the rest."""
-    from tinyvllm.bench.report import require_matplotlib
+    from tinyvllm.bench.report import cpu_name, require_matplotlib
 
     require_matplotlib()
     from matplotlib.figure import Figure
@@ -106,8 +104,7 @@ def plot_breakdown(report: dict):
     axes[-1].set_xlabel("milliseconds (median step; products and attention from torch.profiler)")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=3, fontsize=8)
     m = report["machine"]
-    fig.suptitle(f"{m['cpu']} ({m.get('cpu_capability', '?')}), {m['torch_threads']} threads, "
-                 f"torch {m['torch']}", fontsize=9)
+    fig.suptitle(f"{cpu_name(m)}, {m['torch_threads']} threads, torch {m['torch']}", fontsize=9)
     return fig
 
 
@@ -177,20 +174,22 @@ def main() -> None:
                 step, products, attention = step_breakdown(engine)
                 # the profiler slows every operator call a little, so "the rest" is taken from
                 # the unprofiled median step: what the products and attention do not explain
+                rest = ms - products - attention
                 print(f"batch {b:3d}  {name:24s} profiled step {step:.1f} ms: matrix products "
                       f"{products:.1f}, attention {attention:.1f}; the rest of the median step "
-                      f"{ms - products - attention:.1f}", flush=True)
+                      f"{rest:.1f}", flush=True)
                 engine.abort_request([f"p{i}" for i in range(b)])
                 rows.append(dict(batch=b, engine=name, step_ms=round(ms, 2), products_ms=round(products, 2),
-                                 attention_ms=round(attention, 2), rest_ms=round(ms - products - attention, 2)))
+                                 attention_ms=round(attention, 2), rest_ms=round(rest, 2)))
     if a.json or a.plot:
         from tinyvllm.bench.machine import machine_info
+        from tinyvllm.bench.report import write_json
 
         report = dict(command="python -m phases.p07_cuda_graphs.bench_step " + " ".join(sys.argv[1:]),
                       date=time.strftime("%Y-%m-%d"), machine=machine_info(torch.device("cpu")),
                       steps=a.steps, rows=rows)
         if a.json:
-            Path(a.json).write_text(json.dumps(report, indent=2) + "\n")
+            write_json(report, a.json)
         if a.plot:
             plot_breakdown(report).savefig(a.plot, dpi=110)
 
