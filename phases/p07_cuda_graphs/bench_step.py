@@ -1,7 +1,7 @@
 """Time one decode step, phase 7's static path against enforce_eager (phase 6), on one model.
 
     python -m phases.p07_cuda_graphs.bench_step [--model DIR] [--batch 1 8] [--steps 30] [--gc-freeze]
-        [--profile [--json FILE] [--plot FILE]]
+        [--quantization int8] [--profile [--json FILE] [--plot FILE]]
     python -m phases.p07_cuda_graphs.bench_step --fused [--model DIR] [--batch 1 8]
 
 Each batch: `batch` requests are prefilled in each engine, then `steps` decode steps of each are
@@ -147,6 +147,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--gc-freeze", action="store_true")
+    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                    help="phase 5's weight format, in both engines")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--fused", action="store_true", help="time separate against fused projections")
     ap.add_argument("--json", default=None, help="with --profile: save the step splits here")
@@ -157,9 +159,9 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if a.fused:
         return bench_fused(a.model, a.batch)
-    engines = {"phase 7": LLM(a.model, phase=7, max_num_seqs=max(a.batch)).llm_engine,
-               "enforce_eager (phase 6)": LLM(a.model, phase=7, max_num_seqs=max(a.batch),
-                                              enforce_eager=True).llm_engine}
+    args = dict(phase=7, max_num_seqs=max(a.batch), quantization=a.quantization)
+    engines = {"phase 7": LLM(a.model, **args).llm_engine,
+               "enforce_eager (phase 6)": LLM(a.model, enforce_eager=True, **args).llm_engine}
     rows = []
     for b in a.batch:
         times = decode_step_times(engines, b, a.steps, a.gc_freeze)

@@ -7,7 +7,10 @@ vLLM's model files load the weights fused this way (`QKVParallelLinear`,
 `MergedColumnParallelLinear`). Each output column is still the same dot product of x with the
 same weight row; what changes is the number of operator calls per layer (5 products -> 2), each
 a few microseconds of dispatch on a CPU, a kernel launch on a GPU. Done once at engine start, on
-plain `tinyvllm.model.Linear` layers only (a quantized layer from phase 5 is left as it is).
+plain `tinyvllm.model.Linear` layers and on phase 5's quantized ones alike: int8 keeps a scale per
+output row and int4 its groups within a row, so stacking the quantized rows (and their scales) is
+the quantization of the stacked float rows, exactly. There it pays most: each int8 call prepares
+its activations and pays fbgemm's fixed cost, whatever the weight's size.
 
 `decode_forward` is the model's forward written with fewer operators around those products
 (vLLM's fused residual add + RMSNorm, one rotation for q and k together), for the decode steps
@@ -19,10 +22,28 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phases.p05_quantization.quant import QuantizedLinear
 from tinyvllm.model import Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary
 
 
-def _fuse(layers: list[Linear]) -> Linear | None:
+def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
+    first = layers[0]
+    if any((m.method, m.group_size, m.kernel, m.dtype, m.bias is None)
+           != (first.method, first.group_size, first.kernel, first.dtype, first.bias is None) for m in layers):
+        return None
+    out_features = sum(m.out_features for m in layers)
+    fused = QuantizedLinear(torch.empty(out_features, first.in_features, dtype=first.dtype, device="meta"),
+                            None, first.method, first.group_size, first.kernel)
+    for name, _ in first.named_buffers():   # qweight, scale (and int4's zero): rows stacked
+        setattr(fused, name, torch.cat([getattr(m, name) for m in layers]))
+    if first.bias is not None:
+        fused.bias = torch.nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
+    return fused
+
+
+def _fuse(layers: list) -> torch.nn.Module | None:
+    if all(type(m) is QuantizedLinear for m in layers):
+        return _fuse_quantized(layers)
     if any(type(m) is not Linear for m in layers):
         return None
     w = torch.cat([m.weight.detach() for m in layers])

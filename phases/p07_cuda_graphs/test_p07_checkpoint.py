@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from phases.p05_quantization.quant import QuantizedLinear
 from phases.p07_cuda_graphs.decode_runner import bucket_for, default_capture_sizes
 from tinyvllm import LLM, SamplingParams
 
@@ -56,6 +57,18 @@ def test_every_bucket_gives_eager_tokens(make_llm, tiny_model_dir, n):
     before = fast.llm_engine.num_static_steps
     assert tokens(fast, PROMPTS[:n], GREEDY) == tokens(eager, PROMPTS[:n], GREEDY)
     assert fast.llm_engine.num_static_steps - before >= GREEDY.max_tokens - 1  # the decodes ran static
+
+
+def test_quantized_model_runs_the_lean_forward(make_llm, tiny_model_dir):
+    """int8 weights (phase 5): the projections are fused as quantized layers, the decode steps run
+    `decode_forward`, and the tokens are enforce_eager's."""
+    from phases.p07_cuda_graphs.fused import decode_forward
+
+    fast = make_llm(tiny_model_dir, 7, max_num_seqs=4, quantization="int8")
+    eager = make_llm(tiny_model_dir, 7, max_num_seqs=4, quantization="int8", enforce_eager=True)
+    assert fast.llm_engine.runner.model_forward.func is decode_forward
+    assert fast.llm_engine.num_fused_modules == 2 * len(fast.llm_engine.model.model.layers)
+    assert tokens(fast, PROMPTS[:3], GREEDY) == tokens(eager, PROMPTS[:3], GREEDY)
 
 
 def test_padding_writes_only_the_scratch_block(make_llm, tiny_model_dir):
@@ -174,8 +187,9 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir):
     assert runner.num_captures == len(engine.capture_sizes) == len(runner.graphs)
 
 
-@pytest.mark.parametrize("fixture", ["tiny_model_dir", "tiny_model_dir_llama3"])
-def test_fused_projections_are_bit_identical(request, fixture):
+@pytest.mark.parametrize("fixture,quantization", [("tiny_model_dir", None), ("tiny_model_dir_llama3", None),
+                                                  ("tiny_model_dir", "int8"), ("tiny_model_dir", "int4")])
+def test_fused_projections_are_bit_identical(request, fixture, quantization):
     import copy
 
     from phases.p07_cuda_graphs.fused import (
@@ -191,13 +205,19 @@ def test_fused_projections_are_bit_identical(request, fixture):
             return q + k.repeat_interleave(q.shape[1] // k.shape[1], 1) * v.repeat_interleave(
                 q.shape[1] // v.shape[1], 1)
 
-    model = LLM(str(request.getfixturevalue(fixture)), phase=7, enforce_eager=True).llm_engine.model
+    model = LLM(str(request.getfixturevalue(fixture)), phase=7, enforce_eager=True,
+                quantization=quantization).llm_engine.model
     fused = copy.deepcopy(model)
     n_layers = len(model.model.layers)
     assert fuse_projections(fused) == 2 * n_layers
     assert isinstance(fused.model.layers[0].self_attn, FusedLlamaAttention)
     assert isinstance(fused.model.layers[0].mlp, FusedLlamaMLP)
     assert fused_model(fused) and not fused_model(model)
+    if quantization:  # phase 5's layers fused as they are: stacked rows, no float weight made
+        qkv = fused.model.layers[0].self_attn.qkv_proj
+        assert type(qkv) is QuantizedLinear and qkv.method == quantization
+        assert qkv.weight_bytes() == sum(getattr(model.model.layers[0].self_attn, f"{x}_proj").weight_bytes()
+                                         for x in "qkv")
     with torch.inference_mode():
         for n in (1, 2, 3, 8):
             ids, pos = torch.randint(0, 300, (n,)), torch.arange(n) + 5
