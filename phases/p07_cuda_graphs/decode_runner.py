@@ -85,7 +85,7 @@ class DecodeRunner:
     the engine's own attention backend (`make_attention`). Returns the logits (bucket, V).
 
     A fused model (`fuse_projections`) runs `decode_forward`, the same numbers with fewer
-    operator calls; any other (a quantized one, from phase 5) runs its own forward."""
+    operator calls (float or quantized); any other (a layer it could not fuse) runs its own forward."""
 
     def __init__(self, model, buffers: StaticDecodeBuffers, make_attention):
         self.model, self.buf, self.make_attention = model, buffers, make_attention

@@ -11,8 +11,8 @@ one newest token; no prefill chunk, no speculative tokens):
 - `DecodeRunner.run(bucket)` runs the forward: on CUDA a graph per bucket, captured once and
   replayed (`CudaGraphDecodeRunner`); on a CPU the same buffers eagerly.
 - The batch's sampling parameters are tensors, and the sampler is vectorized (`BatchSampler`).
-- At start, each layer's q/k/v and gate/up projections are fused into one product each
-  (`fuse_projections`; the same outputs bit for bit, fewer operator calls; every step), and
+- At start, each layer's q/k/v and gate/up projections are fused into one product each, float or
+  phase 5's int8/int4 (`fuse_projections`; the same outputs bit for bit, fewer operator calls; every step), and
   decode steps run `decode_forward`: the model's numbers with fewer operators around the
   products (the residual add fused with RMSNorm, one RoPE for q and k).
 
