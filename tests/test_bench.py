@@ -54,7 +54,7 @@ ENGINE_FIELDS = ("name", "kind", "label", "dtype", "device", "requests", "prompt
                  "output_tokens", "wall_s", "output_tok_per_s", "total_tok_per_s", "requests_per_s",
                  "ttft_s", "tpot_s", "ttft_cold_s", "ttft_cached_s", *STATS_KEYS,
                  "prefix_cache_hit_rate", "kv_token_utilization", "peak_memory_bytes",
-                 "memory_increase_bytes", "roofline", "fraction_of_roofline", "runs")
+                 "memory_increase_bytes", "roofline", "fraction_of_roofline", "runs", "startup")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
@@ -100,6 +100,8 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
         assert e["prompt_tokens"] == wanted.num_prompt_tokens
         assert set(e["ttft_s"]) == set(e["tpot_s"]) == {"mean", "median", "p99"}
         assert e["ttft_s"]["median"] > 0 and e["peak_memory_bytes"] > 0
+        # start-up: LLM() built, then the warm-up's first request's first token on top of it
+        assert 0 < e["startup"]["load_s"] < e["startup"]["first_token_s"]
         assert len(e["runs"]) == 2
         assert e["output_tok_per_s"] == pytest.approx(statistics.median(r["output_tok_per_s"] for r in e["runs"]))
         assert e["fraction_of_roofline"] == pytest.approx(e["output_tok_per_s"] / e["roofline"]["tok_per_s"])
@@ -120,6 +122,7 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
     table = capsys.readouterr().out
     for e in engines:
         assert e["label"] in table
+    assert "start-up, engine built + its first request's first token: phase1 " in table
 
 
 def test_cli_latency_reports_ttft_and_tpot_of_one_request_per_engine(tiny_model_dir, tmp_path, capsys):

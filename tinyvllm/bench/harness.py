@@ -148,17 +148,19 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
     bar = tqdm(total=per_engine * len(runners), unit="tok", desc="bench", dynamic_ncols=True, file=log,
                disable=not (progress and log.isatty()))
     results: dict[str, list[RunResult]] = {n: [] for n in names}
+    first_ttft: dict[str, float] = {}  # each engine's first request ever: its first-use costs
     try:
         if warmup:
             for r in runners:
                 bar.set_description(f"warm-up {r.name}")
-                r.run(warm, bar.update)
+                first_ttft[r.name] = r.run(warm, bar.update).ttft_s[0]
         for k, wl in enumerate(rounds):
             order = runners[k % len(runners):] + runners[:k % len(runners)]
             for r in order:
                 bar.set_description(f"round {k + 1}/{repeat} {r.name}")
                 res = r.run(wl, bar.update)
                 results[r.name].append(res)
+                first_ttft.setdefault(r.name, res.ttft_s[0])
                 tqdm.write(f"round {k + 1}/{repeat} {r.name}: {res.output_tokens} tokens in "
                            f"{res.wall_s:.2f} s, {res.output_tok_per_s:.1f} tok/s", file=log)
     finally:
@@ -171,7 +173,11 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
         batch = 1 if workload.sequential else min(workload.num_requests, r.max_concurrency)
         roof = decode_roofline(limits, model_config, r.weight_bytes,
                                kv_bytes_per_token(model_config, r.kv_bytes_per_element), batch, context)
-        engines.append(summarize(r.name, r.describe(), results[r.name], roof.to_dict(), workload.sequential))
+        entry = summarize(r.name, r.describe(), results[r.name], roof.to_dict(), workload.sequential)
+        load_s = getattr(r, "load_s", None)
+        if load_s is not None:  # start-up: LLM() (or from_pretrained), then the first request's first token
+            entry["startup"] = dict(load_s=load_s, first_token_s=load_s + first_ttft[r.name])
+        engines.append(entry)
     return dict(
         report_version=REPORT_VERSION,
         command=command,

@@ -59,7 +59,9 @@ class HFRunner:
         hf_logging.set_verbosity_error()  # no warnings about unused sampling settings
         hf_logging.disable_progress_bar()
         # Loaded as stored (float32), then cast: works the same on every transformers version.
+        start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(model_path).to(device=device, dtype=dtype).eval()
+        self.load_s = time.perf_counter() - start
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0

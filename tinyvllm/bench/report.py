@@ -153,6 +153,11 @@ def format_table(report: dict) -> str:
     roof = ", ".join(f"{e['name']} {e['roofline']['tok_per_s']:,.0f} tok/s ({e['roofline']['bound']}-bound, "
                      f"batch {e['roofline']['batch']})" for e in report["engines"])
     lines += ["", f"decode roofline: {roof}"]
+    starts = [e for e in report["engines"] if e.get("startup")]
+    if starts:
+        lines.append("start-up, engine built + its first request's first token: " + ", ".join(
+            f"{e['name']} {e['startup']['load_s']:.2f} + {e['startup']['first_token_s'] - e['startup']['load_s']:.2f} s"
+            for e in starts))
     return "\n".join(lines)
 
 

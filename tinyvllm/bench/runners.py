@@ -86,7 +86,9 @@ class EngineRunner:
         honoured = phases.get_engine_class(phase).ENGINE_ARGS
         self.skipped_engine_args = unsupported_engine_args(engine_args, honoured)
         self.engine_args = {k: v for k, v in engine_args.items() if k not in self.skipped_engine_args}
+        start = time.perf_counter()
         self.engine = LLM(model, phase=phase, **self.engine_args).llm_engine
+        self.load_s = time.perf_counter() - start   # LLM(): weights read, quantized, fused, KV pool
         self.name = f"phase{phase}"
         self._ids = itertools.count()
 
