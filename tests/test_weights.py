@@ -126,3 +126,16 @@ def test_random_like_keeps_names_shapes_and_files(tiny_model_dir, tmp_path):
     assert torch.equal(got["model.norm.weight"], torch.ones_like(got["model.norm.weight"]))
     assert (out / "tokenizer.json").read_text() == (tiny_model_dir / "tokenizer.json").read_text()
     load_model(out, torch.float32, torch.device("cpu"))  # the engine's loader takes it
+
+
+def test_loading_does_not_import_the_compiler(tiny_model_dir):
+    """The model is built on the meta device; arithmetic there (the RoPE tables, the embedding's
+    random init) would import torch._dynamo and more, ~2 s of every process's first LLM()."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tinyvllm.weights import load_model; import torch; "
+            f"load_model({str(tiny_model_dir)!r}, torch.float32, torch.device('cpu')); "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr

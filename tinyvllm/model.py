@@ -67,7 +67,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
         self.config, self.max_positions = config, max_positions
-        cos, sin = self._tables()
+        # on the CPU even while the model is built on the meta device (weights.load_model): there
+        # this arithmetic would first import much of PyTorch's compiler (~2 s, once per process)
+        with torch.device("cpu"):
+            cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
@@ -227,7 +230,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_positions: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # `_weight`: no random init, the weights are always loaded (weights.load_model). On the
+        # meta device the init (normal_) would cost ~2 s of PyTorch imports, once per process.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
