@@ -31,9 +31,11 @@ def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
     if any((m.method, m.group_size, m.kernel, m.dtype, m.bias is None)
            != (first.method, first.group_size, first.kernel, first.dtype, first.bias is None) for m in layers):
         return None
-    out_features = sum(m.out_features for m in layers)
-    fused = QuantizedLinear(torch.empty(out_features, first.in_features, dtype=first.dtype, device="meta"),
-                            None, first.method, first.group_size, first.kernel)
+    # made from one row of zeros (quantizing the real rows again is what we avoid), then given
+    # the layers' quantized rows
+    fused = QuantizedLinear(torch.zeros(1, first.in_features, dtype=first.dtype), None, first.method,
+                            first.group_size, first.kernel)
+    fused.out_features = sum(m.out_features for m in layers)
     for name, _ in first.named_buffers():   # qweight, scale (and int4's zero): rows stacked
         setattr(fused, name, torch.cat([getattr(m, name) for m in layers]))
     if first.bias is not None:
