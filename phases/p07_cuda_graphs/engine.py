@@ -12,9 +12,9 @@ one newest token; no prefill chunk, no speculative tokens):
   replayed (`CudaGraphDecodeRunner`); on a CPU the same buffers eagerly.
 - The batch's sampling parameters are tensors, and the sampler is vectorized (`BatchSampler`).
 - At start, each layer's q/k/v and gate/up projections are fused into one product each, float or
-  phase 5's int8/int4 (`fuse_projections`; the same outputs bit for bit, fewer operator calls; every step), and
-  decode steps run `decode_forward`: the model's numbers with fewer operators around the
-  products (the residual add fused with RMSNorm, one RoPE for q and k).
+  phase 5's int8/int4 (`fuse_projections`; the same outputs bit for bit, fewer operator calls;
+  every step), and decode steps run `decode_forward`: the model's numbers with fewer operators
+  around the products (the residual add fused with RMSNorm, one RoPE for q and k).
 
 Every other step (prefill chunks, speculative verification, more requests than the largest
 bucket) runs phase 6's `run_model` unchanged, and `enforce_eager=True` is phase 6 exactly.
