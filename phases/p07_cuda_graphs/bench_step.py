@@ -1,7 +1,7 @@
 """Time one decode step, phase 7's static path against enforce_eager (phase 6), on one model.
 
     python -m phases.p07_cuda_graphs.bench_step [--model DIR] [--batch 1 8] [--steps 30] [--gc-freeze]
-        [--quantization int8] [--profile [--json FILE] [--plot FILE]]
+        [--quantization none int8] [--profile [--json FILE] [--plot FILE]]
     python -m phases.p07_cuda_graphs.bench_step --fused [--model DIR] [--batch 1 8]
 
 Each batch: `batch` requests are prefilled in each engine, then `steps` decode steps of each are
@@ -9,7 +9,8 @@ timed, interleaved (median of the per-step times). With --profile, five more ste
 torch.profiler and their time is split into the matrix products, attention (the paged gather,
 the cache write and SDPA) and the rest (every other operator and the Python between them: the
 median step minus the first two), with the table of their top CPU ops; --json saves those
-splits with the machine, --plot draws them.
+splits with the machine, --plot draws them. --quantization runs the pair once per weight format
+(phase 5's `quantization`; "none" is float), all engines interleaved.
 """
 
 from __future__ import annotations
@@ -147,8 +148,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--gc-freeze", action="store_true")
-    ap.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                    help="phase 5's weight format, in both engines")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "int8", "int4"],
+                    help="phase 5's weight formats: the two engines once per format")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--fused", action="store_true", help="time separate against fused projections")
     ap.add_argument("--json", default=None, help="with --profile: save the step splits here")
@@ -159,15 +160,18 @@ def main() -> None:
     torch.set_grad_enabled(False)
     if a.fused:
         return bench_fused(a.model, a.batch)
-    args = dict(phase=7, max_num_seqs=max(a.batch), quantization=a.quantization)
-    engines = {"phase 7": LLM(a.model, **args).llm_engine,
-               "enforce_eager (phase 6)": LLM(a.model, enforce_eager=True, **args).llm_engine}
+    engines = {}
+    for q in a.quantization:
+        args = dict(phase=7, max_num_seqs=max(a.batch), quantization=None if q == "none" else q)
+        suffix = "" if q == "none" else f", {q}"
+        engines[f"phase 7{suffix}"] = LLM(a.model, **args).llm_engine
+        engines[f"enforce_eager (phase 6){suffix}"] = LLM(a.model, enforce_eager=True, **args).llm_engine
     rows = []
     for b in a.batch:
         times = decode_step_times(engines, b, a.steps, a.gc_freeze)
         for name, engine in engines.items():
             ms = 1e3 * statistics.median(times[name])
-            print(f"batch {b:3d}  {name:24s} decode step {ms:7.2f} ms (median of {a.steps})", flush=True)
+            print(f"batch {b:3d}  {name:30s} decode step {ms:7.2f} ms (median of {a.steps})", flush=True)
             if a.profile:
                 params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
                 for i in range(b):
@@ -177,7 +181,7 @@ def main() -> None:
                 # the profiler slows every operator call a little, so "the rest" is taken from
                 # the unprofiled median step: what the products and attention do not explain
                 rest = ms - products - attention
-                print(f"batch {b:3d}  {name:24s} profiled step {step:.1f} ms: matrix products "
+                print(f"batch {b:3d}  {name:30s} profiled step {step:.1f} ms: matrix products "
                       f"{products:.1f}, attention {attention:.1f}; the rest of the median step "
                       f"{rest:.1f}", flush=True)
                 engine.abort_request([f"p{i}" for i in range(b)])
