@@ -353,8 +353,9 @@ def test_draft_quantization_is_phase5s(tiny_model_dir):
 
 
 def test_reuse_workload_prompts_are_seeded_and_reused(tiny_model_dir):
-    """The bench's `reuse` dataset: the same seed gives the same prompts; each holds the text its
-    answer must copy (a function, records, lines)."""
+    """The bench's `reuse` dataset: the same seed gives the same prompts; the kinds take turns
+    (a function to edit, records to reformat, lines to extract), each with eight items to copy,
+    and the function is valid Python."""
     from tinyvllm.bench.workloads import make_workload
     from tinyvllm.tokenizer import Tokenizer
 
@@ -364,6 +365,12 @@ def test_reuse_workload_prompts_are_seeded_and_reused(tiny_model_dir):
     c = make_workload("latency", tok, 320, dataset="reuse", num_prompts=6, seed=4)
     assert a.requests == b.requests and a.requests != c.requests
     texts = [tok.decode(list(r.prompt_token_ids[1:])) for r in a.requests]
-    assert all(any(w in t for w in ("def summarize", "name=", "@example.org")) for t in texts)
+    for i, text in enumerate(texts):
+        marker = ("_score * ", "name=", "@example.org")[i % 3]
+        assert text.count(marker) == 8, (i, text)
+        if i % 3 == 0:
+            code = text[text.index("def summarize"):]
+            code = code[: code.index("return ")] + code[code.index("return "):].split("\n")[0]
+            compile(code, "summarize", "exec")  # the loop's body is inside the loop
     with pytest.raises(ValueError, match="input-len"):
         make_workload("latency", tok, 320, dataset="reuse", input_len=8)

@@ -75,21 +75,23 @@ _NAMES = ("alice", "bruno", "chen", "dana", "emeka", "fatima", "goran", "hana", 
 _CITIES = ("Paris", "Lagos", "Osaka", "Lima", "Oslo", "Cairo", "Quito", "Perth", "Delhi", "Turin")
 
 
-def reuse_prompt(rng: random.Random) -> str:
-    """One seeded task whose answer repeats most of its prompt."""
-    people = rng.sample(_NAMES, rng.randint(4, 6))
-    kind = rng.randrange(3)
+def reuse_prompt(rng: random.Random, kind: int) -> str:
+    """One seeded task whose answer repeats most of its prompt: kind 0 edits a function, 1
+    reformats records, 2 extracts lines. Eight items each, so that the part of the answer that
+    copies is longer than the bench's usual 64 new tokens. Records and lines come in a fenced
+    block, the function without one: the default model copied more faithfully that way."""
+    people = rng.sample(_NAMES, 8)
     if kind == 0:
         old, new = rng.sample(("total", "count", "result", "value", "acc"), 2)
-        body = "\n".join(f"    {old} = {old} + item.{n}_score * {rng.randint(2, 9)}" for n in people)
+        body = "\n".join(f"        {old} = {old} + item.{n}_score * {rng.randint(2, 9)}" for n in people)
         code = f"def summarize(items):\n    {old} = 0\n    for item in items:\n{body}\n    return {old}"
         return f"Rename the variable `{old}` to `{new}` in this Python function. Reply with the whole function only.\n\n{code}"
     rows = [(n, rng.randint(18, 80), rng.choice(_CITIES)) for n in people]
     if kind == 1:
         text = "\n".join(f"name={n}; age={a}; city={c}" for n, a, c in rows)
-        return f"Reformat these records as CSV lines with the header name,age,city. Keep every record.\n\n{text}"
+        return f"Reformat these records as CSV lines with the header name,age,city. Keep every record.\n\n```\n{text}\n```"
     text = "\n".join(f"{n.title()} ({a}) lives in {c} and writes to {n}@example.org." for n, a, c in rows)
-    return f"Copy every line of this text that mentions an email address, unchanged, one per line.\n\n{text}"
+    return f"Copy every line of this text that mentions an email address, unchanged, one per line.\n\n```\n{text}\n```"
 
 
 # Warm-up runs cap every request at this many new tokens: enough to run prefill and a few
@@ -228,8 +230,8 @@ def make_workload(name: str, tokenizer, vocab_size: int, *, num_prompts: int | N
             suffix = random_tokens(rng.randint(in_lo, in_hi))
             requests.append(BenchRequest(shared + suffix, rng.randint(out_lo, out_hi)))
     elif dataset in ("chat", "reuse"):
-        for _ in range(num_prompts):
-            question = rng.choice(CHAT_QUESTIONS) if dataset == "chat" else reuse_prompt(rng)
+        for i in range(num_prompts):
+            question = rng.choice(CHAT_QUESTIONS) if dataset == "chat" else reuse_prompt(rng, i % 3)
             text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
                                                  add_generation_prompt=True)
             ids = tokenizer.encode(text, add_special_tokens=False)
