@@ -41,9 +41,11 @@ def test_accuracy_cli_json(tiny_model_dir, tmp_path):
     from tinyvllm.cli import main
     out = tmp_path / "acc.json"
     rc = main(["bench", "accuracy", "--model", str(tiny_model_dir), "--quantization-list", "int4",
-               "--kv-cache-dtypes", "fp8", "--quantization-group-size", "32", "--window", "16",
+               "--kv-cache-dtypes", "fp8", "--window", "16",
                "--max-text-tokens", "32", "--kl-tokens", "8", "--num-chat", "1", "--chat-tokens", "4",
                "--json", str(out)])
     assert rc in (0, None)
     report = json.loads(out.read_text())
     assert [(r["quantization"], r["kv_cache_dtype"]) for r in report["results"]] == [(None, "auto"), ("int4", "fp8")]
+    # no group size asked: the engine's default (the tiny model's inputs 64 and 128 take 32), recorded
+    assert report["group_size"] == report["results"][1]["group_size"] == 32

@@ -164,7 +164,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     # phase 5: quantization
     quantization: str | None = None
-    quantization_group_size: int | None = None  # None: the largest of 128, 64, 32 that fits the model
+    quantization_group_size: int | None = None  # None: 128 where it fits every layer, else 32
     kv_cache_dtype: str = "auto"
     # phase 6: speculative decoding
     speculative_config: dict | None = None

@@ -64,10 +64,11 @@ def score(llm, prompts: list[list[int]], capture_tokens: int = 0):
 
 
 def run_accuracy(model=None, quantizations=(None, "int8", "int4"), kv_cache_dtypes=("auto", "int8"),
-                 group_size: int = 64, window: int = 512, max_text_tokens: int | None = None,
+                 group_size: int | None = None, window: int = 512, max_text_tokens: int | None = None,
                  kl_tokens: int = 512, num_chat: int = 8, chat_tokens: int = 32, phase: int | None = None,
                  progress: bool = False, **engine_args) -> dict:
-    """Run every configuration and return the report (see the module docstring)."""
+    """Run every configuration and return the report (see the module docstring). group_size None:
+    the engine's default for int4 (the report records the group each int4 engine used)."""
     from tinyvllm import LLM, SamplingParams
 
     from .workloads import CHAT_QUESTIONS
@@ -106,7 +107,12 @@ def run_accuracy(model=None, quantizations=(None, "int8", "int4"), kv_cache_dtyp
         for kv in kv_cache_dtypes:
             if q is None and kv == "auto":
                 continue
-            row, dist = measure(make(q, kv))
+            llm = make(q, kv)
+            row, dist = measure(llm)
+            if q == "int4":  # the group the engine used, asked for or its default
+                row["group_size"] = next(m.group_size for m in llm.llm_engine.model.modules()
+                                         if getattr(m, "method", None) == "int4")
+            del llm
             n = min(len(dist), len(ref_dist))
             kl = (ref_dist[:n].exp() * (ref_dist[:n] - dist[:n])).sum(-1).mean().item()
             row.update(mean_kl=kl, perplexity_change=row["perplexity"] / ref["perplexity"] - 1)
@@ -115,7 +121,9 @@ def run_accuracy(model=None, quantizations=(None, "int8", "int4"), kv_cache_dtyp
                 print(f"quantization={q} kv_cache_dtype={kv}: perplexity {row['perplexity']:.3f} "
                       f"({row['perplexity_change'] * 100:+.2f}%), mean KL {kl:.5f}, top-1 "
                       f"{row['top1_agreement'] * 100:.1f}%", file=sys.stderr, flush=True)
-    return dict(workload="accuracy", model=str(model or "default"), group_size=group_size, window=window,
+    used = [r["group_size"] for r in rows if "group_size" in r]
+    return dict(workload="accuracy", model=str(model or "default"), group_size=group_size or
+                (used[0] if used else None), window=window,
                 text=TEXT_PATH.name, results=rows)
 
 
@@ -145,7 +153,7 @@ def run_accuracy_command(args, engine_args: dict) -> int:
                    if k not in ("quantization", "kv_cache_dtype", "quantization_group_size")}
     report = run_accuracy(
         args.model, [None if q == "none" else q for q in args.quantization_list], args.kv_cache_dtypes,
-        group_size=getattr(args, "quantization_group_size", 64), window=args.window,
+        group_size=getattr(args, "quantization_group_size", None), window=args.window,
         max_text_tokens=args.max_text_tokens, kl_tokens=args.kl_tokens, num_chat=args.num_chat,
         chat_tokens=args.chat_tokens, progress=args.progress, **engine_args)
     print(format_accuracy(report))

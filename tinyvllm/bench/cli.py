@@ -42,7 +42,7 @@ ENGINE_ARG_HELP = {
     "enable_prefix_caching": "turn off prefix caching (phase 3 on)",
     "attention_backend": "auto (default), triton or torch (phase 4 on)",
     "quantization": "weight quantization: int8 or int4 (phase 5 on)",
-    "quantization_group_size": "input columns per int4 scale: 32, 64 or 128 (default: the largest that divides every layer's input size; phase 5 on)",
+    "quantization_group_size": "input columns per int4 scale: 32, 64 or 128 (default: 128 where it divides every layer's input size, else 32; phase 5 on)",
     "kv_cache_dtype": "KV-cache dtype: auto (default), int8 or fp8 (phase 5 on)",
     "speculative_config": "speculative decoding, as JSON, e.g. "
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (phase 6 on)",
