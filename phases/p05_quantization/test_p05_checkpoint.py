@@ -3,11 +3,15 @@ layout, every CPU kernel against the reference path, the quantized KV cache (rou
 blocks in the same memory, more sequences admitted), the engine with every format, and bad input
 that leaves an LLM built before still generating."""
 
+import subprocess
+from contextlib import nullcontext
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from phases.p05_quantization import cpu_int8
 from phases.p05_quantization.engine import linear_layers, quantize_model
 from phases.p05_quantization.kv_quant import (KV_CACHE_DTYPES, QuantizedKVCache, dequantize_kv,
                                               quantize_kv, quantized_bytes_per_block)
@@ -73,15 +77,56 @@ def test_int4_packed_layout():
 @pytest.mark.parametrize("method,kernel", [(m, k) for m, ks in QuantizedLinear.KERNELS.items() for k in ks])
 @pytest.mark.parametrize("rows", [1, 3, 33])
 def test_each_cpu_kernel_matches_the_reference(method, kernel, rows):
+    if kernel == "cpu_int8" and not cpu_int8.available():
+        pytest.skip("cpu_int8 needs an AVX2 CPU and a C compiler")
     torch.manual_seed(rows)
     w, b = torch.randn(96, 128) * 0.05, torch.randn(96) * 0.1
     layer = QuantizedLinear(w, b, method, 32, kernel=kernel)
     x = torch.randn(rows, 128)
     ref = layer.reference_forward(x)
     assert torch.allclose(ref, torch.nn.functional.linear(x, layer.dequantize(), b))
-    # fbgemm also quantizes the activations (7-bit, one scale per call): W8A8, so a wider bound
-    tol = 0.05 if kernel == "fbgemm_w8a8" else 1e-4
+    # fbgemm also quantizes the activations (7-bit, one scale per call): W8A8, so a wider bound;
+    # cpu_int8 rounds each row of x to int16 (15 bits for its largest value)
+    tol = {"fbgemm_w8a8": 0.05, "cpu_int8": 1e-3}.get(kernel, 1e-4)
     assert ((layer(x) - ref).norm() / ref.norm()) < tol
+
+
+cpu_int8_here = pytest.mark.skipif(not cpu_int8.available(), reason="cpu_int8 needs an AVX2 CPU and a C compiler")
+
+
+@cpu_int8_here
+@pytest.mark.parametrize("out_features,in_features", [(7, 40), (13, 2050), (4, 16), (50, 4200)])
+def test_cpu_int8_odd_shapes_and_long_rows(out_features, in_features):
+    """Output rows not a multiple of 4 (the tail rows), input columns not a multiple of 16 (the
+    tail columns), and rows longer than the kernel's 2048-column int32 chunk."""
+    torch.manual_seed(in_features)
+    w, b = torch.randn(out_features, in_features) * 0.05, torch.randn(out_features)
+    layer = QuantizedLinear(w, b, "int8", kernel="cpu_int8")
+    x = torch.randn(5, in_features) * 3
+    x[2, 1] = 500.0                      # an outlier sets only its own row's int16 scale
+    ref = layer.reference_forward(x)
+    rel = ((layer(x) - ref).norm(dim=1) / ref.norm(dim=1))
+    assert rel.max() < 1e-3
+    assert torch.equal(layer(x[3:4]), layer(x)[3:4])  # a row's result does not depend on the others
+
+
+def test_cpu_int8_is_chosen_on_avx2_and_a_failed_build_falls_back(monkeypatch, tmp_path):
+    layer = QuantizedLinear(torch.randn(8, 32), None, "int8")
+    expected = "cpu_int8" if (cpu_int8.measured_here() and cpu_int8.available()) else "fbgemm_w8a8"
+    assert layer.choose_kernel(1) == layer.choose_kernel(64) == expected
+    monkeypatch.setenv("CC", "false")    # a compiler that always fails
+    with pytest.raises(subprocess.CalledProcessError):
+        cpu_int8.build(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+    monkeypatch.setattr(cpu_int8, "_lib", None)
+    monkeypatch.setattr(cpu_int8, "_tried", False)
+    build = cpu_int8.build
+    monkeypatch.setattr(cpu_int8, "build", lambda: build(tmp_path))
+    with pytest.warns(UserWarning, match="could not build cpu_int8.c") if cpu_int8.avx2() else nullcontext():
+        assert not cpu_int8.available()
+    assert layer.choose_kernel(1) == "fbgemm_w8a8"
+    with pytest.raises(ValueError, match="kernel='cpu_int8'"):
+        QuantizedLinear(torch.randn(8, 32), None, "int8", kernel="cpu_int8")
 
 
 def test_quantized_linear_keeps_no_float_weight():

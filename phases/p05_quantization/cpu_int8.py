@@ -1,0 +1,102 @@
+"""tinyvllm's own int8 product for AVX2 CPUs (`cpu_int8.c`), built on first use and called
+through ctypes.
+
+PyTorch 2.13 has no fast int8-weight product for small row counts on an AVX2 CPU without VNNI
+(the lesson's table): fbgemm's needs x in 7-bit parts, `_weight_int8pack_mm` converts each
+weight to float. `cpu_int8.c` is ~100 lines of C that keep the weight in int8, round each row of
+x to int16 with its own scale, and multiply-add in integers (see its comment).
+
+It is compiled once per machine with the system's C compiler (`CC`, default `cc`) into
+`$TINYVLLM_CACHE/kernels/` (default ~/.cache/tinyvllm), the file named after a hash of the
+source and the flags. Where there is no compiler, no AVX2, or the build fails, `available()` is
+False and the engine keeps fbgemm's kernel (`QuantizedLinear.choose_kernel`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_int8.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def avx2() -> bool:
+    """PyTorch's reading of this CPU: AVX2 or better (an AVX-512 CPU runs AVX2 code too)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+@functools.cache
+def measured_here() -> bool:
+    """An AVX2 CPU without AVX-512: where cpu_int8 was measured faster than fbgemm (the lesson)."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+def build(cache: Path | None = None) -> Path:
+    """Compile cpu_int8.c (once: the file is reused while the source and flags are the same)."""
+    from tinyvllm.download import cache_dir
+
+    src = SOURCE.read_bytes()
+    cc = os.environ.get("CC", "cc")
+    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    out = (cache or cache_dir() / "kernels") / f"cpu_int8-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # several processes may build
+        os.close(fd)
+        try:
+            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return out
+
+
+def load():
+    """The compiled library, or None where it cannot be built here (warned once)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if avx2():
+            try:
+                _lib = ctypes.CDLL(str(build()))
+                _lib.int8_matmul.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
+                _lib.int8_matmul.restype = None
+            except (OSError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", "") or e
+                warnings.warn(f"tinyvllm: could not build cpu_int8.c ({detail}); int8 uses fbgemm's kernel")
+    return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+_scratch: dict[str, torch.Tensor] = {}
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (M, I) float32, qweight (O, I) int8, scale (O,) float32 -> (M, O) float32."""
+    lib = load()
+    x = x.contiguous()
+    m, i = x.shape
+    if _scratch.get("xq") is None or _scratch["xq"].numel() < m * i:   # reused between calls
+        _scratch["xq"] = torch.empty(m * i, dtype=torch.int16)
+        _scratch["xs"] = torch.empty(m)
+    if _scratch["xs"].numel() < m:
+        _scratch["xs"] = torch.empty(m)
+    y = torch.empty(m, qweight.shape[0])
+    lib.int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                    _scratch["xq"].data_ptr(), _scratch["xs"].data_ptr(), m, qweight.shape[0], i)
+    return y
