@@ -153,7 +153,7 @@ class QuantizedLinear(nn.Module):
     def choose_kernel(self, num_rows: int) -> str:
         """The fastest kernel measured on a CPU for this format and row count (bench_kernels.py,
         the lesson): int8: on an AVX2 CPU tinyvllm's own `cpu_int8` (faster than fbgemm's from
-        1 to 256 rows), elsewhere, or where it cannot be built, fbgemm's int8 (W8A8, x in a
+        1 to 256 rows in every layer but the LM head at one row), elsewhere, or where it cannot be built, fbgemm's int8 (W8A8, x in a
         coarse and a fine int8 part; `cpu_int8` was not measured on an AVX-512 CPU); int4:
         PyTorch's int4 kernel at one row, dequantize-then-matmul from two rows on."""
         if self.kernel != "auto":
