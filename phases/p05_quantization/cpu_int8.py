@@ -83,20 +83,19 @@ def available() -> bool:
     return load() is not None
 
 
-_scratch: dict[str, torch.Tensor] = {}
+_xq = torch.empty(0, dtype=torch.int16)  # scratch space for x in int16, reused between calls
+_xs = torch.empty(0)
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, I) float32, qweight (O, I) int8, scale (O,) float32 -> (M, O) float32."""
-    lib = load()
+    global _xq, _xs
+    lib = _lib if _lib is not None else load()
     x = x.contiguous()
     m, i = x.shape
-    if _scratch.get("xq") is None or _scratch["xq"].numel() < m * i:   # reused between calls
-        _scratch["xq"] = torch.empty(m * i, dtype=torch.int16)
-        _scratch["xs"] = torch.empty(m)
-    if _scratch["xs"].numel() < m:
-        _scratch["xs"] = torch.empty(m)
+    if _xq.numel() < m * i or _xs.numel() < m:
+        _xq, _xs = torch.empty(max(m * i, _xq.numel()), dtype=torch.int16), torch.empty(max(m, _xs.numel()))
     y = torch.empty(m, qweight.shape[0])
-    lib.int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                    _scratch["xq"].data_ptr(), _scratch["xs"].data_ptr(), m, qweight.shape[0], i)
+    lib.int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), _xq.data_ptr(),
+                    _xs.data_ptr(), m, qweight.shape[0], i)
     return y

@@ -181,10 +181,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (N, I) -> (N, O)."""
-        if x.device.type == "cuda" and x.dim() == 2:
+        if x.is_cuda and x.dim() == 2:
             from .triton_quant import wq_matmul  # Triton: dequantized inside the matmul loop
             return wq_matmul(x, self)
-        if x.device.type != "cpu" or x.dim() != 2:
+        if not x.is_cpu or x.dim() != 2:
             return self.reference_forward(x)
         kernel = self.choose_kernel(x.shape[0])
         if kernel == "reference":
