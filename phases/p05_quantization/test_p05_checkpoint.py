@@ -291,3 +291,14 @@ def test_int4_group_size_defaults_to_128_where_it_fits_else_32(tiny_model_dir):
         default_group_size(nn.Sequential(nn.Linear(48, 64)))
     model = LLM(str(tiny_model_dir), phase=5, quantization="int4").llm_engine.model  # no group size asked
     assert {m.group_size for m in model.modules() if hasattr(m, "group_size")} == {32}  # tiny: inputs 64, 128
+
+
+def test_step_parts_times_every_way(tiny_model_dir, capsys):
+    from phases.p05_quantization import quant, step_parts
+
+    chosen = quant.QuantizedLinear.choose_kernel
+    step_parts.main(["--model", str(tiny_model_dir), "--steps", "2"])
+    out = capsys.readouterr().out
+    ways = ["none", "fbgemm_one_part", "fbgemm_w8a8"] + (["calls", "cpu_int8"] if cpu_int8.available() else [])
+    assert [line.split()[0] for line in out.splitlines()[1:]] == ways
+    assert quant.QuantizedLinear.choose_kernel is chosen and "_step_parts" not in quant.KERNEL_FNS
