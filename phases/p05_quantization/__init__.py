@@ -10,7 +10,7 @@ __all__ = ["Engine"]
 
 # What phase 5 exists for: a decode step reads every weight, so int8 weights (a quarter of
 # float32's bytes) make a small-batch decode step faster. On the default model (538 MB of float32
-# weights a token) tinyvllm's own int8 kernel (cpu_int8.c) gains ~1.5x on this AVX2 CPU. On the
+# weights a token) tinyvllm's own int8 kernel (cpu_int8.c) gains ~1.7-1.8x on this AVX2 CPU. On the
 # wide tiny model a step is mostly fixed costs, not bytes: that checkpoint guards against a loss.
 THROUGHPUT_CHECKPOINTS = (
     ThroughputCheckpoint(

@@ -55,7 +55,8 @@ def build(cache: Path | None = None) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # several processes may build
         os.close(fd)
         try:
-            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True)
+            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
+                           capture_output=True, text=True)
             os.replace(tmp, out)
         finally:
             if os.path.exists(tmp):

@@ -19,8 +19,8 @@ with hypothesis in test_quant.py).
 
 `QuantizedLinear.reference_forward` is the readable path: dequantize the whole matrix, then an
 ordinary matmul. `forward` takes the fastest kernel measured on this CPU for the format and the
-number of rows (see `bench_kernels.py` and the lesson); every kernel is tested against the
-reference.
+number of rows (see `bench_kernels.py` and the lesson): for int8 on an AVX2 CPU, tinyvllm's own
+`cpu_int8` (cpu_int8.c); every kernel is tested against the reference.
 """
 
 from __future__ import annotations
@@ -153,9 +153,10 @@ class QuantizedLinear(nn.Module):
     def choose_kernel(self, num_rows: int) -> str:
         """The fastest kernel measured on a CPU for this format and row count (bench_kernels.py,
         the lesson): int8: on an AVX2 CPU tinyvllm's own `cpu_int8` (faster than fbgemm's from
-        1 to 256 rows in every layer but the LM head at one row), elsewhere, or where it cannot be built, fbgemm's int8 (W8A8, x in a
-        coarse and a fine int8 part; `cpu_int8` was not measured on an AVX-512 CPU); int4:
-        PyTorch's int4 kernel at one row, dequantize-then-matmul from two rows on."""
+        1 to 256 rows in every layer but the LM head at one row); elsewhere, or where it cannot
+        be built, fbgemm's int8 (W8A8, x in a coarse and a fine int8 part; `cpu_int8` was not
+        measured on an AVX-512 CPU); int4: PyTorch's int4 kernel at one row,
+        dequantize-then-matmul from two rows on."""
         if self.kernel != "auto":
             return self.kernel
         if self.method == "int8":
@@ -267,5 +268,6 @@ def _int4pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias
 
 
-KERNEL_FNS = {"cpu_int8": _cpu_int8, "fbgemm_w8a8": _fbgemm_w8a8, "int8pack_mm": _int8pack_mm, "int4pack_mm": _int4pack_mm}
+KERNEL_FNS = {"cpu_int8": _cpu_int8, "fbgemm_w8a8": _fbgemm_w8a8, "int8pack_mm": _int8pack_mm,
+              "int4pack_mm": _int4pack_mm}
 PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4}
