@@ -100,3 +100,64 @@ void int8_matmul(const float *x, const int8_t *q, const float *scale, float *y,
         }
     }
 }
+
+/* int4, groups of g input columns (g = 32, 64 or 128), asymmetric: w = q * scale + zero, with
+ * q in [0, 15], column 2j in the low nibble of byte j and 2j+1 in the high one. Per group,
+ *     sum_i x_i w_i = scale * sum_i x_i q_i + zero * sum_i x_i
+ * so the inner loop is again integer (xq . q in int32), and the group's sum of x, the same for
+ * every output row, is computed once per row of x. x is stored split in its even and odd columns,
+ * so the low nibbles of 16 bytes meet xe[j..j+16] and the high nibbles xo[j..j+16] as they are. */
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* xq (M, I) int16, xsum (M, I / g) int32 and xs (M,) are scratch space the caller provides */
+void int4_matmul(const float *x, const uint8_t *q, const float *scale, const float *zero, float *y,
+                 int16_t *xq, int32_t *xsum, float *xs, int64_t M, int64_t O, int64_t I, int64_t g) {
+    int64_t G = I / g, half = I / 2;
+    for (int64_t m = 0; m < M; m++) {  /* x in int16, even columns then odd ones; sums per group */
+        const float *xm = x + m * I;
+        int16_t *xe = xq + m * I, *xo = xe + half;
+        float top = 0.f;
+        for (int64_t i = 0; i < I; i++) top = fmaxf(top, fabsf(xm[i]));
+        float s = top > 0.f ? top / 32767.f : 1.f, inv = 1.f / s;
+        xs[m] = s;
+        for (int64_t j = 0; j < half; j++) {
+            xe[j] = (int16_t)lrintf(xm[2 * j] * inv);
+            xo[j] = (int16_t)lrintf(xm[2 * j + 1] * inv);
+        }
+        for (int64_t gi = 0; gi < G; gi++) {
+            int32_t t = 0;
+            for (int64_t j = gi * g / 2; j < (gi + 1) * g / 2; j++) t += xe[j] + xo[j];
+            xsum[m * G + gi] = t;
+        }
+    }
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    #pragma omp parallel for schedule(static) if (O * I >= 50000)
+    for (int64_t o = 0; o < O; o++) {
+        const uint8_t *qr = q + o * half;
+        const float *sr = scale + o * G, *zr = zero + o * G;
+        for (int64_t m = 0; m < M; m++) {
+            const int16_t *xe = xq + m * I, *xo = xe + half;
+            __m256 facc = _mm256_setzero_ps();
+            float zacc = 0.f;
+            for (int64_t gi = 0; gi < G; gi++) {
+                __m256i acc = _mm256_setzero_si256();
+                for (int64_t b = gi * g / 2; b < (gi + 1) * g / 2; b += 16) {
+                    _mm_prefetch((const char *)(qr + b + 256), _MM_HINT_T0);
+                    __m128i v = _mm_loadu_si128((const __m128i *)(qr + b));
+                    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, low4));
+                    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xe + b))));
+                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xo + b))));
+                }
+                facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(sr[gi]), facc);
+                zacc += zr[gi] * (float)xsum[m * G + gi];
+            }
+            y[m * O + o] = (hsum_ps(facc) + zacc) * xs[m];
+        }
+    }
+}

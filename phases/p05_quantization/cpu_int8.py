@@ -74,6 +74,8 @@ def load():
                 _lib = ctypes.CDLL(str(build()))
                 _lib.int8_matmul.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
                 _lib.int8_matmul.restype = None
+                _lib.int4_matmul.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4
+                _lib.int4_matmul.restype = None
             except (OSError, subprocess.CalledProcessError) as e:
                 detail = getattr(e, "stderr", "") or e
                 warnings.warn(f"tinyvllm: could not build cpu_int8.c ({detail}); int8 uses fbgemm's kernel")
@@ -86,17 +88,39 @@ def available() -> bool:
 
 _xq = torch.empty(0, dtype=torch.int16)  # scratch space for x in int16, reused between calls
 _xs = torch.empty(0)
+_xsum = torch.empty(0, dtype=torch.int32)
+
+
+def _scratch(m: int, i: int) -> None:
+    global _xq, _xs
+    if _xq.numel() < m * i or _xs.numel() < m:
+        _xq, _xs = torch.empty(max(m * i, _xq.numel()), dtype=torch.int16), torch.empty(max(m, _xs.numel()))
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, I) float32, qweight (O, I) int8, scale (O,) float32 -> (M, O) float32."""
-    global _xq, _xs
     lib = _lib if _lib is not None else load()
     x = x.contiguous()
     m, i = x.shape
-    if _xq.numel() < m * i or _xs.numel() < m:
-        _xq, _xs = torch.empty(max(m * i, _xq.numel()), dtype=torch.int16), torch.empty(max(m, _xs.numel()))
+    _scratch(m, i)
     y = torch.empty(m, qweight.shape[0])
     lib.int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), _xq.data_ptr(),
                     _xs.data_ptr(), m, qweight.shape[0], i)
+    return y
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                group_size: int) -> torch.Tensor:
+    """x (M, I) float32, packed (O, I/2) uint8 (two int4 values a byte), scale and zero (O, I/g)
+    float32 -> (M, O) float32."""
+    global _xsum
+    lib = _lib if _lib is not None else load()
+    x = x.contiguous()
+    m, i = x.shape
+    _scratch(m, i)
+    if _xsum.numel() < m * (i // group_size):
+        _xsum = torch.empty(m * (i // group_size), dtype=torch.int32)
+    y = torch.empty(m, packed.shape[0])
+    lib.int4_matmul(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
+                    _xq.data_ptr(), _xsum.data_ptr(), _xs.data_ptr(), m, packed.shape[0], i, group_size)
     return y

@@ -122,7 +122,7 @@ class QuantizedLinear(nn.Module):
     """
 
     KERNELS = {"int8": ("reference", "cpu_int8", "fbgemm_w8a8", "int8pack_mm"),
-               "int4": ("reference", "int4pack_mm")}
+               "int4": ("reference", "cpu_int4", "int4pack_mm")}
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
                  group_size: int = 128, kernel: str | None = None):
@@ -132,8 +132,8 @@ class QuantizedLinear(nn.Module):
         kernel = kernel or ("auto" if weight.device.type == "cpu" else "reference")
         if kernel not in ("auto", *self.KERNELS[method]):
             raise ValueError(f"kernel for {method} must be 'auto' or one of {self.KERNELS[method]}, got {kernel!r}")
-        if kernel == "cpu_int8" and not cpu_int8.available():
-            raise ValueError("kernel='cpu_int8' needs an AVX2 CPU and a C compiler (cpu_int8.py); use 'auto'")
+        if kernel in ("cpu_int8", "cpu_int4") and not cpu_int8.available():
+            raise ValueError(f"kernel={kernel!r} needs an AVX2 CPU and a C compiler (cpu_int8.py); use 'auto'")
         self.method, self.group_size, self.kernel = method, group_size, kernel
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
@@ -152,16 +152,17 @@ class QuantizedLinear(nn.Module):
 
     def choose_kernel(self, num_rows: int) -> str:
         """The fastest kernel measured on a CPU for this format and row count (bench_kernels.py,
-        the lesson): int8: on an AVX2 CPU tinyvllm's own `cpu_int8` (faster than fbgemm's from
-        1 to 256 rows in every layer but the LM head at one row); elsewhere, or where it cannot
-        be built, fbgemm's int8 (W8A8, x in a coarse and a fine int8 part; `cpu_int8` was not
-        measured on an AVX-512 CPU); int4: PyTorch's int4 kernel at one row,
+        the lesson): on an AVX2 CPU tinyvllm's own kernels, `cpu_int8` (faster than fbgemm's
+        from 1 to 256 rows in every layer but the LM head at one row) and `cpu_int4` (faster than
+        PyTorch's int4 kernel and the reference at every row count measured); elsewhere, or where
+        they cannot be built (they were not measured on an AVX-512 CPU): int8: fbgemm's int8
+        (W8A8, x in a coarse and a fine int8 part); int4: PyTorch's int4 kernel at one row,
         dequantize-then-matmul from two rows on."""
         if self.kernel != "auto":
             return self.kernel
+        if cpu_int8.measured_here() and cpu_int8.available():
+            return "cpu_int8" if self.method == "int8" else "cpu_int4"
         if self.method == "int8":
-            if cpu_int8.measured_here() and cpu_int8.available():
-                return "cpu_int8"
             return "fbgemm_w8a8" if fbgemm_available() else ("int8pack_mm" if num_rows == 1 else "reference")
         return "int4pack_mm" if num_rows == 1 else "reference"
 
@@ -248,6 +249,12 @@ def _cpu_int8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y.add_(layer.bias)
 
 
+def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    y = cpu_int8.int4_matmul(x if x.dtype == torch.float32 else x.float(), layer.qweight, layer.scale,
+                             layer.zero, layer.group_size)
+    return y if layer.bias is None else y.add_(layer.bias)
+
+
 def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.qweight, layer.scale.to(x.dtype))
     return y if layer.bias is None else y + layer.bias
@@ -269,5 +276,5 @@ def _int4pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 KERNEL_FNS = {"cpu_int8": _cpu_int8, "fbgemm_w8a8": _fbgemm_w8a8, "int8pack_mm": _int8pack_mm,
-              "int4pack_mm": _int4pack_mm}
+              "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm}
 PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4}
