@@ -1,4 +1,4 @@
-/* tinyvllm phase 5: an int8 matrix product for AVX2 CPUs, small row counts (decode steps).
+/* tinyvllm phase 5: int8 and int4 matrix products for AVX2 CPUs (int4_matmul: at the end).
  *
  *     y (M, O) = (x (M, I) @ q (O, I)^T) * scale (O,)        q int8, one scale per output row
  *

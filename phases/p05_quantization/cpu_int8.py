@@ -1,10 +1,11 @@
-"""tinyvllm's own int8 product for AVX2 CPUs (`cpu_int8.c`), built on first use and called
-through ctypes.
+"""tinyvllm's own int8 and int4 products for AVX2 CPUs (`cpu_int8.c`), built on first use and
+called through ctypes: `int8_matmul` (the kernel `cpu_int8`) and `int4_matmul` (`cpu_int4`).
 
-PyTorch 2.13 has no fast int8-weight product for small row counts on an AVX2 CPU without VNNI
-(the lesson's table): fbgemm's needs x in 7-bit parts, `_weight_int8pack_mm` converts each
-weight to float. `cpu_int8.c` is ~100 lines of C that keep the weight in int8, round each row of
-x to int16 with its own scale, and multiply-add in integers (see its comment).
+PyTorch 2.13 has no fast int8- or int4-weight product for small row counts on an AVX2 CPU
+without VNNI (the lesson's table): fbgemm's needs x in 7-bit parts, `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` convert each weight to float. `cpu_int8.c` is ~160 lines of C that
+keep the weight in int8 (or int4), round each row of x to int16 with its own scale, and
+multiply-add in integers (see its comments).
 
 It is compiled once per machine with the system's C compiler (`CC`, default `cc`) into
 `$TINYVLLM_CACHE/kernels/` (default ~/.cache/tinyvllm), the file named after a hash of the
