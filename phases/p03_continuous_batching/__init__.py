@@ -15,8 +15,8 @@ __all__ = ["Engine", "Scheduler", "SchedulerOutput", "SequenceStatus", "PrefixCa
 # requests) with mixed output lengths. Static batches (phase 2, transformers' generate) keep a
 # finished request's seat empty until the longest of its batch ends; continuous batching refills
 # it at the next step (tests/test_throughput.py checks it).
-_QUEUED = dict(num_prompts=16, dataset="random", input_len="16-64", output_len="8-128", seed=0)
-_QUEUED_FLAGS = "--num-prompts 16 --dataset random --input-len 16-64 --output-len 8-128 --max-num-seqs 4"
+_QUEUED = dict(num_prompts=32, dataset="random", input_len="16-64", output_len="4-64", seed=0)
+_QUEUED_FLAGS = "--num-prompts 32 --dataset random --input-len 16-64 --output-len 4-64 --max-num-seqs 4"
 
 THROUGHPUT_CHECKPOINTS = (
     ThroughputCheckpoint(
@@ -36,7 +36,7 @@ THROUGHPUT_CHECKPOINTS = (
         claimed_gain=2.3,
         claim_source="docs/assets/bench/throughput-8seqs.json (SmolLM2-135M, 32 requests, 8 seats, "
                      "2-core EPYC): 147 / 63 tok/s = 2.3x",
-        min_gain=1.3,
+        min_gain=1.3, rounds=2,  # 2.04x measured: two rounds leave room enough
         bench_command=(WIDE_CMD + "tinyvllm bench throughput --model /tmp/wide-tiny --phases 3 --vs hf "
-                       + _QUEUED_FLAGS + " --repeat 3")),
+                       + _QUEUED_FLAGS + " --repeat 2")),
 )
