@@ -11,8 +11,10 @@ The selected notebooks run NOTEBOOK_WORKERS at a time, each kernel with one thre
 notebooks sooner than one two-thread kernel after another (small matrices gain little from a
 second thread, and notebook 04's Triton interpreter uses one core anyway). The numbers a notebook
 prints are not checked here; its committed outputs were executed alone, in full. So that the
-suite stays within CI's time, each benchmark cell (`run_bench`) runs one round without its
-warm-up here (`QUICK_BENCH`, a cell put first in the copy): the same code, fewer repeats.
+suite stays within CI's time, the copy does less of the same work: each benchmark cell
+(`run_bench`) runs one round without its warm-up, on at most 8 of its requests with at most 16 new
+tokens each (`QUICK_BENCH`, a cell put first in the copy), and a cell that repeats a run to keep
+each step's fastest time runs it once (`QUICK_SOURCE`): the same code, less of it.
 """
 
 from __future__ import annotations
@@ -28,16 +30,26 @@ NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 600
 NOTEBOOK_WORKERS = 2
-# Started first, so the short ones fill the other worker: alone, on the idle 2-core machine
-# (pytest --durations, 2026-11-23), these took 130, 115 and 101 s; the other five 8 to 35 s each.
-LONGEST_FIRST = ("03_continuous_batching", "01_naive_attention", "02_paged_kv")
-# Run first in each copy: `run_bench` with repeat=1 and no warm-up, whatever the cell asks (the
-# notebooks import it from the harness after this cell, so they get this one).
+# Started first, so the short ones fill the other worker: two at a time, on the idle 2-core
+# machine (2026-11-24), these took 87, 64, 47 and 38 s; the other four 11 to 26 s each (175 s
+# in all, in the order 01, 03, 02, then the rest).
+LONGEST_FIRST = ("03_continuous_batching", "01_naive_attention", "06_speculative_decoding", "02_paged_kv")
+# Run first in each copy: `run_bench` with repeat=1, no warm-up and a smaller workload, whatever
+# the cell asks (the notebooks import it from the harness after this cell, so they get this one).
 QUICK_BENCH = """\
-import tinyvllm.bench.harness as _harness  # put here by tests/test_notebooks.py: one round per benchmark
+import dataclasses as _dc  # put here by tests/test_notebooks.py: a smaller benchmark, one round
+import tinyvllm.bench.harness as _harness
 _run_bench = _harness.run_bench
-_harness.run_bench = lambda *args, **kwargs: _run_bench(*args, **{**kwargs, "repeat": 1, "warmup": False})
+def _quick_bench(workload, *args, **kwargs):
+    requests = [_dc.replace(r, max_tokens=min(r.max_tokens, 16)) for r in workload.requests[:8]]
+    return _run_bench(_dc.replace(workload, requests=requests), *args,
+                      **{**kwargs, "repeat": 1, "warmup": False})
+_harness.run_bench = _quick_bench
 """
+# Source changed in the copy: {notebook: [(text, replacement)]}; each text must be found.
+QUICK_SOURCE = {
+    "01_naive_attention": [("num_runs = 3", "num_runs = 1")],  # phase 1, 48 tokens, three times: 94 s
+}
 
 
 def execute(path: Path, folder: Path) -> str | None:
@@ -49,6 +61,11 @@ def execute(path: Path, folder: Path) -> str | None:
     copy = folder / path.name
     shutil.copy(path, copy)
     nb = nbformat.read(copy, as_version=4)
+    for text, replacement in QUICK_SOURCE.get(path.stem, []):
+        cells = [c for c in nb.cells if c.cell_type == "code" and text in c.source]
+        if len(cells) != 1:
+            return f"{path.name}: QUICK_SOURCE expects {text!r} in exactly one code cell, found {len(cells)}"
+        cells[0].source = cells[0].source.replace(text, replacement)
     nb.cells.insert(0, nbformat.v4.new_code_cell(QUICK_BENCH))
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(folder)}})
