@@ -19,9 +19,10 @@ PROMPTS = [
 ]
 MAX_TOKENS = 32
 # Phase 1 recomputes the whole sequence for every token: all eight prompts took 70 s of the
-# 2-core CPU's 16-minute suite (pytest --durations, 2026-11-23). It answers the first four;
-# every later phase answers all eight.
-PHASE1_PROMPTS = 4
+# 2-core CPU's 16-minute suite (pytest --durations, 2026-11-23), the first four 37 s. It answers
+# the first two (a plain question and a haiku; tests/test_phase_equivalence.py holds every later
+# phase to phase 1's tokens on tiny models); every later phase answers all eight.
+PHASE1_PROMPTS = 2
 
 
 @pytest.fixture(scope="module")
