@@ -171,8 +171,8 @@ def engine_tokens(model_dir: str, phase: int, sampled: bool = True, **engine_arg
     prompts = [{"prompt_token_ids": [(7 * i + 3 * j) % 250 + 3 for j in range(n)]}
                for i, n in enumerate([5, 40, 17, 33])]
     prompts.append({"prompt_token_ids": prompts[1]["prompt_token_ids"][:32] + [9, 8, 7]})  # shares 2 blocks
-    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    samples = llm.generate(prompts, [SamplingParams(temperature=0.9, top_p=0.95, seed=50 + i, max_tokens=10,
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    samples = llm.generate(prompts, [SamplingParams(temperature=0.9, top_p=0.95, seed=50 + i, max_tokens=6,
                                                     ignore_eos=True) for i in range(len(prompts))],
                            use_tqdm=False) if sampled else []
     return dict(backend=getattr(llm.llm_engine, "attention_backend", "torch"),

@@ -38,7 +38,7 @@ def test_split_kv_rule_chose_to_split_in_interpreter(interpreted):
 
 
 @pytest.mark.interpreter
-@pytest.mark.slow  # a whole engine in the interpreter: ~30 s
+@pytest.mark.slow  # a whole engine in the interpreter: ~21 s
 def test_engine_in_interpreter_gives_phase3_tokens(tiny_model_dir):
     from phases.p04_triton_kernels.kernel_cases import engine_tokens
 

@@ -40,7 +40,7 @@ def test_triton_write_stores_exactly_what_quantize_kv_stores(case, interpreted):
 
 
 @pytest.mark.interpreter
-@pytest.mark.slow  # a whole engine in the interpreter, greedy: ~25 s (fp8 passes too)
+@pytest.mark.slow  # a whole engine in the interpreter, greedy: ~18 s (fp8 passes too)
 def test_engine_with_triton_over_a_quantized_cache_gives_the_cpu_paths_tokens(tiny_model_dir):
     # the engine's wiring (which backend, which cache); the kernels' numbers, sampling included,
     # are the cases above and phase 4's engine test
