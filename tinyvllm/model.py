@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.config import ModelConfig
+from tinyvllm.hardware import cpu_vendor
 
 
 class AttentionBackend(Protocol):
@@ -113,40 +114,48 @@ def onednn_available() -> bool:
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same weight, same names), with faster paths on a CPU.
+    """`nn.Linear` (same weight, same names), with faster paths on an x86 CPU.
 
     On a CPU the speed of a matrix product depends on the library that runs it and on the
-    *shape*, far more than on its arithmetic. `F.linear` goes to MKL, a library tuned for
-    Intel CPUs; on this project's AMD CPU, oneDNN (PyTorch's other CPU math library, which
-    reports using the CPU's AVX-512 units: run with ONEDNN_VERBOSE=1) is faster at every
-    batch size from 3 rows on. So, on an x86 CPU in float32:
+    *shape*, far more than on its arithmetic. `F.linear` goes to MKL, Intel's math library,
+    which takes its fast code paths only on Intel CPUs; oneDNN, PyTorch's other CPU math
+    library, does well on both vendors once the rows are many enough. So, in float32:
 
-    - From 3 rows on (decode batches, prefills), the product runs in oneDNN with the weight
-      *pre-packed* once into oneDNN's blocked layout, the way vLLM's CPU backend does. The
-      packed copy is made at the first call and again whenever the weight changes; it costs
+    - From `small_rows + 1` rows on (decode batches, prefills), the product runs in oneDNN with
+      the weight *pre-packed* once into oneDNN's blocked layout, the way vLLM's CPU backend does.
+      The packed copy is made at the first call and again whenever the weight changes; it costs
       one more copy of the weights in memory.
-    - 1 or 2 rows take (W @ x^T)^T, which MKL runs with a kernel that streams W fastest;
-      one row alone is padded with a row of zeros (its output dropped) to take it too.
+    - Up to `small_rows` rows, on an Intel CPU, plain `F.linear` (MKL's own small-row kernel);
+      on any other CPU (W @ x^T)^T, which MKL runs with a kernel that streams W fastest there,
+      one row alone padded with a row of zeros (its output dropped) to take it too.
 
     Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
     it is plain `F.linear`.
 
-    Measured on the project's 2-core CPU (AMD EPYC with AVX-512, torch 2.13.0+cpu), all 211
-    weight matrices of the default model, `python -m tinyvllm.bench.linear --repeat 9` (best
-    of 9), F.linear -> Linear: 1 row 44 -> 20 ms, 2 rows 73 -> 19, 4 rows 63 -> 21, 8 rows
-    66 -> 26, 16 rows 79 -> 34, 64 rows 159 -> 99, 512 rows 778 -> 667. The numbers equal
-    F.linear's up to float rounding (tests/test_model.py).
+    Measured with `python -m tinyvllm.bench.linear --repeat 9` (all 211 weight matrices of the
+    default model, best of 9, torch 2.13.0+cpu, 2 threads), F.linear -> Linear:
+
+    - AMD EPYC (AVX-512): 1 row 44 -> 20 ms, 2 rows 73 -> 19, 4 rows 63 -> 21, 8 rows 66 -> 26,
+      16 rows 79 -> 34, 64 rows 159 -> 99, 512 rows 778 -> 667.
+    - Intel Xeon (AVX-512, VNNI, AMX): F.linear 19.8 ms at 1 row, 21.1 at 3 (the transposed
+      product: 49.6 and oneDNN 28.7 there); 4 rows 32.9 -> 27.0, 8 rows 41.0 -> 31.7,
+      16 rows 43.5 -> 38.5, 64 rows 71.8 -> 73.3, 512 rows 517 -> 373.
+
+    The numbers equal F.linear's up to float rounding (tests/test_model.py).
     """
 
-    MAX_SMALL_ROWS = 2  # up to here (W @ x^T)^T on a CPU; beyond, oneDNN
     use_onednn = onednn_available()
+    # MKL's small-row kernel on an Intel CPU, the transposed product elsewhere: up to here
+    small_rows, small_rows_mkl = (3, True) if cpu_vendor() == "Intel" else (2, False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] if x.dim() == 2 else 0
         if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32
                 or (self.weight.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, self.weight, self.bias)
-        if n <= self.MAX_SMALL_ROWS:
+        if n <= self.small_rows:
+            if self.small_rows_mkl or not self.use_onednn:
+                return F.linear(x, self.weight, self.bias)
             if n == 1:
                 x = torch.cat([x, x.new_zeros(1, x.shape[1])])           # (2, in)
             y = (self.weight @ x.T)[:, :n].T.contiguous()                # (n, out)

@@ -1,112 +1,141 @@
-"""tinyvllm's own int8 and int4 products for AVX2 CPUs (`cpu_int8.c`), built on first use and
-called through ctypes: `int8_matmul` (the kernel `cpu_int8`) and `int4_matmul` (`cpu_int4`).
+"""tinyvllm's own int8 and int4 products for x86 CPUs, built on first use and called through
+ctypes:
 
-PyTorch 2.13 has no fast int8- or int4-weight product for small row counts on an AVX2 CPU
-without VNNI (the lesson's table): fbgemm's needs x in 7-bit parts, `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu` convert each weight to float. `cpu_int8.c` is ~160 lines of C that
-keep the weight in int8 (or int4), round each row of x to int16 with its own scale, and
-multiply-add in integers (see its comments).
+- `cpu_int8.c`, for any AVX2 CPU (AVX-512 ones included): `int8_matmul` (the kernel `cpu_int8`,
+  x rounded to int16 per row: W8A16) and `int4_matmul` (`cpu_int4`);
+- `cpu_vnni.c`, for CPUs with AVX512-VNNI: `vnni_int8_matmul` (`cpu_int8_vnni`, x rounded to
+  int8 per row: W8A8, four times the multiply-adds of an AVX2 instruction), on a weight packed
+  once by `vnni_pack`.
 
-It is compiled once per machine with the system's C compiler (`CC`, default `cc`) into
-`$TINYVLLM_CACHE/kernels/` (default ~/.cache/tinyvllm), the file named after a hash of the
-source and the flags. Where there is no compiler, no AVX2, or the build fails, `available()` is
-False and the engine keeps fbgemm's kernel (`QuantizedLinear.choose_kernel`).
+PyTorch 2.13 has no fast int8- or int4-weight product for small row counts on these CPUs (the
+lesson's table): fbgemm's needs x in 7-bit parts on AVX2, `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu` convert each weight to float.
+
+Each file is compiled once per machine with the system's C compiler (`CC`, default `cc`) into
+`$TINYVLLM_CACHE/kernels/` (default ~/.cache/tinyvllm), named after a hash of the source and the
+flags. Where there is no compiler, the CPU lacks the instructions, or the build fails, the
+library is None (warned once) and `QuantizedLinear.choose_kernel` picks another kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
 import subprocess
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_int8.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-_lib: ctypes.CDLL | None = None
-_tried = False
+from tinyvllm.hardware import AVX2_FLAGS, AVX512_VNNI_FLAGS, has_flags
+
+HERE = Path(__file__).parent
+P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-def avx2() -> bool:
-    """PyTorch's reading of this CPU: AVX2 or better (an AVX-512 CPU runs AVX2 code too)."""
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+@dataclass
+class CKernel:
+    """One C file: how to build it, where it can run, and its functions' argument types."""
 
+    source: Path
+    flags: list[str]
+    needs: frozenset[str]          # CPU flags (/proc/cpuinfo) it needs
+    signatures: dict[str, list]
+    lib: ctypes.CDLL | None = None
+    tried: bool = False
 
-@functools.cache
-def measured_here() -> bool:
-    """An AVX2 CPU without AVX-512: where cpu_int8 was measured faster than fbgemm (the lesson)."""
-    return torch.backends.cpu.get_cpu_capability() == "AVX2"
+    def build(self, cache: Path | None = None) -> Path:
+        """Compile the source (once: the file is reused while the source and flags are the same)."""
+        from tinyvllm.download import cache_dir
 
-
-def build(cache: Path | None = None) -> Path:
-    """Compile cpu_int8.c (once: the file is reused while the source and flags are the same)."""
-    from tinyvllm.download import cache_dir
-
-    src = SOURCE.read_bytes()
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
-    out = (cache or cache_dir() / "kernels") / f"cpu_int8-{key}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # several processes may build
-        os.close(fd)
-        try:
-            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True,
-                           capture_output=True, text=True)
-            os.replace(tmp, out)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return out
-
-
-def load():
-    """The compiled library, or None where it cannot be built here (warned once)."""
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        if avx2():
+        src = self.source.read_bytes()
+        cc = os.environ.get("CC", "cc")
+        key = hashlib.sha256(src + " ".join([cc, *self.flags]).encode()).hexdigest()[:16]
+        out = (cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # several processes may build
+            os.close(fd)
             try:
-                _lib = ctypes.CDLL(str(build()))
-                _lib.int8_matmul.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3
-                _lib.int8_matmul.restype = None
-                _lib.int4_matmul.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4
-                _lib.int4_matmul.restype = None
-            except (OSError, subprocess.CalledProcessError) as e:
-                detail = getattr(e, "stderr", "") or e
-                warnings.warn(f"tinyvllm: could not build cpu_int8.c ({detail}); int8 uses fbgemm's kernel")
-    return _lib
+                subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, "-lm"], check=True,
+                               capture_output=True, text=True)
+                os.replace(tmp, out)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        return out
+
+    def load(self) -> ctypes.CDLL | None:
+        """The compiled library, or None where it cannot run or be built here (warned once)."""
+        if not self.tried:
+            self.tried = True
+            if self.supported():
+                try:
+                    lib = ctypes.CDLL(str(self.build()))
+                    for name, argtypes in self.signatures.items():
+                        getattr(lib, name).argtypes = argtypes
+                        getattr(lib, name).restype = None
+                    self.lib = lib
+                except (OSError, subprocess.CalledProcessError) as e:
+                    detail = getattr(e, "stderr", "") or e
+                    warnings.warn(f"tinyvllm: could not build {self.source.name} ({detail}); "
+                                  f"another int8/int4 kernel is used")
+        return self.lib
+
+    def supported(self) -> bool:
+        """This CPU has the instructions the file is compiled for."""
+        return has_flags(self.needs)
+
+    def available(self) -> bool:
+        return self.load() is not None
+
+
+AVX2 = CKernel(HERE / "cpu_int8.c", ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
+               {"int8_matmul": [P] * 6 + [I64] * 3, "int4_matmul": [P] * 8 + [I64] * 4})
+VNNI = CKernel(HERE / "cpu_vnni.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                                     "-fopenmp", "-shared", "-fPIC"], AVX512_VNNI_FLAGS,
+               {"vnni_pack": [P, P, I64, I64], "vnni_int8_matmul": [P] * 7 + [I64] * 3})
 
 
 def available() -> bool:
-    return load() is not None
+    """cpu_int8 and cpu_int4 can run here (an AVX2 CPU and a C compiler)."""
+    return AVX2.available()
 
 
-_xq = torch.empty(0, dtype=torch.int16)  # scratch space for x in int16, reused between calls
-_xs = torch.empty(0)
-_xsum = torch.empty(0, dtype=torch.int32)
+def vnni_available() -> bool:
+    """cpu_int8_vnni can run here (AVX512-VNNI and a C compiler)."""
+    return VNNI.available()
 
 
-def _scratch(m: int, i: int) -> None:
-    global _xq, _xs
-    if _xq.numel() < m * i or _xs.numel() < m:
-        _xq, _xs = torch.empty(max(m * i, _xq.numel()), dtype=torch.int16), torch.empty(max(m, _xs.numel()))
+class _Scratch:
+    """Space for x in integers, grown as needed and reused between calls (one per process: the
+    engine runs one product at a time)."""
+
+    def __init__(self):
+        self.t: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
+        t = self.t.get(name)
+        if t is None or t.numel() < n:
+            t = self.t[name] = torch.empty(max(n, 0 if t is None else t.numel()), dtype=dtype)
+        return t
+
+
+_scratch = _Scratch()
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, I) float32, qweight (O, I) int8, scale (O,) float32 -> (M, O) float32."""
-    lib = _lib if _lib is not None else load()
+    lib = AVX2.lib or AVX2.load()
     x = x.contiguous()
     m, i = x.shape
-    _scratch(m, i)
     y = torch.empty(m, qweight.shape[0])
-    lib.int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(), _xq.data_ptr(),
-                    _xs.data_ptr(), m, qweight.shape[0], i)
+    lib.int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                    _scratch.get("xq16", m * i, torch.int16).data_ptr(),
+                    _scratch.get("xs", m, torch.float32).data_ptr(), m, qweight.shape[0], i)
     return y
 
 
@@ -114,14 +143,40 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
                 group_size: int) -> torch.Tensor:
     """x (M, I) float32, packed (O, I/2) uint8 (two int4 values a byte), scale and zero (O, I/g)
     float32 -> (M, O) float32."""
-    global _xsum
-    lib = _lib if _lib is not None else load()
+    lib = AVX2.lib or AVX2.load()
     x = x.contiguous()
     m, i = x.shape
-    _scratch(m, i)
-    if _xsum.numel() < m * (i // group_size):
-        _xsum = torch.empty(m * (i // group_size), dtype=torch.int32)
     y = torch.empty(m, packed.shape[0])
     lib.int4_matmul(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
-                    _xq.data_ptr(), _xsum.data_ptr(), _xs.data_ptr(), m, packed.shape[0], i, group_size)
+                    _scratch.get("xq16", m * i, torch.int16).data_ptr(),
+                    _scratch.get("xsum", m * (i // group_size), torch.int32).data_ptr(),
+                    _scratch.get("xs", m, torch.float32).data_ptr(), m, packed.shape[0], i, group_size)
+    return y
+
+
+# -- AVX512-VNNI ---------------------------------------------------------------------------------
+
+VNNI_MAX_IN_FEATURES = 65536  # int32 sums stay exact up to here (cpu_vnni.c)
+
+
+def vnni_pack(qweight: torch.Tensor) -> torch.Tensor:
+    """qweight (O, I) int8 -> the byte panels cpu_vnni.c reads: (ceil(O/64), ceil(I/4), 64, 4)
+    uint8 holding q + 128. The same bytes as qweight, reordered (plus padding)."""
+    lib = VNNI.lib or VNNI.load()
+    o, i = qweight.shape
+    wp = torch.empty(-(-o // 64), -(-i // 4), 64, 4, dtype=torch.uint8)
+    lib.vnni_pack(qweight.contiguous().data_ptr(), wp.data_ptr(), o, i)
+    return wp
+
+
+def vnni_int8_matmul(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x (M, I) float32, wp from `vnni_pack`, scale (O,) float32 -> (M, O) float32."""
+    lib = VNNI.lib or VNNI.load()
+    x = x.contiguous()
+    m, i = x.shape
+    y = torch.empty(m, out_features)
+    lib.vnni_int8_matmul(x.data_ptr(), wp.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                         _scratch.get("xq8", 2 * m * 4 * -(-i // 4), torch.int8).data_ptr(),  # two parts a row
+                         _scratch.get("xsum8", 2 * m, torch.int32).data_ptr(),
+                         _scratch.get("xs", m, torch.float32).data_ptr(), m, out_features, i)
     return y

@@ -18,9 +18,12 @@ Rounding to the nearest level makes the error of each weight at most half a step
 with hypothesis in test_quant.py).
 
 `QuantizedLinear.reference_forward` is the readable path: dequantize the whole matrix, then an
-ordinary matmul. `forward` takes the fastest kernel measured on this CPU for the format and the
-number of rows (see `bench_kernels.py` and the lesson): for int8 on an AVX2 CPU, tinyvllm's own
-`cpu_int8` (cpu_int8.c); every kernel is tested against the reference.
+ordinary matmul. `forward` takes the fastest kernel measured on this kind of CPU for the format
+(`choose_kernel`, `bench_kernels.py` and the lesson): tinyvllm's own `cpu_int8_vnni`
+(cpu_vnni.c) for int8 where the CPU has AVX512-VNNI, `cpu_int8` and `cpu_int4` (cpu_int8.c) on
+any other AVX2 CPU; every kernel is tested against the reference. The int8 weight is stored in
+the layout of the kernel that reads it, as vLLM's `process_weights_after_loading` repacks a
+checkpoint's weights for its kernels: rows (O, I), or cpu_vnni.c's panels.
 """
 
 from __future__ import annotations
@@ -103,6 +106,11 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
 # The layer
 # ---------------------------------------------------------------------------------------------
 
+def vnni_fits(in_features: int) -> bool:
+    """cpu_int8_vnni runs here (AVX512-VNNI and a compiler) and its int32 sums stay exact."""
+    return in_features <= cpu_int8.VNNI_MAX_IN_FEATURES and cpu_int8.vnni_available()
+
+
 def fbgemm_available() -> bool:
     """fbgemm's dynamic int8 linear: PyTorch's x86 CPU builds have it."""
     return "fbgemm" in torch.backends.quantized.supported_engines
@@ -117,11 +125,15 @@ class QuantizedLinear(nn.Module):
         method: "int8" or "int4".
         group_size: int4's group of input columns (32, 64 or 128).
         kernel: which matrix product `forward` runs on a CPU: "auto" (default on a CPU: the one
-            measured fastest for the row count, `choose_kernel`), "reference"
+            measured fastest on this kind of CPU, `choose_kernel`), "reference"
             (dequantize-then-matmul), or one of `KERNELS[method]`.
+
+    `qweight` holds the int8 weight in its kernel's layout (`layout`): "rows", (O, I) as
+    `quantize_int8` returns it, or "vnni", the byte panels of `cpu_int8.vnni_pack`;
+    `int8_rows()` gives it as (O, I) either way. int4's is two values a byte, (O, I/2).
     """
 
-    KERNELS = {"int8": ("reference", "cpu_int8", "fbgemm_w8a8", "int8pack_mm"),
+    KERNELS = {"int8": ("reference", "cpu_int8", "cpu_int8_vnni", "fbgemm_w8a8", "int8pack_mm"),
                "int4": ("reference", "cpu_int4", "int4pack_mm")}
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
@@ -134,47 +146,86 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"kernel for {method} must be 'auto' or one of {self.KERNELS[method]}, got {kernel!r}")
         if kernel in ("cpu_int8", "cpu_int4") and not cpu_int8.available():
             raise ValueError(f"kernel={kernel!r} needs an AVX2 CPU and a C compiler (cpu_int8.py); use 'auto'")
+        if kernel == "cpu_int8_vnni" and not vnni_fits(weight.shape[1]):
+            raise ValueError(f"kernel={kernel!r} needs a CPU with AVX512-VNNI, a C compiler and at most "
+                             f"{cpu_int8.VNNI_MAX_IN_FEATURES} input features (cpu_int8.py); use 'auto'")
         self.method, self.group_size, self.kernel = method, group_size, kernel
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         w = weight.detach()
         if method == "int8":
-            q, scale = quantize_int8(w)
-            self.register_buffer("qweight", q)                          # (O, I) int8
-            self.register_buffer("scale", scale)                        # (O,)
+            self._store(*quantize_int8(w))
         else:
             q, scale, zero = quantize_int4(w, group_size)
-            self.register_buffer("qweight", pack_int4(q))               # (O, I/2) uint8
-            self.register_buffer("scale", scale)                        # (O, G)
-            self.register_buffer("zero", zero)                          # (O, G) float32
-        self._packed: dict = {}  # each kernel's own layout of the weight, made at its first call
+            self._store(pack_int4(q), scale, zero)
+        self._packed: dict = {}  # other kernels' own layouts of the weight, made at their first call
+
+    @classmethod
+    def from_quantized(cls, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                       bias: torch.Tensor | None, method: str, group_size: int = 128,
+                       kernel: str | None = None, dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
+        """A layer from weights already quantized: int8 rows (O, I) and scale (O,), or int4 packed
+        (O, I/2), scale and zero (O, G). (Phase 7 stacks layers' rows into one.)"""
+        in_features = qweight.shape[1] * (2 if method == "int4" else 1)
+        layer = cls(torch.zeros(1, in_features, dtype=dtype, device=qweight.device), None, method,
+                    group_size, kernel)
+        layer.out_features = qweight.shape[0]
+        layer._store(qweight, scale, zero)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        return layer
+
+    def _store(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> None:
+        """Keep the quantized weight in the layout its kernel reads."""
+        vnni = (self.method == "int8" and q.device.type == "cpu" and self.kernel in ("auto", "cpu_int8_vnni")
+                and vnni_fits(self.in_features))
+        self.layout = "vnni" if vnni else "rows"
+        self.register_buffer("qweight", cpu_int8.vnni_pack(q) if vnni else q)   # int8 (O, I) or panels
+        self.register_buffer("scale", scale)                                     # (O,) or int4's (O, G)
+        if zero is not None:
+            self.register_buffer("zero", zero)                                   # int4's (O, G) float32
+
+    def int8_rows(self) -> torch.Tensor:
+        """The int8 weight as (O, I), whatever layout it is stored in."""
+        if self.layout == "rows":
+            return self.qweight
+        p, k4 = self.qweight.shape[:2]                                           # (P, I/4, 64, 4)
+        rows = self.qweight.permute(0, 2, 1, 3).reshape(p * 64, k4 * 4)[: self.out_features, : self.in_features]
+        return (rows.to(torch.int16) - 128).to(torch.int8)
 
     def choose_kernel(self, num_rows: int) -> str:
-        """The fastest kernel measured on a CPU for this format and row count (bench_kernels.py,
-        the lesson): on an AVX2 CPU tinyvllm's own kernels, `cpu_int8` (faster than fbgemm's
-        from 1 to 256 rows in every layer but the LM head at one row) and `cpu_int4` (faster than
-        PyTorch's int4 kernel and the reference at every row count measured); elsewhere, or where
-        they cannot be built (they were not measured on an AVX-512 CPU): int8: fbgemm's int8
-        (W8A8, x in a coarse and a fine int8 part); int4: PyTorch's int4 kernel at one row,
-        dequantize-then-matmul from two rows on."""
+        """The fastest kernel measured for this format on this kind of CPU (bench_kernels.py, the
+        lesson), at every row count measured (1 to 512):
+
+        - int8 with AVX512-VNNI: `cpu_int8_vnni` (the layer is stored for it; measured on an Intel
+          Xeon, faster than float32, cpu_int8 and fbgemm from 1 to 512 rows);
+        - int8 on any other AVX2 CPU: `cpu_int8` (measured on an AMD EPYC, faster than fbgemm's
+          from 1 to 256 rows in every layer but the LM head at one row);
+        - int4 on any AVX2 CPU, AVX-512 ones included: `cpu_int4` (faster than PyTorch's int4
+          kernel and the reference at every row count, on all three CPUs measured);
+        - where none of them can be built: int8, fbgemm's int8 (W8A8, x in a coarse and a fine
+          int8 part); int4, PyTorch's int4 kernel at one row, dequantize-then-matmul from two on.
+        """
         if self.kernel != "auto":
             return self.kernel
-        if cpu_int8.measured_here() and cpu_int8.available():
+        if self.layout == "vnni":
+            return "cpu_int8_vnni"
+        if cpu_int8.available():
             return "cpu_int8" if self.method == "int8" else "cpu_int4"
         if self.method == "int8":
             return "fbgemm_w8a8" if fbgemm_available() else ("int8pack_mm" if num_rows == 1 else "reference")
         return "int4pack_mm" if num_rows == 1 else "reference"
 
     def extra_repr(self) -> str:
-        g = f", group_size={self.group_size}" if self.method == "int4" else ""
+        g = f", group_size={self.group_size}" if self.method == "int4" else f", layout={self.layout}"
         return f"in={self.in_features}, out={self.out_features}, {self.method}{g}, kernel={self.kernel}"
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The weight back in float, (O, I)."""
         dtype = dtype or self.dtype
         if self.method == "int8":
-            return dequantize_int8(self.qweight, self.scale, dtype)
+            return dequantize_int8(self.int8_rows(), self.scale, dtype)
         return dequantize_int4(self.qweight, self.scale, self.zero, dtype)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +263,7 @@ def _pack_fbgemm(layer: QuantizedLinear):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
         qw = torch._make_per_channel_quantized_tensor(
-            layer.qweight, layer.scale.double(), torch.zeros_like(layer.scale, dtype=torch.long), 0)
+            layer.int8_rows(), layer.scale.double(), torch.zeros_like(layer.scale, dtype=torch.long), 0)
     # no bias inside: each call's output is rescaled per row first, then the bias is added once
     return torch.ops.quantized.linear_prepack(qw, None)
 
@@ -245,7 +296,15 @@ def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu_int8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    y = cpu_int8.int8_matmul(x if x.dtype == torch.float32 else x.float(), layer.qweight, layer.scale)
+    rows = layer.qweight if layer.layout == "rows" else layer.packed("cpu_int8")
+    y = cpu_int8.int8_matmul(x if x.dtype == torch.float32 else x.float(), rows, layer.scale)
+    return y if layer.bias is None else y.add_(layer.bias)
+
+
+def _cpu_int8_vnni(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    wp = layer.qweight if layer.layout == "vnni" else layer.packed("cpu_int8_vnni")
+    y = cpu_int8.vnni_int8_matmul(x if x.dtype == torch.float32 else x.float(), wp, layer.scale,
+                                  layer.out_features)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
@@ -256,7 +315,8 @@ def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.qweight, layer.scale.to(x.dtype))
+    rows = layer.qweight if layer.layout == "rows" else layer.packed("cpu_int8")
+    y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), rows, layer.scale.to(x.dtype))
     return y if layer.bias is None else y + layer.bias
 
 
@@ -275,6 +335,9 @@ def _int4pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias
 
 
-KERNEL_FNS = {"cpu_int8": _cpu_int8, "fbgemm_w8a8": _fbgemm_w8a8, "int8pack_mm": _int8pack_mm,
+KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8a8": _fbgemm_w8a8,
+              "int8pack_mm": _int8pack_mm,
               "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm}
-PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4}
+PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4,
+           "cpu_int8_vnni": lambda layer: cpu_int8.vnni_pack(layer.int8_rows()),
+           "cpu_int8": QuantizedLinear.int8_rows}  # the rows of a layer stored for cpu_int8_vnni

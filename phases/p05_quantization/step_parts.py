@@ -8,10 +8,11 @@ machine falls on all alike) by:
 
 - `none`: no product at all, zeros of the output's shape (wrong tokens, right timing): the rest
   of the step, what no kernel can save;
-- `calls`: `none` plus `cpu_int8`'s call with no output rows (x still rounded to int16): the
-  Python and `ctypes` around each product;
-- `cpu_int8`, `fbgemm_w8a8` (the two-part split) and `fbgemm_one_part` (fbgemm on x as it is,
-  one 7-bit scale a call: the speed without the split, not its accuracy).
+- `calls`: `none` plus the chosen kernel's call with no output rows (x still rounded to
+  integers): the Python and `ctypes` around each product;
+- `cpu_int8_vnni` (where the CPU has AVX512-VNNI), `cpu_int8`, `fbgemm_w8a8` (the two-part
+  split) and `fbgemm_one_part` (fbgemm on x as it is, one 7-bit scale a call: the speed without
+  the split, not its accuracy).
 
 It prints the median step time of each (ms).
 """
@@ -33,8 +34,11 @@ def _none(layer, x):
     return x.new_zeros(x.shape[0], layer.out_features)
 
 
-def _calls(layer, x):
-    cpu_int8.int8_matmul(x, layer.qweight[:0], layer.scale[:0])  # the whole call, no output rows
+def _calls(layer, x):  # the whole call, no output rows
+    if layer.layout == "vnni":
+        cpu_int8.vnni_int8_matmul(x, layer.qweight, layer.scale, 0)
+    else:
+        cpu_int8.int8_matmul(x, layer.qweight[:0], layer.scale[:0])
     return x.new_zeros(x.shape[0], layer.out_features)
 
 
@@ -52,6 +56,8 @@ def main(argv=None) -> None:
             "fbgemm_w8a8": quant.KERNEL_FNS["fbgemm_w8a8"]}
     if cpu_int8.available():
         ways |= {"calls": _calls, "cpu_int8": quant.KERNEL_FNS["cpu_int8"]}
+    if cpu_int8.vnni_available():
+        ways |= {"calls": _calls, "cpu_int8_vnni": quant.KERNEL_FNS["cpu_int8_vnni"]}
     engine = LLM(a.model, phase=5, quantization="int8", kv_cache_memory=2**27).llm_engine
     engine.add_request("r0", "Write a short story about a robot who learns to paint.",
                        SamplingParams(max_tokens=(a.steps + 1) * len(ways) + 8, temperature=0, ignore_eos=True))

@@ -18,6 +18,7 @@ from phases.p05_quantization.kv_quant import (KV_CACHE_DTYPES, QuantizedKVCache,
 from phases.p05_quantization.quant import (QuantizedLinear, dequantize_int4, dequantize_int8,
                                            pack_int4, quantize_int4, quantize_int8, unpack_int4)
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.hardware import cpu_kind
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 8]}, {"prompt_token_ids": [200, 11, 13]}]
@@ -77,8 +78,10 @@ def test_int4_packed_layout():
 @pytest.mark.parametrize("method,kernel", [(m, k) for m, ks in QuantizedLinear.KERNELS.items() for k in ks])
 @pytest.mark.parametrize("rows", [1, 3, 33])
 def test_each_cpu_kernel_matches_the_reference(method, kernel, rows):
-    if kernel == "cpu_int8" and not cpu_int8.available():
-        pytest.skip("cpu_int8 needs an AVX2 CPU and a C compiler")
+    if kernel in ("cpu_int8", "cpu_int4") and not cpu_int8.available():
+        pytest.skip(f"{kernel} needs an AVX2 CPU and a C compiler")
+    if kernel == "cpu_int8_vnni" and not cpu_int8.vnni_available():
+        pytest.skip(NO_VNNI)
     torch.manual_seed(rows)
     w, b = torch.randn(96, 128) * 0.05, torch.randn(96) * 0.1
     layer = QuantizedLinear(w, b, method, 32, kernel=kernel)
@@ -86,12 +89,16 @@ def test_each_cpu_kernel_matches_the_reference(method, kernel, rows):
     ref = layer.reference_forward(x)
     assert torch.allclose(ref, torch.nn.functional.linear(x, layer.dequantize(), b))
     # fbgemm also quantizes the activations (7-bit, one scale per call): W8A8, so a wider bound;
-    # cpu_int8 rounds each row of x to int16 (15 bits for its largest value)
-    tol = {"fbgemm_w8a8": 0.05, "cpu_int8": 1e-3}.get(kernel, 1e-4)
+    # cpu_int8 rounds each row of x to int16 (15 bits for its largest value), cpu_int8_vnni to
+    # two int8 parts (about 15 bits)
+    tol = {"fbgemm_w8a8": 0.05, "cpu_int8": 1e-3, "cpu_int8_vnni": 1e-3, "cpu_int4": 1e-3}.get(kernel, 1e-4)
     assert ((layer(x) - ref).norm() / ref.norm()) < tol
 
 
+NO_VNNI = (f"cpu_int8_vnni needs AVX512-VNNI (avx512_vnni, avx512bw and avx512vl in /proc/cpuinfo) and a C "
+           f"compiler; this CPU is of the kind {cpu_kind()!r}")
 cpu_int8_here = pytest.mark.skipif(not cpu_int8.available(), reason="cpu_int8 needs an AVX2 CPU and a C compiler")
+vnni_here = pytest.mark.skipif(not cpu_int8.vnni_available(), reason=NO_VNNI)
 
 
 @cpu_int8_here
@@ -124,29 +131,83 @@ def test_cpu_int4_groups_and_odd_shapes(out_features, in_features, group):
     assert torch.equal(layer(x[3:4]), layer(x)[3:4])
 
 
-def test_cpu_int8_is_chosen_on_avx2_and_a_failed_build_falls_back(monkeypatch, tmp_path):
+@vnni_here
+@pytest.mark.parametrize("out_features,in_features", [(7, 40), (13, 2050), (64, 16), (50, 4201), (130, 576)])
+def test_cpu_int8_vnni_odd_shapes_and_exact_integer_sums(out_features, in_features):
+    """Output rows not a multiple of 16 or 64 (the masked tail of a panel), input columns not a
+    multiple of 4 or 16 (padding), long rows; the rounding of x is the documented one, its sums
+    exact: the result equals the two-part formula computed in float64."""
+    torch.manual_seed(in_features)
+    w, b = torch.randn(out_features, in_features) * 0.05, torch.randn(out_features)
+    layer = QuantizedLinear(w, b, "int8", kernel="cpu_int8_vnni")
+    assert layer.layout == "vnni" and torch.equal(layer.int8_rows(), quantize_int8(w)[0])
+    x = torch.randn(7, in_features) * 3
+    x[2, 1] = 500.0                      # an outlier sets only its own row's scale
+    ref = layer.reference_forward(x)
+    out = layer(x)
+    assert ((out - ref).norm(dim=1) / ref.norm(dim=1)).max() < 1e-3
+    xs = x.abs().amax(1, keepdim=True) / 127                            # each row's scale
+    v = x * (1 / xs)
+    coarse = torch.round(v)
+    fine = torch.round((v - coarse) * 254)
+    q, s = layer.int8_rows().double(), layer.scale.double()
+    exact = (coarse.double() @ q.T + (fine.double() @ q.T) / 254) * xs.double() * s + b.double()
+    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    for rows in (slice(3, 4), slice(0, 2), slice(1, 6)):  # a row's result does not depend on the others
+        assert torch.equal(layer(x[rows]), out[rows])
+
+
+def test_int8_weight_is_stored_in_its_kernels_layout(monkeypatch):
+    """auto on a VNNI CPU stores the panels cpu_vnni.c reads (no second copy); elsewhere, or
+    with another kernel asked for, the rows. Either way int8_rows() gives quantize_int8's rows,
+    and every kernel still runs on a layer stored for another."""
+    torch.manual_seed(0)
+    w = torch.randn(70, 96) * 0.05
+    auto = QuantizedLinear(w, None, "int8")
+    assert auto.layout == ("vnni" if cpu_int8.vnni_available() else "rows")
+    assert torch.equal(auto.int8_rows(), quantize_int8(w)[0])
+    assert QuantizedLinear(w, None, "int8", kernel="reference").layout == "rows"
+    x = torch.randn(3, 96)
+    for kernel in ("reference", "fbgemm_w8a8") + (("cpu_int8",) if cpu_int8.available() else ()):
+        monkeypatch.setattr(auto, "kernel", kernel)
+        torch.testing.assert_close(auto(x), auto.reference_forward(x), rtol=0.05, atol=0.05)
+    fused = QuantizedLinear.from_quantized(torch.cat([auto.int8_rows()] * 2), torch.cat([auto.scale] * 2),
+                                           None, None, "int8")
+    assert fused.layout == auto.layout and fused.out_features == 140
+    torch.testing.assert_close(fused(x), torch.cat([auto.reference_forward(x)] * 2, dim=1), rtol=1e-3, atol=1e-3)
+
+
+def test_the_kernel_chosen_follows_the_cpu_kind_and_a_failed_build_falls_back(monkeypatch, tmp_path):
     from phases.p05_quantization.quant import fbgemm_available
 
     layer = QuantizedLinear(torch.randn(8, 32), None, "int8")
+    int4 = QuantizedLinear(torch.randn(8, 32), None, "int4", 32)
     fallback = "fbgemm_w8a8" if fbgemm_available() else "int8pack_mm"   # at one row
-    if cpu_int8.measured_here() and cpu_int8.available():
+    kind = cpu_kind()
+    if kind == "avx512_vnni" and cpu_int8.vnni_available():
+        assert layer.choose_kernel(1) == layer.choose_kernel(512) == "cpu_int8_vnni"
+    elif kind in ("avx2", "avx512_vnni") and cpu_int8.available():
         assert layer.choose_kernel(1) == layer.choose_kernel(64) == "cpu_int8"
-        assert QuantizedLinear(torch.randn(8, 32), None, "int4", 32).choose_kernel(64) == "cpu_int4"
     else:
         assert layer.choose_kernel(1) == fallback
+    if cpu_int8.available():
+        assert int4.choose_kernel(1) == int4.choose_kernel(64) == "cpu_int4"
     monkeypatch.setenv("CC", "false")    # a compiler that always fails
-    with pytest.raises(subprocess.CalledProcessError):
-        cpu_int8.build(tmp_path)
-    assert list(tmp_path.iterdir()) == []  # no half-written library left behind
-    monkeypatch.setattr(cpu_int8, "_lib", None)
-    monkeypatch.setattr(cpu_int8, "_tried", False)
-    build = cpu_int8.build
-    monkeypatch.setattr(cpu_int8, "build", lambda: build(tmp_path))
-    with pytest.warns(UserWarning, match="could not build cpu_int8.c") if cpu_int8.avx2() else nullcontext():
-        assert not cpu_int8.available()
-    assert layer.choose_kernel(1) == fallback
+    for lib in (cpu_int8.AVX2, cpu_int8.VNNI):
+        with pytest.raises(subprocess.CalledProcessError):
+            lib.build(tmp_path)
+        assert list(tmp_path.iterdir()) == []  # no half-written library left behind
+        monkeypatch.setattr(lib, "lib", None)
+        monkeypatch.setattr(lib, "tried", False)
+        monkeypatch.setattr(lib, "build", lambda build=lib.build: build(tmp_path))
+        with pytest.warns(UserWarning, match=f"could not build {lib.source.name}") if lib.supported() else nullcontext():
+            assert not lib.available()
+    layer = QuantizedLinear(torch.randn(8, 32), None, "int8")
+    assert layer.layout == "rows" and layer.choose_kernel(1) == fallback
     with pytest.raises(ValueError, match="kernel='cpu_int8'"):
         QuantizedLinear(torch.randn(8, 32), None, "int8", kernel="cpu_int8")
+    with pytest.raises(ValueError, match="kernel='cpu_int8_vnni'"):
+        QuantizedLinear(torch.randn(8, 32), None, "int8", kernel="cpu_int8_vnni")
 
 
 def test_quantized_linear_keeps_no_float_weight():
@@ -205,10 +266,11 @@ def test_same_memory_holds_more_blocks_and_admits_more_sequences(tiny_model_dir,
 
 
 # relative error of the logits against float with the *same rounded weights*: the kernels the
-# engine picks round only the activations, per row (cpu_int8/cpu_int4: int16, measured 1.6e-4
-# here; fbgemm where those are not built: two int8 parts, wider); a quantized KV cache against
-# plain float weights. A wrong scale, layout or block gives errors of order 1.
-INT8_BOUND = 1e-3 if cpu_int8.measured_here() and cpu_int8.available() else 0.15
+# engine picks round only the activations, per row (cpu_int8/cpu_int4: int16, measured 1.6e-4;
+# cpu_int8_vnni: two int8 parts, about as fine; fbgemm where none is built: two 7-bit parts,
+# wider); a quantized KV cache against plain float weights. A wrong scale, layout or block gives
+# errors of order 1.
+INT8_BOUND = 1e-3 if cpu_int8.available() or cpu_int8.vnni_available() else 0.15
 
 
 @pytest.mark.parametrize("quantization,kv,bound", [("int8", "auto", INT8_BOUND), ("int4", "auto", 1e-3),
@@ -322,6 +384,7 @@ def test_step_parts_times_every_way(tiny_model_dir, capsys):
     chosen = quant.QuantizedLinear.choose_kernel
     step_parts.main(["--model", str(tiny_model_dir), "--steps", "2"])
     out = capsys.readouterr().out
-    ways = ["none", "fbgemm_one_part", "fbgemm_w8a8"] + (["calls", "cpu_int8"] if cpu_int8.available() else [])
+    ways = (["none", "fbgemm_one_part", "fbgemm_w8a8"] + (["calls", "cpu_int8"] if cpu_int8.available() else [])
+            + (["cpu_int8_vnni"] if cpu_int8.vnni_available() else []))
     assert [line.split()[0] for line in out.splitlines()[1:]] == ways
     assert quant.QuantizedLinear.choose_kernel is chosen and "_step_parts" not in quant.KERNEL_FNS

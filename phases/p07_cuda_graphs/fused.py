@@ -31,16 +31,13 @@ def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
     if any((m.method, m.group_size, m.kernel, m.dtype, m.bias is None)
            != (first.method, first.group_size, first.kernel, first.dtype, first.bias is None) for m in layers):
         return None
-    # made from one row of zeros (quantizing the real rows again is what we avoid), then given
-    # the layers' quantized rows
-    fused = QuantizedLinear(torch.zeros(1, first.in_features, dtype=first.dtype), None, first.method,
-                            first.group_size, first.kernel)
-    fused.out_features = sum(m.out_features for m in layers)
-    for name, _ in first.named_buffers():   # qweight, scale (and int4's zero): rows stacked
-        setattr(fused, name, torch.cat([getattr(m, name) for m in layers]))
-    if first.bias is not None:
-        fused.bias = torch.nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
-    return fused
+    # the layers' quantized rows stacked (quantizing the float rows again is what we avoid);
+    # the fused layer stores them in its kernel's layout
+    rows = torch.cat([m.int8_rows() if m.method == "int8" else m.qweight for m in layers])
+    zero = torch.cat([m.zero for m in layers]) if first.method == "int4" else None
+    bias = None if first.bias is None else torch.cat([m.bias for m in layers])
+    return QuantizedLinear.from_quantized(rows, torch.cat([m.scale for m in layers]), zero, bias,
+                                          first.method, first.group_size, first.kernel, first.dtype)
 
 
 def _fuse(layers: list) -> torch.nn.Module | None:
