@@ -24,7 +24,7 @@ from tinyvllm.config import NEUTRAL_ENGINE_ARG_VALUES, EngineConfig
 ASKING_VALUES: dict = {
     "dtype": "float32", "device": "cpu", "seed": 1, "max_model_len": 256,
     "block_size": 8, "num_kv_blocks": 64, "kv_cache_memory": 1 << 22, "gpu_memory_utilization": 0.5,
-    "max_num_seqs": 4, "max_num_batched_tokens": 512,
+    "max_num_seqs": 4, "max_num_batched_tokens": 512, "batch_invariant": True,
     "attention_backend": "triton", "quantization": "int8", "quantization_group_size": 64,
     "kv_cache_dtype": "int8", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
     "cudagraph_capture_sizes": [1, 2], "disable_log_stats": False,

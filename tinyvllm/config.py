@@ -160,6 +160,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    # a request's tokens independent of its batch and of preemption (vLLM's VLLM_BATCH_INVARIANT)
+    batch_invariant: bool = False
     # phase 4: attention kernels ("auto": Triton on CUDA, the fused CPU path on a CPU)
     attention_backend: str = "auto"
     # phase 5: quantization
@@ -190,7 +192,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "disable_log_stats"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "batch_invariant", "enforce_eager",
+                     "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

@@ -6,20 +6,23 @@ every step (iteration-level scheduling): a request joins the step after it arriv
 step it ends. The `Scheduler` decides each step's batch; the model runs it as one flat batch of
 prefill chunks and decodes, through phase 2's paged attention (`run_model` is phase 2's).
 
-Also new: preemption when the cache runs out, chunked prefill, prefix caching, and the
-streaming API (`add_request`, `step`, `abort_request`, `has_unfinished_requests`).
+Also new: preemption when the cache runs out, chunked prefill, prefix caching, the streaming
+API (`add_request`, `step`, `abort_request`, `has_unfinished_requests`), and the batch-invariant
+mode (`batch_invariant=True`, `batch_invariant.py`): a request's tokens then do not depend on
+its batch or on preemption.
 """
 
 from __future__ import annotations
 
 import torch
 
-from phases.p02_paged_kv import BlockAllocator
+from phases.p02_paged_kv import AttentionMetadata, BlockAllocator, PagedAttention
 from phases.p02_paged_kv import Engine as Phase2Engine
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import SequenceGroup
 
+from .batch_invariant import BatchInvariantAttention, check_batch_invariant, make_batch_invariant
 from .prefix_cache import PrefixCachingBlockAllocator
 from .scheduler import Scheduler
 
@@ -33,11 +36,14 @@ class Engine(Phase2Engine):
 
     phase = 3
     ENGINE_ARGS = Phase2Engine.ENGINE_ARGS | {"max_num_batched_tokens", "enable_chunked_prefill",
-                                             "enable_prefix_caching"}
+                                             "enable_prefix_caching", "batch_invariant"}
 
     def __init__(self, model=None, **engine_args):
         super().__init__(model, **engine_args)
         c = self.config
+        if c.batch_invariant:  # every product and the attention in one fixed order per output
+            check_batch_invariant(self.device, self.dtype, self.model_config.head_dim)
+            make_batch_invariant(self.model)
         budget = c.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(self.device.type, 2048)
         if not c.enable_chunked_prefill:
             # without chunks, a whole sequence (prompt + output, on a recompute) must fit one step
@@ -47,6 +53,11 @@ class Engine(Phase2Engine):
                     f"({self.max_model_len}) when enable_chunked_prefill is False")
             budget = max(budget, self.max_model_len)
         self.scheduler = Scheduler(self.allocator, c.max_num_seqs, budget, c.enable_chunked_prefill)
+
+    def make_attention(self, meta: AttentionMetadata) -> PagedAttention:
+        if self.config.batch_invariant:
+            return BatchInvariantAttention(self.kv_cache, meta)
+        return super().make_attention(meta)
 
     def make_allocator(self, num_blocks: int) -> BlockAllocator:
         if self.config.enable_prefix_caching:

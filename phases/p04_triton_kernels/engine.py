@@ -87,6 +87,8 @@ class Engine(Phase3Engine):
         super().__init__(model, **engine_args)
 
     def make_attention(self, meta: AttentionMetadata) -> PagedAttention:
+        if self.config.batch_invariant:  # phase 3's fixed-order kernel, whatever the backend
+            return super().make_attention(meta)
         if self.attention_backend == "triton":
             return TritonPagedAttention(self.kv_cache, meta)
         if self.attention_backend == "cpu":

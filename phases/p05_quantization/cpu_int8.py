@@ -11,93 +11,32 @@ PyTorch 2.13 has no fast int8- or int4-weight product for small row counts on th
 lesson's table): fbgemm's needs x in 7-bit parts on AVX2, `_weight_int8pack_mm` and
 `_weight_int4pack_mm_for_cpu` convert each weight to float.
 
-Each file is compiled once per machine with the system's C compiler (`CC`, default `cc`) into
-`$TINYVLLM_CACHE/kernels/` (default ~/.cache/tinyvllm), named after a hash of the source and the
-flags. Where there is no compiler, the CPU lacks the instructions, or the build fails, the
-library is None (warned once) and `QuantizedLinear.choose_kernel` picks another kernel.
+Each file is compiled once per machine (`tinyvllm.ckernel.CKernel`). Where there is no
+compiler, the CPU lacks the instructions, or the build fails, the library is None (warned once)
+and `QuantizedLinear.choose_kernel` picks another kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tinyvllm.hardware import AVX2_FLAGS, AVX512_VNNI_FLAGS, has_flags
+from tinyvllm.ckernel import CKernel
+from tinyvllm.hardware import AVX2_FLAGS, AVX512_VNNI_FLAGS
 
 HERE = Path(__file__).parent
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-@dataclass
-class CKernel:
-    """One C file: how to build it, where it can run, and its functions' argument types."""
-
-    source: Path
-    flags: list[str]
-    needs: frozenset[str]          # CPU flags (/proc/cpuinfo) it needs
-    signatures: dict[str, list]
-    lib: ctypes.CDLL | None = None
-    tried: bool = False
-
-    def build(self, cache: Path | None = None) -> Path:
-        """Compile the source (once: the file is reused while the source and flags are the same)."""
-        from tinyvllm.download import cache_dir
-
-        src = self.source.read_bytes()
-        cc = os.environ.get("CC", "cc")
-        key = hashlib.sha256(src + " ".join([cc, *self.flags]).encode()).hexdigest()[:16]
-        out = (cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
-        if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # several processes may build
-            os.close(fd)
-            try:
-                subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, "-lm"], check=True,
-                               capture_output=True, text=True)
-                os.replace(tmp, out)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        return out
-
-    def load(self) -> ctypes.CDLL | None:
-        """The compiled library, or None where it cannot run or be built here (warned once)."""
-        if not self.tried:
-            self.tried = True
-            if self.supported():
-                try:
-                    lib = ctypes.CDLL(str(self.build()))
-                    for name, argtypes in self.signatures.items():
-                        getattr(lib, name).argtypes = argtypes
-                        getattr(lib, name).restype = None
-                    self.lib = lib
-                except (OSError, subprocess.CalledProcessError) as e:
-                    detail = getattr(e, "stderr", "") or e
-                    warnings.warn(f"tinyvllm: could not build {self.source.name} ({detail}); "
-                                  f"another int8/int4 kernel is used")
-        return self.lib
-
-    def supported(self) -> bool:
-        """This CPU has the instructions the file is compiled for."""
-        return has_flags(self.needs)
-
-    def available(self) -> bool:
-        return self.load() is not None
-
-
 AVX2 = CKernel(HERE / "cpu_int8.c", ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
-               {"int8_matmul": [P] * 6 + [I64] * 3, "int4_matmul": [P] * 8 + [I64] * 4})
+               {"int8_matmul": [P] * 6 + [I64] * 3, "int4_matmul": [P] * 8 + [I64] * 4},
+               fallback="another int8/int4 kernel is used")
 VNNI = CKernel(HERE / "cpu_vnni.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                                      "-fopenmp", "-shared", "-fPIC"], AVX512_VNNI_FLAGS,
-               {"vnni_pack": [P, P, I64, I64], "vnni_int8_matmul": [P] * 7 + [I64] * 3})
+               {"vnni_pack": [P, P, I64, I64], "vnni_int8_matmul": [P] * 7 + [I64] * 3},
+               fallback="another int8 kernel is used")
 
 
 def available() -> bool:

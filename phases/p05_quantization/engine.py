@@ -67,6 +67,24 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None)
     return model
 
 
+# kernels whose result for a row of x does not depend on the other rows: integer sums, each row
+# rounded with its own scale (cpu_int8.c, cpu_vnni.c); the others round x with one scale a call
+# (fbgemm) or go through a library's float product (the reference, PyTorch's int4 and int8 kernels)
+BATCH_INVARIANT_KERNELS = ("cpu_int8", "cpu_int4", "cpu_int8_vnni")
+
+
+def check_batch_invariant_quantized(model: nn.Module, kv_cache_dtype: str) -> None:
+    """Raise ValueError naming `batch_invariant` where this phase's parts would break it."""
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"batch_invariant=True attends over a float KV cache; kv_cache_dtype="
+                         f"{kv_cache_dtype!r} is not supported with it (use 'auto')")
+    kernels = {m.choose_kernel(1) for m in model.modules() if isinstance(m, QuantizedLinear)}
+    if not kernels <= set(BATCH_INVARIANT_KERNELS):
+        raise ValueError(f"batch_invariant=True with quantization needs tinyvllm's own CPU kernels "
+                         f"{list(BATCH_INVARIANT_KERNELS)} (an x86 CPU with AVX2 and a C compiler); this "
+                         f"engine's layers would run {sorted(kernels)}")
+
+
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as stored (a tied tensor counted once)."""
     seen, total = set(), 0
@@ -92,6 +110,8 @@ class Engine(Phase4Engine):
                              f"kv_cache_dtype='int8', or attention_backend='torch'")
         if self.config.quantization is not None:
             quantize_model(self.model, self.config.quantization, self.config.quantization_group_size)
+        if self.config.batch_invariant:
+            check_batch_invariant_quantized(self.model, self.config.kv_cache_dtype)
 
     def make_kv_cache(self):
         """Phase 2's pool, or with kv_cache_dtype int8/fp8 a quantized one: as many blocks of the

@@ -1,0 +1,81 @@
+"""C kernels built on first use and called through ctypes: `CKernel`.
+
+A few of tinyvllm's CPU kernels are short C files beside the phase that teaches them (phase 3's
+batch-invariant kernels, phase 5's int8/int4 products). Each is compiled once per machine with
+the system's C compiler (`CC`, default `cc`) into `$TINYVLLM_CACHE/kernels/` (default
+~/.cache/tinyvllm), the library named after a hash of its source and flags, so an edit or
+another compiler builds a new one. It is loaded only where the CPU has the instructions it was
+compiled for; where it cannot be built, `load()` warns once and returns None, and the caller
+takes another path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from tinyvllm.hardware import has_flags
+
+
+@dataclass
+class CKernel:
+    """One C file: how to build it, where it can run, and its functions' argument types."""
+
+    source: Path
+    flags: list[str]
+    needs: frozenset[str]          # CPU flags (/proc/cpuinfo) it needs
+    signatures: dict[str, list]
+    fallback: str = "another kernel is used"   # what happens where it cannot be built (the warning)
+    lib: ctypes.CDLL | None = None
+    tried: bool = False
+
+    def build(self, cache: Path | None = None) -> Path:
+        """Compile the source (once: the file is reused while the source and flags are the same)."""
+        from tinyvllm.download import cache_dir
+
+        src = self.source.read_bytes()
+        cc = os.environ.get("CC", "cc")
+        key = hashlib.sha256(src + " ".join([cc, *self.flags]).encode()).hexdigest()[:16]
+        out = (cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # several processes may build
+            os.close(fd)
+            try:
+                subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, "-lm"], check=True,
+                               capture_output=True, text=True)
+                os.replace(tmp, out)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        return out
+
+    def load(self) -> ctypes.CDLL | None:
+        """The compiled library, or None where it cannot run or be built here (warned once)."""
+        if not self.tried:
+            self.tried = True
+            if self.supported():
+                try:
+                    lib = ctypes.CDLL(str(self.build()))
+                    for name, argtypes in self.signatures.items():
+                        getattr(lib, name).argtypes = argtypes
+                        getattr(lib, name).restype = None
+                    self.lib = lib
+                except (OSError, subprocess.CalledProcessError) as e:
+                    detail = getattr(e, "stderr", "") or e
+                    warnings.warn(f"tinyvllm: could not build {self.source.name} ({detail}); "
+                                  f"{self.fallback}")
+        return self.lib
+
+    def supported(self) -> bool:
+        """This CPU has the instructions the file is compiled for."""
+        return has_flags(self.needs)
+
+    def available(self) -> bool:
+        return self.load() is not None
