@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One-time setup, reused after: a virtual environment in .venv, PyTorch (the CPU build unless a
-# CUDA GPU is present), tinyvllm in editable mode with its dev extras, and the default model.
-# A second run checks a stamp and returns in seconds.
+# CUDA GPU is present), tinyvllm in editable mode with its dev extras at the versions of
+# constraints.txt (what the suite was last green with; scripts/lock.sh writes it), and the default
+# model. A second run checks a stamp and returns in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv
 STAMP=$VENV/.setup-stamp
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh constraints.txt | sha256sum | cut -d' ' -f1)
 
 if [ ! -x "$VENV/bin/python" ]; then
   echo "setup: creating $VENV"
@@ -15,6 +16,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
+  constraints=constraints.txt
   if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
       echo "setup: installing PyTorch with CUDA"
@@ -24,8 +26,13 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
       "$VENV/bin/python" -m pip install -q torch==2.13.0
     fi
   fi
-  echo "setup: installing tinyvllm (editable) with its dev extras"
-  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  if "$VENV/bin/python" -c "import torch, sys; sys.exit(not torch.version.cuda)" 2>/dev/null; then
+    # a CUDA build of PyTorch brings the Triton it was built with: keep that one
+    constraints=$VENV/constraints-cuda.txt
+    grep -v '^triton==' constraints.txt > "$constraints"
+  fi
+  echo "setup: installing tinyvllm (editable) with its dev extras (versions: constraints.txt)"
+  "$VENV/bin/python" -m pip install -q -c "$constraints" -e ".[dev]"
   echo "$want" > "$STAMP"
 fi
 # The docs test (tests/test_docs.py) opens the built site in headless Chromium: Debian's package,

@@ -76,10 +76,13 @@ def site(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("site")
     env = {k: v for k, v in os.environ.items() if k not in ("SITE_URL", "REPO_URL")}
     env["NO_MKDOCS_2_WARNING"] = "1"
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
+    # not --quiet: with it mkdocs hides the warnings and exits 0 despite --strict
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                         "-f", str(REPO / "mkdocs.yml"), "-d", str(out)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    warnings = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("WARNING")]
+    assert r.returncode == 0 and not warnings, (
+        f"mkdocs build --strict failed or warned:\n" + "\n".join(warnings) + f"\n{r.stderr[-6000:]}")
     return out
 
 

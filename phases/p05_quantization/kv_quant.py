@@ -60,7 +60,8 @@ class QuantizedKVCache(KVCache):
 
     Args:
         model: the model's config (layers, KV heads, head size).
-        num_blocks, block_size: the pool.
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
         dtype: the dtype attention computes in (what `gather` returns).
         device: where the pool lives.
         kv_cache_dtype: "int8", "fp8" or "fp8_e4m3".

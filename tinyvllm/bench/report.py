@@ -168,10 +168,11 @@ def write_json(report: dict, path: str | Path) -> None:
 
 
 def cpu_name(machine: dict) -> str:
-    """The CPU's name and the vector instructions PyTorch uses on it ("AVX2", "AVX512"): two CPUs
-    of one name can differ there, and CPU numbers follow it (older reports lack it)."""
-    cap = machine.get("cpu_capability")
-    return f"{machine['cpu']} ({cap})" if cap else machine["cpu"]
+    """The CPU's name and its kind (`tinyvllm.hardware.cpu_kind`: "avx2", "avx512_vnni"), or for
+    older reports the vector instructions PyTorch uses on it ("AVX2", "AVX512"): two CPUs of one
+    name can differ there, and CPU numbers follow it."""
+    kind = machine.get("cpu_kind") or machine.get("cpu_capability")
+    return f"{machine['cpu']} ({kind})" if kind else machine["cpu"]
 
 
 # -- the plot ------------------------------------------------------------------------------------

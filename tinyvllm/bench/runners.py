@@ -123,7 +123,10 @@ class EngineRunner:
         return dict(kind=self.kind, phase=self.phase, label=self.label, engine_args=self.engine_args,
                     skipped_engine_args=self.skipped_engine_args,
                     dtype=str(e.dtype).removeprefix("torch."), device=str(e.device),
-                    max_model_len=e.max_model_len, max_num_seqs=e.config.max_num_seqs)
+                    max_model_len=e.max_model_len, max_num_seqs=e.config.max_num_seqs,
+                    # the kernels quantized layers choose (phase 5 on), at one row and at many
+                    product_kernels=sorted({m.choose_kernel(n) for m in e.model.modules()
+                                            if hasattr(m, "choose_kernel") for n in (1, 64)}) or None)
 
     def run(self, workload: Workload, on_tokens: OnTokens = lambda n: None) -> RunResult:
         """Send the workload's requests (all at once, or one after another), step the engine until
