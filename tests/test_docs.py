@@ -49,7 +49,7 @@ CHROMIUM_FLAGS = [
 GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode",
                   "Chunked prefill", "Preemption", "Prefix cache", "TTFT", "TPOT",
                   "Grouped-query attention", "Online softmax", "Split-KV", "Quantization",
-                  "Speculative decoding", "CUDA graph")
+                  "Speculative decoding", "CUDA graph", "Batch invariance", "VNNI")
 SOLUTION_TAG = "solution"
 
 
