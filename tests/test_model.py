@@ -23,13 +23,16 @@ def test_logits_equal_transformers(model_fixture, request):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_fast_paths_equal_f_linear(rows, bias):
-    """The model's Linear takes (W @ x^T)^T for 1-2 rows on a CPU (one row padded to two) and
-    oneDNN with a packed weight from 3 rows on: the same numbers as F.linear."""
+@pytest.mark.parametrize("vendor_rule", ["Intel", "other"])
+def test_linear_fast_paths_equal_f_linear(rows, bias, vendor_rule):
+    """The model's Linear takes, for a few rows, MKL's F.linear on an Intel CPU and (W @ x^T)^T
+    elsewhere (one row padded to two), and oneDNN with a packed weight beyond: each vendor's
+    rule, tried on this machine, gives the same numbers as F.linear."""
     from tinyvllm.model import Linear
 
     torch.manual_seed(rows)
     layer = Linear(48, 80, bias=bias)
+    layer.small_rows, layer.small_rows_mkl = (3, True) if vendor_rule == "Intel" else (2, False)
     x = torch.randn(rows, 48)
     with torch.inference_mode():
         y = layer(x)

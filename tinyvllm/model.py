@@ -133,13 +133,13 @@ class Linear(nn.Linear):
     it is plain `F.linear`.
 
     Measured with `python -m tinyvllm.bench.linear --repeat 9` (all 211 weight matrices of the
-    default model, best of 9, torch 2.13.0+cpu, 2 threads), F.linear -> Linear:
+    default model, best of 9, torch 2.13.0+cpu, 2 threads):
 
-    - AMD EPYC (AVX-512): 1 row 44 -> 20 ms, 2 rows 73 -> 19, 4 rows 63 -> 21, 8 rows 66 -> 26,
-      16 rows 79 -> 34, 64 rows 159 -> 99, 512 rows 778 -> 667.
-    - Intel Xeon (AVX-512, VNNI, AMX): F.linear 19.8 ms at 1 row, 21.1 at 3 (the transposed
-      product: 49.6 and oneDNN 28.7 there); 4 rows 32.9 -> 27.0, 8 rows 41.0 -> 31.7,
-      16 rows 43.5 -> 38.5, 64 rows 71.8 -> 73.3, 512 rows 517 -> 373.
+    - AMD EPYC (AVX-512), F.linear -> Linear: 1 row 44 -> 20 ms, 2 rows 73 -> 19, 4 rows
+      63 -> 21, 8 rows 66 -> 26, 16 rows 79 -> 34, 64 rows 159 -> 99, 512 rows 778 -> 667.
+    - Intel Xeon (avx512_vnni), F.linear / (W x^T)^T / oneDNN: 1 row 20.7 / 51.9 / 26.3 ms,
+      3 rows 22.4 / 49.3 / 28.0, 4 rows 33.8 / 49.9 / 26.4, 64 rows 76.3 / 99.2 / 73.4, 512 rows
+      381 / 501 / 376 (docs/assets/bench/linear-cpu-intel.txt).
 
     The numbers equal F.linear's up to float rounding (tests/test_model.py).
     """

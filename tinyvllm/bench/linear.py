@@ -1,13 +1,13 @@
-"""How fast the model's matrix products run at decode-sized batches: `F.linear` against the
-model's own `Linear` (oneDNN with a packed weight, or for 1-2 rows the product written the other
-way round, on a CPU).
+"""How fast the model's matrix products run at decode-sized batches, each way `Linear` can take
+on a CPU: `F.linear` (MKL), the product written the other way round, (W @ x^T)^T, oneDNN with a
+packed weight, and the model's own `Linear`, which picks one of them by rows and CPU vendor.
 
     .venv/bin/python -m tinyvllm.bench.linear                  # the default model, CPU
     .venv/bin/python -m tinyvllm.bench.linear --rows 1 2 12 16 64 --repeat 7
 
 For each row count it multiplies a batch of that many rows through every weight matrix of the
-model once, as one decode step does, and prints the best time of `--repeat` passes for both
-ways. The weights are the model's own, so they do not fit the CPU's caches: the time is what a
+model once, as one decode step does, and prints the best time of `--repeat` passes for each
+way. The weights are the model's own, so they do not fit the CPU's caches: the time is what a
 real step pays. `tinyvllm.model.Linear` quotes this command's numbers.
 """
 
@@ -52,14 +52,26 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model(resolve_model(args.model), torch.float32, torch.device("cpu"))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     params = sum(m.weight.numel() for m in linears)
+    from tinyvllm.hardware import cpu_vendor
+
+    def transposed(m, x):
+        x2 = torch.cat([x, x.new_zeros(1, x.shape[1])]) if len(x) == 1 else x
+        return (m.weight @ x2.T)[:, : len(x)].T.contiguous()
+
+    ways = {"F.linear": lambda m, x: F.linear(x, m.weight, m.bias), "(W x^T)^T": transposed}
+    if Linear.use_onednn:
+        ways["oneDNN"] = lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), m.bias,
+                                                                          "none", [], "")
+    ways["Linear"] = lambda m, x: m(x)
     print(f"{len(linears)} weight matrices, {params / 1e6:.0f}M weights, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; best of {args.repeat} passes")
-    print(f"{'rows':>5}  {'F.linear ms':>11}  {'Linear ms':>9}  {'speedup':>7}")
+          f"{cpu_vendor() or 'unknown'} CPU, {torch.get_num_threads()} threads; ms, best of {args.repeat} "
+          f"passes; Linear takes MKL's F.linear up to {Linear.small_rows} rows on an Intel CPU, else "
+          f"(W x^T)^T up to {Linear.small_rows}, then oneDNN")
+    print(f"{'rows':>5}  " + "  ".join(f"{name:>10}" for name in ways))
     with torch.inference_mode():
         for rows in args.rows:
-            ref = time_linears(linears, rows, lambda m, x: F.linear(x, m.weight, m.bias), args.repeat)
-            ours = time_linears(linears, rows, lambda m, x: m(x), args.repeat)
-            print(f"{rows:>5}  {ref * 1e3:>11.1f}  {ours * 1e3:>9.1f}  {ref / ours:>6.2f}x")
+            times = [time_linears(linears, rows, fn, args.repeat) for fn in ways.values()]
+            print(f"{rows:>5}  " + "  ".join(f"{t * 1e3:>10.1f}" for t in times))
 
 
 if __name__ == "__main__":
