@@ -196,14 +196,14 @@ class QuantizedLinear(nn.Module):
 
     def choose_kernel(self, num_rows: int) -> str:
         """The fastest kernel measured for this format on this kind of CPU (bench_kernels.py, the
-        lesson), at every row count measured (1 to 512):
+        lesson), at every row count:
 
         - int8 with AVX512-VNNI: `cpu_int8_vnni` (the layer is stored for it; measured on an Intel
-          Xeon, faster than float32, cpu_int8 and fbgemm from 1 to 512 rows);
+          Xeon, faster than float32, cpu_int8 and fbgemm at 1 to 64 rows in every layer);
         - int8 on any other AVX2 CPU: `cpu_int8` (measured on an AMD EPYC, faster than fbgemm's
           from 1 to 256 rows in every layer but the LM head at one row);
         - int4 on any AVX2 CPU, AVX-512 ones included: `cpu_int4` (faster than PyTorch's int4
-          kernel and the reference at every row count, on all three CPUs measured);
+          kernel and the reference at every row count, on every CPU measured);
         - where none of them can be built: int8, fbgemm's int8 (W8A8, x in a coarse and a fine
           int8 part); int4, PyTorch's int4 kernel at one row, dequantize-then-matmul from two on.
         """
