@@ -96,3 +96,96 @@ def test_truncated_safetensors(tiny_model_dir, tmp_path, make_llm):
     with pytest.raises(ValueError, match=r"model\.safetensors is truncated.*Tensor '"):
         LLM(str(bad), phase=1)
     assert _greedy(llm) == expected
+
+
+# -- values a request may carry: none stops the engine -------------------------------------------
+
+EXTREME = [
+    SamplingParams(temperature=0.8, repetition_penalty=1e-300, seed=1, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.8, repetition_penalty=1e300, seed=2, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=1e-30, seed=3, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=1e30, top_k=3, seed=4, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=5e-5, top_p=1e-9, min_p=1.0, seed=5, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0.5, presence_penalty=2, frequency_penalty=-2, repetition_penalty=1e-300,
+                   top_k=2, seed=2**63 - 1, n=2, max_tokens=12, ignore_eos=True),
+    SamplingParams(temperature=0, repetition_penalty=1e-300, max_tokens=12, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("phase", phase_params())
+def test_extreme_sampling_values_give_valid_tokens_and_the_engine_goes_on(phase, tiny_model_dir, make_llm):
+    """Penalties and temperatures at the edge of their ranges push logits to inf, whose softmax
+    is NaN: each request still gets tokens of the vocabulary, alone and batched together, and
+    the engine serves a plain request exactly as before."""
+    llm = make_llm(tiny_model_dir, phase)
+    expected = llm.generate(GOOD, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    vocab = llm.llm_engine.model_config.vocab_size
+    outs = llm.generate([GOOD] * len(EXTREME), EXTREME, use_tqdm=False)
+    for o in outs:
+        for c in o.outputs:
+            assert len(c.token_ids) == 12 and all(0 <= t < vocab for t in c.token_ids)
+    assert llm.generate(GOOD, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+def test_sampling_values_are_bounded_as_vllm_bounds_them():
+    assert SamplingParams(temperature=1e-30).temperature == 0.01     # vLLM's _MAX_TEMP
+    assert not SamplingParams(temperature=1e-6).is_greedy and SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    for seed in (2**63, -(2**63) - 1, 10**30):
+        with pytest.raises(ValueError, match="seed must be a 64-bit integer"):
+            SamplingParams(seed=seed)
+
+
+class _StepFails(Exception):
+    pass
+
+
+@pytest.mark.parametrize("phase", phase_params())
+def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(phase, tiny_model_dir, monkeypatch):
+    """An error inside a step (here the model's forward, once) reaches the caller; every request
+    of the call is aborted and its blocks freed, and the next call gets the same tokens as
+    before."""
+    llm = LLM(str(tiny_model_dir), phase=phase)
+    expected = llm.generate(GOOD, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    engine, model = llm.llm_engine, llm.llm_engine.model
+    forward = model.forward
+    calls = {"n": 0}
+
+    def fails_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise _StepFails("the forward pass failed")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", fails_once)
+    with pytest.raises(Exception, match="the forward pass failed"):
+        llm.generate([GOOD, {"prompt_token_ids": [7, 8, 9]}], GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+    if hasattr(engine, "allocator"):
+        assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    assert llm.generate(GOOD, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == expected
+
+
+@pytest.mark.parametrize("phase", [p for p in phase_params() if p.values[0] >= 3])
+def test_a_failed_step_names_its_requests_and_spares_the_others(phase, tiny_model_dir, monkeypatch):
+    """From phase 3 on a step's failure is a StepError naming the requests it was running;
+    a request that was only waiting is left to run."""
+    from tinyvllm.errors import StepError
+
+    engine = LLM(str(tiny_model_dir), phase=phase, max_num_seqs=1).llm_engine
+    engine.add_request("a", GOOD, GREEDY)
+    engine.add_request("b", {"prompt_token_ids": [7, 8, 9]}, GREEDY)
+    run_model = engine.run_model
+
+    def fails(batch):
+        raise _StepFails("the batch failed")
+
+    monkeypatch.setattr(engine, "run_model", fails)
+    with pytest.raises(StepError, match="request\\(s\\) a ") as e:
+        engine.step()
+    assert e.value.request_ids == ["a"] and isinstance(e.value.__cause__, _StepFails)
+    monkeypatch.setattr(engine, "run_model", run_model)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert [o.request_id for o in outs] == ["b"] and len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks

@@ -6,7 +6,9 @@
     print(outs[0].outputs[0].text)
 
 `LLM(phase=N)` runs an earlier phase's engine. `generate` validates every prompt before it adds
-any, so a bad one raises and leaves the engine as it was, ready for the next call.
+any, so a bad one raises and leaves the engine as it was, ready for the next call. If a step
+fails while generating, every request of the call is aborted before the error is raised: the
+engine is left empty and consistent, and the next call works.
 """
 
 from __future__ import annotations
@@ -99,7 +101,12 @@ class LLM:
             bar = tqdm(total=num_requests, desc="Processed prompts", unit="req", dynamic_ncols=True)
         try:
             while engine.has_unfinished_requests():
-                for out in engine.step():
+                try:
+                    outputs = engine.step()
+                except Exception:
+                    engine.abort_request(list(engine.groups))  # the rest of this call, too
+                    raise
+                for out in outputs:
                     if out.finished and bar is not None:
                         bar.update(1)
                     yield out

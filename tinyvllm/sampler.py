@@ -12,6 +12,11 @@
   (vLLM draws exponential noise E for every vocabulary entry and picks argmax(p / E); that costs
   a random number per token of the vocabulary, 49,152 per row here, and on a CPU at batch 64 it
   took longer than the model's attention. One number per row is enough.)
+- Any values in, a valid token out: a penalty or a temperature can push logits to inf, whose
+  softmax is NaN. `finite` turns NaN into -inf and +inf into the largest float before any
+  softmax, and `draw` falls back to a row's most likely token where there is nothing to draw
+  from, so the id is always one of the vocabulary's (one bad request must not feed an
+  out-of-range id to the next step, for every request in the engine).
 """
 
 from __future__ import annotations
@@ -20,6 +25,11 @@ import torch
 
 from tinyvllm.outputs import Logprob
 from tinyvllm.sequence import Sequence
+
+
+def finite(logits: torch.Tensor) -> torch.Tensor:
+    """NaN -> -inf (never chosen), +inf -> the largest finite value (ties at the top)."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
 class Sampler:
@@ -67,6 +77,7 @@ class Sampler:
             if s.min_tokens_pending:
                 banned = [t for t in (*s.eos_token_ids, *p.all_stop_token_ids) if t < vocab]
                 row[banned] = float("-inf")
+            row.copy_(finite(row))   # a penalty of 1e-300 divides logits into inf
         return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
@@ -78,7 +89,7 @@ class Sampler:
                 continue
             if p.top_k > 0 and p.top_p >= 1.0 and p.min_p == 0.0:
                 # top-k only: sample among the k best, no full-vocabulary sort
-                vals, idx = (logits[i] / p.temperature).topk(min(p.top_k, logits.shape[-1]))
+                vals, idx = finite(logits[i] / p.temperature).topk(min(p.top_k, logits.shape[-1]))
                 probs = torch.softmax(vals, dim=-1)
                 tokens[i] = int(idx[self.draw(probs[None], [s.generator])[0]])
             else:
@@ -87,7 +98,7 @@ class Sampler:
             sub = logits[full_rows]
             temps = torch.tensor([seqs[i].params.temperature for i in full_rows],
                                  dtype=sub.dtype, device=sub.device)
-            probs = torch.softmax(sub / temps[:, None], dim=-1)
+            probs = torch.softmax(finite(sub / temps[:, None]), dim=-1)
             probs = self.filter_probs(probs, [seqs[i] for i in full_rows])
             for r, tok in zip(full_rows, self.draw(probs, [seqs[i].generator for i in full_rows])):
                 tokens[r] = tok
@@ -96,13 +107,20 @@ class Sampler:
     @staticmethod
     def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
         """One exact sample per row of probs (R, V), not necessarily normalized, each row from its
-        own generator: the first token whose cumulative probability is above u * total."""
+        own generator: the first token whose cumulative probability is above u * total. A row
+        with nothing to draw from (all zero, or NaN) gets its most likely token: always an id
+        below V."""
         u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(probs.device)
+        probs = torch.nan_to_num(probs, nan=0.0)
         cdf = probs.cumsum(dim=-1)                                         # (R, V)
         total = cdf[:, -1:]
         # strictly below the total, so the token found always has probability > 0
         x = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, x, right=True)[:, 0].tolist()
+        idx = torch.searchsorted(cdf, x, right=True)[:, 0]                 # (R,)
+        empty = ~(total[:, 0] > 0) | ~torch.isfinite(total[:, 0])
+        if bool(empty.any()):
+            idx = torch.where(empty, probs.argmax(dim=-1), idx)
+        return idx.clamp_(max=probs.shape[-1] - 1).tolist()
 
     @staticmethod
     def filter_probs(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

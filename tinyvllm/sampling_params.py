@@ -10,9 +10,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-# Below this temperature we decode greedily (vLLM's _SAMPLING_EPS).
+# Below this temperature we decode greedily (vLLM's _SAMPLING_EPS): with the raise below, only 0.
 SAMPLING_EPS = 1e-5
+# A positive temperature below this is raised to it, as vLLM does (its _MAX_TEMP): dividing the
+# logits by less overflows float32 to inf.
+MIN_TEMPERATURE = 1e-2
 MAX_LOGPROBS = 20
+SEED_RANGE = (-(2**63), 2**63 - 1)   # a 64-bit integer, as vLLM's server takes it
 
 
 @dataclass(slots=True)
@@ -21,11 +25,13 @@ class SamplingParams:
 
     Args:
         n: number of completions to return for the prompt.
-        temperature: 0 means greedy; higher flattens the distribution.
+        temperature: 0 means greedy; higher flattens the distribution. A value in (0, 0.01) is
+            raised to 0.01 (as vLLM does): smaller ones overflow the scaled logits.
         top_p: keep the smallest set of tokens whose probability adds up to top_p, in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
         min_p: drop tokens less likely than min_p times the most likely one, in [0, 1].
-        seed: a per-request seed: the same seed gives the same tokens in any batch and any run.
+        seed: a per-request seed: the same seed gives the same tokens in any batch and any run;
+            a 64-bit integer.
         max_tokens: the most tokens to generate (None: up to the model's context length).
         min_tokens: generate at least this many before EOS or a stop token/string may end it.
         stop: string(s) that end generation; they are not included in the text.
@@ -77,6 +83,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if _num("temperature", self.temperature) < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         if not 0 < _num("top_p", self.top_p) <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         _int("top_k", self.top_k, low=-1)
@@ -84,6 +92,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None:
             _int("seed", self.seed)
+            if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+                raise ValueError(f"seed must be a 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], "
+                                 f"got {self.seed}")
         if self.max_tokens is not None:
             _int("max_tokens", self.max_tokens, low=1)
         _int("min_tokens", self.min_tokens, low=0)

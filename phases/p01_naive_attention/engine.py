@@ -102,6 +102,22 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop a request (or several) now; later phases free its blocks at once. Unknown ids
+        are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                seq.abort()
+                self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Forget an aborted sequence: phase 1 only queues it (later phases free its blocks)."""
+        if seq in self.queue:
+            self.queue.remove(seq)
+
     def get_stats(self) -> dict[str, float]:
         """Counters for `tinyvllm bench`. Phase 1 keeps no cache, so it has none. Later phases add
         num_kv_blocks, block_size, peak_kv_blocks_used, peak_kv_tokens_reserved,

@@ -58,6 +58,13 @@ class Engine(Phase1Engine):
         """The attention backend of one step (later phases plug in their own)."""
         return PagedAttention(self.kv_cache, meta)
 
+    def release(self, seq: Sequence) -> None:
+        """An aborted sequence leaves the queue, or the running batch with its blocks."""
+        super().release(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+            self.allocator.free(seq.block_table)
+
     # -- admission -----------------------------------------------------------------------------
     def max_len(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """The most tokens a sequence can hold: prompt + max_tokens, within max_model_len."""

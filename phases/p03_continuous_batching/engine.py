@@ -18,6 +18,7 @@ import torch
 
 from phases.p02_paged_kv import AttentionMetadata, BlockAllocator, PagedAttention
 from phases.p02_paged_kv import Engine as Phase2Engine
+from tinyvllm.errors import StepError
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import SequenceGroup
@@ -77,26 +78,28 @@ class Engine(Phase2Engine):
         for seq in group.seqs:
             self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str | list[str]) -> None:
-        """Stop a request (or several) now and free its blocks. Unknown ids are ignored."""
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
-            group = self.groups.pop(rid, None)
-            if group is None:
-                continue
-            for seq in group.seqs:
-                seq.abort()
-                self.scheduler.finish(seq)
+    def release(self, seq) -> None:
+        """An aborted sequence (`abort_request`) leaves the scheduler and frees its blocks at once."""
+        self.scheduler.finish(seq)
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the flat batch, sample where a sequence's last token was computed."""
+        """Schedule, run the flat batch, sample where a sequence's last token was computed.
+
+        If running the batch fails, its requests are aborted (their blocks freed) and a
+        `StepError` names them; the engine stays consistent and the others go on."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
         self.update_stats()
-        logits, sampled = self.run_model(out.scheduled)
-        self.append_tokens(sampled, logits)
+        try:
+            logits, sampled = self.run_model(out.scheduled)
+            self.append_tokens(sampled, logits)
+        except Exception as e:
+            failed = list(dict.fromkeys(seq.group.request_id for seq, _ in out.scheduled))
+            self.abort_request(failed)
+            raise StepError(failed, e) from e
         if self.config.enable_prefix_caching:
             for seq, _ in out.scheduled:
                 self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)

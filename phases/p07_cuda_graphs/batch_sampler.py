@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyvllm.sampler import Sampler
+from tinyvllm.sampler import Sampler, finite
 from tinyvllm.sampling_params import SAMPLING_EPS
 
 
@@ -34,14 +34,14 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if bool(topk_only.any()):  # sample among each row's k best: no full-vocabulary sort
         r = topk_only.nonzero()[:, 0]
         k = top_k[r].clamp(max=vocab)                            # (R,)
-        vals, idx = (logits[r] / temperature[r, None]).topk(int(k.max()))   # (R, kmax)
+        vals, idx = finite(logits[r] / temperature[r, None]).topk(int(k.max()))   # (R, kmax)
         vals = vals.masked_fill(torch.arange(vals.shape[1], device=vals.device)[None, :] >= k[:, None],
                                 float("-inf"))
         pick = Sampler.draw(torch.softmax(vals, dim=-1), [generators[i] for i in r.tolist()])
         tokens[r] = idx.gather(1, torch.tensor(pick, device=idx.device)[:, None])[:, 0]
     if bool(full.any()):
         r = full.nonzero()[:, 0]
-        probs = torch.softmax(logits[r] / temperature[r, None], dim=-1)     # (R, V)
+        probs = torch.softmax(finite(logits[r] / temperature[r, None]), dim=-1)     # (R, V)
         probs = filter_probs(probs, top_k[r], top_p[r], min_p[r])
         pick = Sampler.draw(probs, [generators[i] for i in r.tolist()])
         tokens[r] = torch.tensor(pick, device=tokens.device)

@@ -18,6 +18,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm.outputs import RequestOutput
+from tinyvllm.errors import StepError
 from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tinyvllm.server.metrics import ServerMetrics
 from tinyvllm.server.protocol import (
@@ -39,9 +40,20 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
 
+def error_body(e: APIError) -> dict:
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+
+
 def error_response(e: APIError) -> JSONResponse:
-    body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
-    return JSONResponse(body, status_code=e.status)
+    return JSONResponse(error_body(e), status_code=e.status)
+
+
+def engine_failure(e: Exception) -> APIError:
+    """A request the engine could not finish: its step failed (500; the engine goes on), or the
+    engine has stopped (503)."""
+    if isinstance(e, StepError):
+        return APIError(500, str(e), type="server_error", code="step_failed")
+    return APIError(503, str(e), type="server_error", code="engine_dead")
 
 
 def bad_value(e: Exception, fields: set[str], default_param: str) -> APIError:
@@ -125,16 +137,21 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise bad_value(e, fields, prompt_param) from None
         except QueueFullError as e:
             raise APIError(503, str(e), type="service_unavailable", code="queue_full") from None
-        except EngineDeadError as e:
-            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+        except (StepError, EngineDeadError) as e:
+            raise engine_failure(e) from None
         metrics.on_output(first)
         return first, gen
 
     async def outputs_of(first: RequestOutput, gen):
+        """The request's outputs; an engine failure on the way becomes an APIError (a JSON error
+        for a plain response, an error event for a stream)."""
         yield first
-        async for out in gen:
-            metrics.on_output(out)
-            yield out
+        try:
+            async for out in gen:
+                metrics.on_output(out)
+                yield out
+        except (StepError, EngineDeadError) as e:
+            raise engine_failure(e) from None
 
     # -- info ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -374,6 +391,9 @@ async def _stream_completions(rid, name, started, req, raw: Request, tokenizer, 
             yield _sse({"id": rid, "object": "text_completion", "created": created, "model": name,
                         "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
         yield "data: [DONE]\n\n"
+    except APIError as e:  # the engine failed mid-stream: say so, and end the stream properly
+        yield _sse(error_body(e))
+        yield "data: [DONE]\n\n"
     finally:
         for _, gen in started:
             await gen.aclose()
@@ -409,6 +429,9 @@ async def _stream_chat(rid, name, first, gen, req, raw: Request, tokenizer, outp
                               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
         if include_usage:
             yield chunk([], _usage(len(last.prompt_token_ids), sum(len(c.token_ids) for c in last.outputs)))
+        yield "data: [DONE]\n\n"
+    except APIError as e:  # the engine failed mid-stream: say so, and end the stream properly
+        yield _sse(error_body(e))
         yield "data: [DONE]\n\n"
     finally:
         await gen.aclose()

@@ -6,6 +6,13 @@ aborts from an inbox, steps while any request is unfinished, and hands each `Req
 the asyncio queue of its request through `loop.call_soon_threadsafe`. Only that thread touches
 the engine's queues; after each step it publishes a snapshot of the engine's state (requests,
 blocks, counters) that /metrics and the live page read without touching the engine.
+
+A failed step does not stop the server: the engine aborts the requests it was running and names
+them (`StepError`), their clients get the error, and the thread goes on with the others. An
+error outside any request's step aborts every request (their clients get it) and goes on too.
+Only an error the engine cannot recover from (abort itself failing, or a BaseException) stops
+the thread; `on_dead` is then called, so the server can exit non-zero for a supervisor to
+restart it, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tinyvllm.errors import StepError
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 
@@ -36,9 +44,10 @@ class AsyncEngine:
         engine: a phase's Engine with the streaming API (phase 3 or later).
         max_num_waiting: refuse a request (QueueFullError) when this many already wait for a
             seat; None: no bound.
+        on_dead: called (from the engine thread) once the engine has stopped for good.
     """
 
-    def __init__(self, engine: Any, max_num_waiting: int | None = None):
+    def __init__(self, engine: Any, max_num_waiting: int | None = None, on_dead=None):
         for name in ("add_group", "step", "abort_request", "has_unfinished_requests", "scheduler"):
             if not hasattr(engine, name):
                 raise ValueError(
@@ -51,6 +60,8 @@ class AsyncEngine:
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
         self.error: BaseException | None = None
+        self.on_dead = on_dead
+        self.num_failed_steps = 0                             # steps that failed and were survived
         self.num_pending = 0                                  # added, not yet in the engine
         self.generation_tokens = 0                            # tokens made since start
         self._num_tokens: dict[str, int] = {}                 # request id -> its tokens so far
@@ -87,6 +98,9 @@ class AsyncEngine:
         try:
             while not finished:
                 out = await q.get()
+                if isinstance(out, StepError):
+                    finished = True       # the engine aborted it already
+                    raise out
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine has stopped: {out}") from out
                 finished = out.finished
@@ -134,7 +148,16 @@ class AsyncEngine:
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
                     continue
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                except StepError as e:       # its requests are aborted: tell their clients
+                    self._fail(e.request_ids, e)
+                    continue
+                except Exception as e:       # no request named: abort them all, and go on
+                    ids = list(engine.groups)
+                    engine.abort_request(ids)
+                    self._fail(ids, StepError(ids, e))
+                    continue
                 now = time.perf_counter()
                 made = 0
                 for out in outputs:
@@ -159,9 +182,23 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(q.put_nowait, e)
             raise
         finally:
-            self._drain_inbox()
-            if engine.has_unfinished_requests():
-                engine.abort_request(list(engine.groups))
+            try:
+                self._drain_inbox()
+                if engine.has_unfinished_requests():
+                    engine.abort_request(list(engine.groups))
+            finally:
+                if self.error is not None and self.on_dead is not None:
+                    self.on_dead()
+
+    def _fail(self, request_ids: list[str], error: StepError) -> None:
+        """A survived failure: the named requests' clients get the error."""
+        self.num_failed_steps += 1
+        for rid in request_ids:
+            self._num_tokens.pop(rid, None)
+            entry = self._queues.get(rid)
+            if entry is not None:
+                entry[0].call_soon_threadsafe(entry[1].put_nowait, error)
+        self.state = self._snapshot(0.0)
 
     def _snapshot(self, tokens_per_s: float) -> dict:
         """The engine's state as plain data: read by /metrics and GET /v1/engine/state."""

@@ -47,7 +47,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}")
     engine_cls = phases.get_engine_class(args.phase)
     engine = engine_cls(model, **engine_args_from(args))
-    async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting)
+    server: uvicorn.Server | None = None
+
+    def stop_server() -> None:  # the engine cannot go on: stop serving, exit non-zero
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting, on_dead=stop_server)
     name = args.served_model_name or (os.path.basename(os.path.normpath(model)) if model
                                       else "SmolLM2-135M-Instruct")
     api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
@@ -56,6 +62,10 @@ def run_serve(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     # uvicorn's SIGTERM: stop accepting, let open requests finish (at most 30 s), then the
     # lifespan's shutdown stops the engine thread, aborting what still runs.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=30)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                          timeout_graceful_shutdown=30))
+    server.run()
+    if async_engine.error is not None:  # a supervisor restarts a server that exits non-zero
+        print(f"tinyvllm: the engine stopped: {async_engine.error!r}", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -1,0 +1,162 @@
+"""A failed step never stops the server: AsyncEngine and the OpenAI app, in this process, with
+a tiny model and a step made to fail on purpose. The failed request's client gets an OpenAI
+error object (a plain response) or an error event and [DONE] (a stream); every other request is
+answered; no KV block is left behind. An error the engine cannot survive stops it and calls
+`on_dead`, which the server turns into a non-zero exit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+import phases
+from tinyvllm import SamplingParams
+from tinyvllm.errors import StepError
+from tinyvllm.server.app import build_app
+from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+class _Boom(Exception):
+    pass
+
+
+class _Fatal(BaseException):  # not an Exception: nothing may swallow it
+    pass
+
+
+def _failing(engine, names: set[str], error=_Boom):
+    """Make the engine's run_model fail whenever a request whose id contains one of `names` is
+    in the batch."""
+    run_model = engine.run_model
+
+    def run(batch):
+        if any(name in seq.group.request_id for seq, _ in batch for name in names):
+            raise error("injected failure")
+        return run_model(batch)
+
+    engine.run_model = run
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    return phases.get_engine_class(phases.latest_phase())(str(tiny_model_dir), max_num_seqs=1)
+
+
+async def _collect(ae: AsyncEngine, rid: str, prompt=None):
+    outs = [o async for o in ae.generate(rid, prompt or {"prompt_token_ids": [5, 6, 7]}, GREEDY)]
+    return outs[-1]
+
+
+def test_async_engine_survives_a_failed_step(engine):
+    _failing(engine, {"bad"})
+    ae = AsyncEngine(engine)
+
+    async def main():
+        bad = asyncio.ensure_future(_collect(ae, "bad"))
+        good = asyncio.ensure_future(_collect(ae, "good", {"prompt_token_ids": [9, 8]}))
+        with pytest.raises(StepError, match="bad"):
+            await bad
+        assert len((await good).outputs[0].token_ids) == GREEDY.max_tokens
+        later = await _collect(ae, "later")          # the engine still serves
+        assert len(later.outputs[0].token_ids) == GREEDY.max_tokens
+
+    try:
+        asyncio.run(main())
+        assert ae.error is None and ae.num_failed_steps == 1
+        assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    finally:
+        ae.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_error_the_engine_cannot_survive_stops_it_and_calls_on_dead(engine):
+    _failing(engine, {"bad"}, error=_Fatal)
+    dead = []
+    ae = AsyncEngine(engine, on_dead=lambda: dead.append(True))
+
+    async def main():
+        with pytest.raises(EngineDeadError, match="injected failure"):
+            await _collect(ae, "bad")
+        with pytest.raises(EngineDeadError):
+            await _collect(ae, "after")
+
+    asyncio.run(main())
+    ae.shutdown()
+    assert dead == [True] and isinstance(ae.error, _Fatal)
+
+
+def test_the_server_answers_a_failed_step_with_an_error_and_goes_on(engine):
+    _failing(engine, {"boom"})
+    ae = AsyncEngine(engine)
+    app = build_app(ae, "tiny")
+    rids = iter(["boom", "ok-1", "boom", "ok-2"])
+    import tinyvllm.server.app as app_module
+
+    class _Ids:  # the app names its requests from uuid4: give them the names above, in order
+        def __init__(self):
+            self.hex = next(rids)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"prompt": "hi", "max_tokens": 4, "temperature": 0}
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 500
+            err = r.json()["error"]
+            assert err["type"] == "server_error" and err["code"] == "step_failed"
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+            r = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
+            # the stream's first output arrives after the step that fails: a plain 500 error
+            assert r.status_code == 500 and r.json()["error"]["code"] == "step_failed"
+            r = await client.post("/v1/completions", json={**body, "stream": True})
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert r.status_code == 200 and events[-1] == "[DONE]"
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+
+    original = app_module.uuid.uuid4
+    app_module.uuid.uuid4 = _Ids
+    try:
+        asyncio.run(main())
+    finally:
+        app_module.uuid.uuid4 = original
+        ae.shutdown()
+    assert ae.error is None and engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_a_stream_cut_by_a_failed_step_ends_with_an_error_event_and_done(engine):
+    """The failure comes after the first tokens were streamed: an error event, then [DONE]."""
+    engine_steps = {"n": 0}
+    run_model = engine.run_model
+
+    def fails_later(batch):
+        engine_steps["n"] += 1
+        if engine_steps["n"] == 3:
+            raise _Boom("injected failure")
+        return run_model(batch)
+
+    engine.run_model = fails_later
+    ae = AsyncEngine(engine)
+    app = build_app(ae, "tiny")
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "temperature": 0,
+                                                           "stream": True})
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert r.status_code == 200 and events[-1] == "[DONE]"
+            assert json.loads(events[-2])["error"]["code"] == "step_failed"
+            assert any("choices" in json.loads(e) for e in events[:-2])   # tokens came first
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
