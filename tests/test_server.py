@@ -187,6 +187,27 @@ def test_disconnect_mid_stream_frees_blocks(server):
     assert _metric(server, "num_requests_running") == 0
 
 
+def _wait_all_free(server, free_before, timeout=20):
+    deadline = time.time() + timeout
+    while time.time() < deadline and (_metric(server, "num_free_blocks") != free_before
+                                      or _metric(server, "num_requests_running") != 0):
+        time.sleep(0.1)
+    assert _metric(server, "num_free_blocks") == free_before
+    assert _metric(server, "num_requests_running") == 0
+
+
+def test_a_non_streaming_client_that_goes_away_is_aborted(server):
+    """A non-streaming request whose client hangs up mid-generation is aborted: every KV block
+    comes back. (A chat with no max_tokens would otherwise generate to the end of the context
+    for nobody.)"""
+    free_before = _metric(server, "num_free_blocks")
+    body = {"prompt": "a long one", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, json=body,
+                   timeout=httpx.Timeout(60, read=0.5))
+    _wait_all_free(server, free_before)
+
+
 # -- bad input: OpenAI's error object with a 4xx naming the parameter; the server goes on --------
 BAD = [
     ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
@@ -199,6 +220,12 @@ BAD = [
     ({"prompt": [99999]}, 400, "prompt"),
     ({"max_tokens": 3}, 400, "prompt"),
     ({"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ({"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ({"prompt": "x", "n": 10**7}, 400, "n"),
+    ({"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
+    ({"prompt": "x", "stop": "s" * 2000}, 400, "stop"),
+    ({"prompt": ["x"] * 65}, 400, "prompt"),
+    ({"prompt": "x" * 26_000}, 400, "prompt"),   # over max_model_len (512) x 50 characters
 ]
 
 
@@ -211,6 +238,23 @@ def test_bad_input_gets_error_object(server, body, status, param):
     assert err["param"] == param, err
     ok = _post(server, "/v1/completions", {"prompt": "fine", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_body_over_the_cap_is_refused_with_413(server):
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    big = json.dumps({"prompt": "x", "user": "u" * (9 * 2**20)}).encode()      # over 8 MiB
+    r = httpx.post(server + "/v1/completions", headers=headers, content=big, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "x", "user": "'
+        for _ in range(10):
+            yield b"u" * 2**20
+        yield b'"}'
+    r = httpx.post(server + "/v1/completions", headers=headers, content=chunks(), timeout=60)
+    assert r.status_code == 413
+    assert httpx.post(server + "/v1/completions", headers=headers, timeout=60,
+                      json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
 def test_invalid_json_bad_chat_and_auth(server):
@@ -268,9 +312,11 @@ def test_queue_bound_and_sigterm(tiny_model_dir):
             async with httpx.AsyncClient(timeout=60) as c:
                 body = {"prompt": "x", "max_tokens": 60, "ignore_eos": True}
                 return await asyncio.gather(*(c.post(url + "/v1/completions", json=body) for _ in range(6)))
-        codes = sorted(r.status_code for r in asyncio.run(main()))
+        responses = asyncio.run(main())
+        codes = sorted(r.status_code for r in responses)
         assert 503 in codes and 200 in codes, codes
         assert all(c in (200, 503) for c in codes)
+        assert all(r.headers.get("retry-after") == "1" for r in responses if r.status_code == 503)
     finally:
         proc.terminate()   # SIGTERM: stop accepting, finish, exit
         # uvicorn shuts down, then re-raises the signal it caught: exit status -SIGTERM

@@ -17,6 +17,7 @@ SAMPLING_EPS = 1e-5
 MIN_TEMPERATURE = 1e-2
 MAX_LOGPROBS = 20
 SEED_RANGE = (-(2**63), 2**63 - 1)   # a 64-bit integer, as vLLM's server takes it
+MAX_N = 4096  # completions per request: each is a sequence the engine builds at once
 
 
 @dataclass(slots=True)
@@ -24,7 +25,7 @@ class SamplingParams:
     """Sampling and stopping rules for one request.
 
     Args:
-        n: number of completions to return for the prompt.
+        n: number of completions to return for the prompt, 1 to 4096.
         temperature: 0 means greedy; higher flattens the distribution. A value in (0, 0.01) is
             raised to 0.01 (as vLLM does): smaller ones overflow the scaled logits.
         top_p: keep the smallest set of tokens whose probability adds up to top_p, in (0, 1].
@@ -75,6 +76,8 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _int("n", self.n, low=1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = _num(name, getattr(self, name))
             if not -2.0 <= v <= 2.0:

@@ -1,8 +1,15 @@
 """The FastAPI app: OpenAI's endpoints over an `AsyncEngine`, errors as OpenAI's error object,
-Prometheus metrics with vLLM's names under `tinyvllm:`, and the live page at GET /."""
+Prometheus metrics with vLLM's names under `tinyvllm:`, and the live page at GET /.
+
+Every request is bounded before it costs anything (`Limits`): its body's bytes (413), the
+characters of its prompt (checked before tokenizing, which runs off the event loop), `n`, the
+prompts of one request, and the stop strings. A request whose client goes away is aborted, its
+KV blocks freed, whether it streams or not and whether or not its first token has come.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -17,9 +24,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinyvllm.outputs import RequestOutput
 from tinyvllm.errors import StepError
+from tinyvllm.outputs import RequestOutput
 from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from tinyvllm.server.limits import CHARS_PER_TOKEN, Limits
 from tinyvllm.server.metrics import ServerMetrics
 from tinyvllm.server.protocol import (
     ChatCompletionRequest,
@@ -35,9 +43,11 @@ class APIError(Exception):
     """An error answered as OpenAI's {"error": {message, type, param, code}}."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 type: str = "invalid_request_error", code: str | None = None):
+                 type: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.headers = headers
 
 
 def error_body(e: APIError) -> dict:
@@ -45,7 +55,81 @@ def error_body(e: APIError) -> dict:
 
 
 def error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(error_body(e), status_code=e.status)
+    return JSONResponse(error_body(e), status_code=e.status, headers=e.headers)
+
+
+class _BodyTooLarge(BaseException):
+    """Not an Exception: FastAPI turns any Exception met while reading a body into a 400."""
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` is answered 413 before any handler
+    parses it, whether it declares its length or streams in chunks."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._refuse(send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        try:
+            await self.app(scope, counted, send)
+        except _BodyTooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send):
+        body = json.dumps(error_body(APIError(
+            413, f"the request body is over {self.max_bytes} bytes (--max-request-bytes)",
+            type="invalid_request_error", code="request_too_large"))).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class ClientWatch:
+    """Notices a client that goes away while its request waits: a background task reads the
+    connection (the request's body is read already, so the next message can only be
+    `http.disconnect`). A streaming response listens for itself once it starts, so a stream's
+    watch is closed after its first output."""
+
+    def __init__(self, raw: Request):
+        self.gone = asyncio.ensure_future(self._listen(raw))
+
+    @staticmethod
+    async def _listen(raw: Request) -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    async def until(self, awaitable):
+        """`await awaitable`, unless the client goes away first: then it is cancelled (the
+        request's generator, closed, aborts the request) and ConnectionError raised."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            await asyncio.wait({task, self.gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise ConnectionError("the client went away")
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})   # let the request's generator unwind (and abort)
+
+    def close(self) -> None:
+        self.gone.cancel()
 
 
 def engine_failure(e: Exception) -> APIError:
@@ -66,9 +150,11 @@ def bad_value(e: Exception, fields: set[str], default_param: str) -> APIError:
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_model_len: int | None = None) -> FastAPI:
+              max_model_len: int | None = None, limits: Limits = Limits()) -> FastAPI:
     """The app serving `engine` under the name `model_name` (what /v1/models lists)."""
     metrics = ServerMetrics(engine)
+    max_model_len = max_model_len or engine.engine.max_model_len
+    max_prompt_chars = limits.max_prompt_chars or max_model_len * CHARS_PER_TOKEN
     tokenizer = engine.tokenizer
     created = int(time.time())
 
@@ -80,10 +166,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app = FastAPI(title="tinyvllm", version="0.1", lifespan=lifespan,
                   description="An OpenAI-compatible server for tinyvllm's engine")
     app.state.engine = engine
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
         return error_response(e)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):  # never a plain-text 500
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -127,31 +218,71 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(404, f"model: the model {name!r} does not exist; this server serves "
                                 f"{model_name!r}", param="model", code="model_not_found")
 
-    async def run(request_id: str, prompt: Any, params, fields: set[str], prompt_param: str):
+    def check_request(params, num_prompts: int = 1) -> None:
+        """The caps of `limits`, each a 400 naming its field."""
+        if params.n > limits.max_n:
+            raise APIError(400, f"n must be <= {limits.max_n} (--max-n), got {params.n}", param="n")
+        if num_prompts > limits.max_prompts:
+            raise APIError(400, f"prompt: at most {limits.max_prompts} prompts a request (--max-prompts), "
+                                f"got {num_prompts}", param="prompt")
+        stops = params.stop_strings
+        if len(stops) > limits.max_stop or any(len(x) > limits.max_stop_chars for x in stops):
+            raise APIError(400, f"stop: at most {limits.max_stop} strings (--max-stop) of at most "
+                                f"{limits.max_stop_chars} characters each", param="stop")
+
+    def check_chars(num_chars: int, param: str) -> None:
+        if num_chars > max_prompt_chars:
+            raise APIError(400, f"{param}: {num_chars} characters cannot fit in max_model_len ({max_model_len}) "
+                                f"tokens; at most {max_prompt_chars} characters are taken", param=param,
+                           code="context_length_exceeded")
+
+    async def run(request_id: str, prompt: Any, params, fields: set[str], prompt_param: str,
+                  watch: ClientWatch):
         """Start a request; return its output iterator after its first output, so bad input and
-        a full queue are answered before any response header is sent."""
+        a full queue are answered before any response header is sent. A client that goes away
+        before the first output aborts the request."""
+        gen = engine.generate(request_id, prompt, params)
         try:
-            gen = engine.generate(request_id, prompt, params)
-            first = await gen.__anext__()
+            first = await watch.until(gen.__anext__())
         except (ValueError, TypeError) as e:
             raise bad_value(e, fields, prompt_param) from None
         except QueueFullError as e:
-            raise APIError(503, str(e), type="service_unavailable", code="queue_full") from None
+            raise APIError(503, str(e), type="service_unavailable", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
         except (StepError, EngineDeadError) as e:
             raise engine_failure(e) from None
+        except BaseException as e:
+            await gen.aclose()         # the client went away (or the server stops): abort
+            metrics.on_abort(request_id)
+            if isinstance(e, ConnectionError):   # nobody reads the answer: nginx's 499
+                raise APIError(499, "the client closed the request") from None
+            raise
         metrics.on_output(first)
         return first, gen
 
-    async def outputs_of(first: RequestOutput, gen):
+    async def outputs_of(first: RequestOutput, gen, watch: ClientWatch | None = None):
         """The request's outputs; an engine failure on the way becomes an APIError (a JSON error
-        for a plain response, an error event for a stream)."""
+        for a plain response, an error event for a stream). With `watch`, a client that goes
+        away between two outputs ends it (the generator, closed, aborts the request)."""
         yield first
+        finished = first.finished
         try:
-            async for out in gen:
+            while not finished:
+                nxt = gen.__anext__()
+                out = await (watch.until(nxt) if watch is not None else nxt)
                 metrics.on_output(out)
+                finished = out.finished
                 yield out
+        except StopAsyncIteration:
+            pass
         except (StepError, EngineDeadError) as e:
             raise engine_failure(e) from None
+        except ConnectionError:            # nobody reads the answer: nginx's 499
+            raise APIError(499, "the client closed the request") from None
+        finally:
+            if not finished:
+                await gen.aclose()
+                metrics.on_abort(first.request_id)
 
     # -- info ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -189,10 +320,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt")
         if req.messages is not None:
-            text = render_chat(req.messages, req.add_generation_prompt)
-            ids = tokenizer.encode(text, add_special_tokens=False)
+            check_chars(sum(len(json.dumps(m.content)) for m in req.messages), "messages")
+            ids = await asyncio.to_thread(lambda: tokenizer.encode(
+                render_chat(req.messages, req.add_generation_prompt), add_special_tokens=False))
         else:
-            ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+            check_chars(len(req.prompt), "prompt")
+            ids = await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
 
     @app.post("/detokenize")
@@ -218,25 +351,36 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except (ValueError, TypeError) as e:
             raise bad_value(e, completion_fields, "prompt") from None
         prompts = _completion_prompts(req.prompt)
+        check_request(params, len(prompts))
+        for p in prompts:
+            check_chars(len(p) if isinstance(p, str) else 0, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         started = []
+        watch = ClientWatch(raw)
         try:
-            for i, p in enumerate(prompts):
-                started.append(await run(f"{rid}-{i}", p, params, completion_fields, "prompt"))
-        except APIError:
-            for _, gen in started:
-                await gen.aclose()
-            raise
-        name = req.model or model_name
-        if req.stream:
-            return StreamingResponse(_stream_completions(rid, name, started, req, raw, tokenizer, outputs_of),
-                                     media_type="text/event-stream")
-        finals = []
-        for first, gen in started:
-            last = first
-            async for out in outputs_of(first, gen):
-                last = out
-            finals.append(last)
+            try:
+                for i, p in enumerate(prompts):
+                    started.append(await run(f"{rid}-{i}", p, params, completion_fields, "prompt", watch))
+            except APIError:
+                for _, gen in started:
+                    await gen.aclose()
+                raise
+            name = req.model or model_name
+            if req.stream:  # from here the streaming response listens for a disconnect itself
+                return StreamingResponse(_stream_completions(rid, name, started, req, raw, tokenizer, outputs_of),
+                                         media_type="text/event-stream")
+            finals = []
+            try:
+                for first, gen in started:
+                    last = first
+                    async for out in outputs_of(first, gen, watch):
+                        last = out
+                    finals.append(last)
+            finally:  # a client gone, or a failed request: the others of this request end too
+                for _, gen in started:
+                    await gen.aclose()
+        finally:
+            watch.close()
         choices, prompt_tokens, completion_tokens = [], 0, 0
         for i, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
@@ -262,20 +406,30 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             params = req.sampling_params(max_tokens, logprobs)
         except (ValueError, TypeError) as e:
             raise bad_value(e, chat_fields, "messages") from None
-        text = render_chat(req.messages, req.add_generation_prompt)
+        check_request(params)
+        check_chars(sum(len(json.dumps(m.content)) for m in req.messages), "messages")
+
+        def render_and_encode():   # off the event loop: a long chat takes a while
+            text = render_chat(req.messages, req.add_generation_prompt)
+            return text, tokenizer.encode(text, add_special_tokens=False)
+
+        text, ids = await asyncio.to_thread(render_and_encode)
         if params.max_tokens is None:  # as vLLM: what the context leaves
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            params.max_tokens = max(1, engine.engine.max_model_len - len(ids))
-        prompt = {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+            params.max_tokens = max(1, max_model_len - len(ids))
+        prompt = {"prompt": text, "prompt_token_ids": ids}
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        first, gen = await run(rid, prompt, params, chat_fields, "messages")
-        name = req.model or model_name
-        if req.stream:
-            return StreamingResponse(_stream_chat(rid, name, first, gen, req, raw, tokenizer, outputs_of),
-                                     media_type="text/event-stream")
-        last = first
-        async for out in outputs_of(first, gen):
-            last = out
+        watch = ClientWatch(raw)
+        try:
+            first, gen = await run(rid, prompt, params, chat_fields, "messages", watch)
+            name = req.model or model_name
+            if req.stream:  # from here the streaming response listens for a disconnect itself
+                return StreamingResponse(_stream_chat(rid, name, first, gen, req, raw, tokenizer, outputs_of),
+                                         media_type="text/event-stream")
+            last = first
+            async for out in outputs_of(first, gen, watch):
+                last = out
+        finally:
+            watch.close()
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": {"content": _chat_logprobs(c.token_ids, c.logprobs, tokenizer, req.top_logprobs or 0)}
                     if req.logprobs else None,

@@ -37,6 +37,26 @@ class QueueFullError(RuntimeError):
     """More requests are waiting than --max-num-waiting allows."""
 
 
+class _Mailbox:
+    """A request's latest output: outputs are cumulative (each holds all the text so far), so a
+    slow reader needs only the newest, not every step's (memory stays one output a request)."""
+
+    def __init__(self):
+        self.latest: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, out) -> None:   # on the event loop (call_soon_threadsafe)
+        if not isinstance(self.latest, BaseException):   # an error is never overwritten
+            self.latest = out
+        self.ready.set()
+
+    async def get(self):
+        await self.ready.wait()
+        self.ready.clear()
+        out, self.latest = self.latest, None
+        return out
+
+
 class AsyncEngine:
     """One engine stepped by one thread; requests come in and out through asyncio queues.
 
@@ -57,12 +77,14 @@ class AsyncEngine:
         self.max_num_waiting = max_num_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # ("add", group, q, loop) | ("abort", id)
         self._wakeup = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
         self._stopping = False
         self.error: BaseException | None = None
         self.on_dead = on_dead
         self.num_failed_steps = 0                             # steps that failed and were survived
-        self.num_pending = 0                                  # added, not yet in the engine
+        self.num_pending = 0                                  # accepted, not yet in the engine
+        self._lock = threading.Lock()                         # num_pending: two threads change it
+        self._tokens_per_s = 0.0
         self.generation_tokens = 0                            # tokens made since start
         self._num_tokens: dict[str, int] = {}                 # request id -> its tokens so far
         self.state: dict = self._snapshot(0.0)
@@ -84,14 +106,23 @@ class AsyncEngine:
         ValueError/TypeError on bad input before anything is queued; if the caller stops
         iterating (a client disconnected), the request is aborted and its blocks freed."""
         self.check_alive()
-        if self.max_num_waiting is not None and (
-                self.state["num_waiting"] + self.num_pending >= self.max_num_waiting):
-            raise QueueFullError(f"the server has {self.max_num_waiting} requests waiting "
-                                 f"(--max-num-waiting); try again later")
-        group = self.engine.make_request(request_id, prompt, params, arrival_time=time.perf_counter())
-        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:  # the bound counts requests still being tokenized: reserve a place first
+            if self.max_num_waiting is not None and (
+                    self.state["num_waiting"] + self.num_pending >= self.max_num_waiting):
+                raise QueueFullError(f"the server has {self.max_num_waiting} requests waiting "
+                                     f"(--max-num-waiting); try again later")
+            self.num_pending += 1
+        try:
+            # tokenizing a long prompt takes a while: not on the event loop
+            group = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params,
+                                            arrival_time=time.perf_counter())
+            self.check_alive()
+        except BaseException:
+            with self._lock:
+                self.num_pending -= 1
+            raise
+        q = _Mailbox()
         self._queues[request_id] = (asyncio.get_running_loop(), q)
-        self.num_pending += 1
         self._inbox.put(("add", group))
         self._wakeup.set()
         finished = False
@@ -129,9 +160,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if kind == "add":
-                self.num_pending -= 1
-                if item.request_id in self._queues:   # not cancelled while it sat in the inbox
+                live = item.request_id in self._queues   # not cancelled while it sat in the inbox
+                if live:
                     self.engine.add_group(item)
+                with self._lock:  # counted by the engine's waiting queue from now on
+                    self.num_pending -= 1
+                    if live:
+                        self.state = self._snapshot(self._tokens_per_s)
             else:
                 self.engine.abort_request(item)
                 self._num_tokens.pop(item, None)
@@ -170,16 +205,17 @@ class AsyncEngine:
                 self.generation_tokens += made
                 # a smoothed rate (about the last ten steps), for the live page
                 tokens_per_s = 0.8 * tokens_per_s + 0.2 * made / max(now - last, 1e-6)
+                self._tokens_per_s = tokens_per_s
                 last = now
                 self.state = self._snapshot(tokens_per_s)
                 for out in outputs:
                     entry = self._queues.get(out.request_id)
                     if entry is not None:
-                        entry[0].call_soon_threadsafe(entry[1].put_nowait, out)
+                        entry[0].call_soon_threadsafe(entry[1].put, out)
         except BaseException as e:  # every waiting client must hear of it
             self.error = e
             for loop, q in list(self._queues.values()):
-                loop.call_soon_threadsafe(q.put_nowait, e)
+                loop.call_soon_threadsafe(q.put, e)
             raise
         finally:
             try:
@@ -197,7 +233,7 @@ class AsyncEngine:
             self._num_tokens.pop(rid, None)
             entry = self._queues.get(rid)
             if entry is not None:
-                entry[0].call_soon_threadsafe(entry[1].put_nowait, error)
+                entry[0].call_soon_threadsafe(entry[1].put, error)
         self.state = self._snapshot(0.0)
 
     def _snapshot(self, tokens_per_s: float) -> dict:

@@ -8,8 +8,9 @@ import sys
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Add `serve` to the `tinyvllm` parser: model, host, port, phase, api key, engine args."""
+    """Add `serve` to the `tinyvllm` parser: model, host, port, phase, api key, limits, engine args."""
     from tinyvllm.bench.cli import add_engine_args
+    from tinyvllm.server.limits import CHARS_PER_TOKEN, Limits
 
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn) with a live page at /",
@@ -29,6 +30,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-num-waiting", type=int, default=None,
                    help="answer 503 when this many requests already wait for a seat (default: no bound)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    d = Limits()
+    lim = p.add_argument_group("limits of one request (each refused with an OpenAI error object)")
+    lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                     help=f"a body over this is answered 413 (default {d.max_request_bytes})")
+    lim.add_argument("--max-prompt-chars", type=int, default=None,
+                     help="a prompt (or chat) of more characters is refused before it is tokenized "
+                          f"(default: max_model_len x {CHARS_PER_TOKEN})")
+    lim.add_argument("--max-n", type=int, default=d.max_n, help=f"the largest n (default {d.max_n})")
+    lim.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                     help=f"prompts in one /v1/completions request (default {d.max_prompts})")
+    lim.add_argument("--max-stop", type=int, default=d.max_stop,
+                     help=f"stop strings per request (default {d.max_stop}; each at most "
+                          f"{d.max_stop_chars} characters)")
     add_engine_args(p)
     return p
 
@@ -41,10 +55,17 @@ def run_serve(args: argparse.Namespace) -> int:
     from tinyvllm.bench.cli import engine_args_from
     from tinyvllm.server.app import build_app
     from tinyvllm.server.async_engine import AsyncEngine
+    from tinyvllm.server.limits import Limits
 
     model = args.model or args.model_flag
     if args.max_num_waiting is not None and args.max_num_waiting < 1:
         raise ValueError(f"--max-num-waiting must be >= 1, got {args.max_num_waiting}")
+    for flag in ("max_request_bytes", "max_prompt_chars", "max_n", "max_prompts", "max_stop"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    limits = Limits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
+                    max_n=args.max_n, max_prompts=args.max_prompts, max_stop=args.max_stop)
     engine_cls = phases.get_engine_class(args.phase)
     engine = engine_cls(model, **engine_args_from(args))
     server: uvicorn.Server | None = None
@@ -57,7 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (os.path.basename(os.path.normpath(model)) if model
                                       else "SmolLM2-135M-Instruct")
     api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
-    app = build_app(async_engine, name, api_key=api_key, max_model_len=engine.max_model_len)
+    app = build_app(async_engine, name, api_key=api_key, max_model_len=engine.max_model_len, limits=limits)
     print(f"tinyvllm: serving {name!r} (phase {engine.phase}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     # uvicorn's SIGTERM: stop accepting, let open requests finish (at most 30 s), then the

@@ -81,5 +81,11 @@ class ServerMetrics:
             if out.metrics is not None:
                 self.e2e.observe(now - out.metrics.arrival_time)
 
+    def on_abort(self, request_id: str) -> None:
+        """A request that ended unfinished (its client went away, or its step failed): counted
+        with finished_reason "abort", and forgotten."""
+        self._last.pop(request_id, None)
+        self.requests.labels(finished_reason="abort").inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
