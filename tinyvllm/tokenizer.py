@@ -56,6 +56,11 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def get_vocab(self) -> dict[str, int]:
+        """Every token's string and id, added tokens included (two tokenizers with the same
+        vocabulary map text to the same ids)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         """The prompt text for a conversation, as the model was trained to see it."""

@@ -19,6 +19,7 @@ into one padded batch, masked by length, and handed to PyTorch's fused attention
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,13 @@ class AttentionMetadata:
             decode_token_idx=torch.tensor([starts[b] for b in decode], device=device),
             decode_block_tables=tables[decode],
             decode_seq_lens=torch.tensor([seq_lens[b] for b in decode], device=device))
+
+    def with_block_ids(self, renumber: torch.Tensor) -> "AttentionMetadata":
+        """The same step with every block id b read as renumber[b] (an attention backend that
+        copies the blocks it needs into a compact buffer attends there)."""
+        return dataclasses.replace(self, block_tables=renumber[self.block_tables],
+                                   decode_block_tables=renumber[self.decode_block_tables],
+                                   _decode_inputs=None)
 
     def decode_inputs(self, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode_gather`'s block ids and mask for this step's decode rows: the same for every

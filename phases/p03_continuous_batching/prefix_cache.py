@@ -78,9 +78,13 @@ class PrefixCachingBlockAllocator(BlockAllocator):
                 break
             blocks.append(block_id)
             parent = hash(key)
-        self.num_queries += len(token_ids)
-        self.num_hits += len(blocks) * bs
         return blocks
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup: its prompt tokens, and those the cache held (a
+        lookup that did not lead to an admission is not counted)."""
+        self.num_queries += num_tokens
+        self.num_hits += num_hit_tokens
 
     def allocate_cached(self, table: PrefixBlockTable, blocks: list[int]) -> None:
         """Start an empty table with shared cached blocks (their tokens need no prefill)."""

@@ -83,11 +83,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = self._num_new_tokens(seq, budget)
+            num_new = self.num_new_tokens(seq, budget)
             if num_new == 0:
                 i += 1
                 continue
-            while not self._can_grow(seq, num_new):
+            while not self.can_grow(seq, num_new):
                 victim = self.running[-1]  # the newest running sequence
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -110,13 +110,13 @@ class Scheduler:
             num_cached = len(cached) * self.allocator.block_size
             num_new = self._limit(seq.num_tokens - num_cached, budget)
             if num_new == 0:
-                self._undo_lookup(seq, cached)
                 break
             extra = self.allocator.blocks_needed(num_cached + num_new) - len(cached)
             if extra > self.allocator.num_free_blocks - self._evictable_in(cached):
-                self._undo_lookup(seq, cached)
                 break
             self.waiting.popleft()
+            if use_cache:
+                self.allocator.record_lookup(seq.num_tokens, num_cached)
             if cached:
                 self.allocator.allocate_cached(table, cached)
             self.allocator.allocate(table, num_new)
@@ -138,10 +138,14 @@ class Scheduler:
             return remaining
         return budget if self.enable_chunked_prefill else 0
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
+    # -- extension points: a later phase's scheduler may override these two --------------------
+    def num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens a running sequence computes this step, within `budget`: all it has left, a
+        chunk, or none."""
         return self._limit(seq.num_tokens - seq.num_computed_tokens, budget)
 
-    def _can_grow(self, seq: Sequence, num_new: int) -> bool:
+    def can_grow(self, seq: Sequence, num_new: int) -> bool:
+        """The free blocks can hold `num_new` more tokens of `seq`."""
         table = seq.block_table
         return self.allocator.blocks_needed(table.num_tokens + num_new) - len(table) <= self.allocator.num_free_blocks
 
@@ -150,11 +154,6 @@ class Scheduler:
         if not self.prefix_caching:
             return 0
         return sum(1 for b in blocks if b in self.allocator.evictable)
-
-    def _undo_lookup(self, seq: Sequence, cached: list[int]) -> None:
-        if self.prefix_caching and seq.params.prompt_logprobs is None:  # the lookup did not lead to a run: do not count it
-            self.allocator.num_queries -= seq.num_tokens
-            self.allocator.num_hits -= len(cached) * self.allocator.block_size
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's cache; it restarts from the waiting queue."""

@@ -197,15 +197,15 @@ def compile_for_cuda(capability: int = 90) -> list[str]:
         ptrs = {name: "*" + dt for name in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
         ints = {name: "*i32" for name in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")}
         block_m = max(16, triton.next_power_of_2(group))
-        done.append(build(ta._unified_attention_kernel,
+        done.append(build(ta.unified_attention_kernel,
                           {**ptrs, **ints, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"},
                           dict(GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_SIZE=16,
                                HEAD_P2=128, NUM_SPLITS=splits, IEEE_DOT=dt == "fp32",
-                               LOAD_KV=ta._load_kv_block)))
-        done.append(build(ta._reshape_and_cache_kernel,
+                               LOAD_KV=ta.read_kv_block)))
+        done.append(build(ta.reshape_and_cache_kernel,
                           {**{n: "*" + dt for n in ("k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr")},
                            "slot_mapping_ptr": "*i64"},
-                          dict(BLOCK_SIZE=32, KVH_P2=1, HEAD_P2=64, STORE_KV=ta._store_kv)))
+                          dict(BLOCK_SIZE=32, KVH_P2=1, HEAD_P2=64, STORE_KV=ta.write_kv)))
     done.append(build(ta._merge_attn_states_kernel, {"out_ptr": "*bf16", "part_out_ptr": "*fp32",
                                                     "part_lse_ptr": "*fp32"}, dict(NUM_SPLITS=16, HEAD_P2=128)))
     return done

@@ -16,11 +16,12 @@ Three kernels, each launched from a small Python function of the same name:
   programs; each writes its partial output and its log-sum-exp, and `merge_attn_states` merges
   them. The rule is `choose_num_kv_splits`.
 
-The cache is read in one place (`_load_kv_block`) and written in one place (`_store_kv`), and
+The cache is read in one place (`read_kv_block`) and written in one place (`write_kv`), and
 the kernels call both through `tl.constexpr` arguments (`LOAD_KV`, `STORE_KV`: a `@triton.jit`
-function is a compile-time constant), so a quantized cache (phase 5) passes its own pair, and its
-scales, without a copy of the kernels. Phase 4's pair is compiled in by default: its code is
-what it was.
+function is a compile-time constant): an extension point. Another cache layout passes its own
+pair, and its *side data* (a tensor per K and per V, (num_blocks, block_size, KVH), that the
+pair may read and write beside the values), without a copy of the kernels. The plain pair is
+compiled in by default, with no side data.
 
 On a CPU these run only under Triton's interpreter, which must be switched on *before* Triton is
 imported (`TRITON_INTERPRET=1`): `@triton.jit` decides at import time whether a kernel is compiled
@@ -59,21 +60,21 @@ def interpreter_active() -> bool:
     """Whether this module's kernels run in Triton's interpreter (TRITON_INTERPRET=1 was set
     before Triton was imported) rather than compiled."""
     from triton.runtime.interpreter import InterpretedFunction
-    return isinstance(_reshape_and_cache_kernel, InterpretedFunction)
+    return isinstance(reshape_and_cache_kernel, InterpretedFunction)
 
 
 # -- the KV-cache write -----------------------------------------------------------------------
 @triton.jit
-def _store_kv(k, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, dst, scale_dst, mask, head_ok):
+def write_kv(k, v, k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr, dst, side_dst, mask, head_ok):
     """Store one token's K and V, (KVH_P2, HEAD_P2) each, at offsets `dst` (under `mask`): the only
-    place the kernels write the cache. The scale arguments (offsets `scale_dst`, (KVH_P2, 1), under
-    `head_ok`) are a quantized cache's: unused here (phase 5's `STORE_KV` writes them)."""
+    place the kernels write the cache. The side-data arguments (offsets `side_dst`, (KVH_P2, 1),
+    under `head_ok`) are for another layout's `STORE_KV`: unused here."""
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 @triton.jit
-def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+def reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr,
                               slot_mapping_ptr, num_kv_heads, head_dim,
                               stride_kt, stride_kh, stride_vt, stride_vh,
                               stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
@@ -90,42 +91,42 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_pt
     k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
     dst = block * stride_cb + offset * stride_ct + h * stride_ch + d
-    scale_dst = block * stride_sb + offset * stride_st + h   # a quantized cache's (token, head) scale
-    STORE_KV(k, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, dst, scale_dst, mask,
+    side_dst = block * stride_sb + offset * stride_st + h   # the (token, head) entry of side data
+    STORE_KV(k, v, k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr, dst, side_dst, mask,
              h < num_kv_heads)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, store_kv=None) -> None:
+                      slot_mapping: torch.Tensor, k_side: torch.Tensor | None = None,
+                      v_side: torch.Tensor | None = None, store_kv=None) -> None:
     """Write new tokens' K/V into the paged cache, in place.
 
     k, v: (N, KVH, d); k_cache, v_cache: (num_blocks, block_size, KVH, d), with the same strides;
     slot_mapping: (N,) int, slot = block_id * block_size + offset, or -1 to skip the token.
-    k_scale, v_scale, store_kv: a quantized cache's (phase 5): its scales, (num_blocks,
-    block_size, KVH) each, and the `@triton.jit` function that stores into it (`_store_kv`'s
-    arguments); None: the values are stored as they are.
+    k_side, v_side, store_kv: another cache layout's side data, (num_blocks, block_size, KVH)
+    each, and the `@triton.jit` function that stores into it (`write_kv`'s arguments); None:
+    the values are stored as they are.
     """
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     n, kvh, d = k.shape
     if n == 0:
         return
-    k_scale, v_scale, stride_sb, stride_st = _scales(k_scale, v_scale, k_cache, v_cache)
-    _reshape_and_cache_kernel[(n,)](
-        k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, kvh, d,
+    k_side, v_side, stride_sb, stride_st = _side_data(k_side, v_side, k_cache, v_cache)
+    reshape_and_cache_kernel[(n,)](
+        k, v, k_cache, v_cache, k_side, v_side, slot_mapping, kvh, d,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
         BLOCK_SIZE=k_cache.shape[1], KVH_P2=triton.next_power_of_2(kvh),
-        HEAD_P2=triton.next_power_of_2(d), STORE_KV=store_kv or _store_kv)
+        HEAD_P2=triton.next_power_of_2(d), STORE_KV=store_kv or write_kv)
 
 
-def _scales(k_scale, v_scale, k_cache, v_cache) -> tuple:
-    """The scale arguments of a launch: a quantized cache's scales and their block and token
-    strides (the KV head's is 1), or, for an unquantized cache, the cache itself (unused) and 0s."""
-    if k_scale is None:
+def _side_data(k_side, v_side, k_cache, v_cache) -> tuple:
+    """The side-data arguments of a launch: the tensors and their block and token strides (the
+    KV head's is 1), or, with none, the cache itself (unused) and 0s."""
+    if k_side is None:
         return k_cache, v_cache, 0, 0
-    assert k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
-    return k_scale, v_scale, k_scale.stride(0), k_scale.stride(1)
+    assert k_side.stride() == v_side.stride() and k_side.stride(-1) == 1
+    return k_side, v_side, k_side.stride(0), k_side.stride(1)
 
 
 # -- paged attention --------------------------------------------------------------------------
@@ -148,12 +149,12 @@ def _find_seq_idx(query_start_loc_ptr, tile_idx, num_seqs, BLOCK_Q: tl.constexpr
 
 
 @triton.jit
-def _load_kv_block(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, kv_head, k_pos, seq_len,
+def read_kv_block(k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr, block, kv_head, k_pos, seq_len,
                    head_dim, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                    BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr):
     """One block of K and V for one KV head, (BLOCK_SIZE, HEAD_P2) each: the only place the
     kernels read the cache. Slots past seq_len (the unused end of the last block) read as 0. The
-    scale arguments are a quantized cache's: unused here (phase 5's `LOAD_KV` reads them)."""
+    side-data arguments are for another layout's `LOAD_KV`: unused here."""
     n = tl.arange(0, BLOCK_SIZE)
     d = tl.arange(0, HEAD_P2)
     offsets = block * stride_cb + n[:, None] * stride_ct + kv_head * stride_ch + d[None, :]
@@ -164,7 +165,7 @@ def _load_kv_block(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, kv
 
 
 @triton.jit
-def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr,
                   block_table_ptr, kv_head, q_pos, seq_len, qk_scale, head_dim,
                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                   BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, CAUSAL_MASK: tl.constexpr,
@@ -172,9 +173,9 @@ def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_
     """Fold block j of the sequence into the running (acc, m_i, l_i): one online-softmax step."""
     block = tl.load(block_table_ptr + j).to(tl.int64)             # through the block table
     k_pos = j * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)              # (BLOCK_SIZE,) key positions
-    k, v = LOAD_KV(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, kv_head, k_pos, seq_len,
+    k, v = LOAD_KV(k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr, block, kv_head, k_pos, seq_len,
                    head_dim, stride_cb, stride_ct, stride_ch, stride_sb, stride_st, BLOCK_SIZE, HEAD_P2)
-    k, v = k.to(q.dtype), v.to(q.dtype)  # no-ops here; a quantized cache's loader gives float32
+    k, v = k.to(q.dtype), v.to(q.dtype)  # no-ops here; another layout's loader may give float32
     if IEEE_DOT:  # float32: true float32 products (a GPU's tl.dot would round them to TF32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     else:
@@ -196,8 +197,8 @@ def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_
 
 
 @triton.jit
-def _unified_attention_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+def unified_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr, block_tables_ptr,
         seq_lens_ptr, query_start_loc_ptr, part_out_ptr, part_lse_ptr,
         qk_scale, num_seqs, num_query_heads, head_dim,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_sb,
@@ -246,13 +247,13 @@ def _unified_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_P2], tl.float32)       # running weighted sum of V
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for j in range(lo, tl.minimum(hi, num_full)):
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                      v_scale_ptr, block_table_ptr, kv_head, q_pos, seq_len, qk_scale,
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr,
+                                      v_side_ptr, block_table_ptr, kv_head, q_pos, seq_len, qk_scale,
                                       head_dim, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                                       BLOCK_SIZE, HEAD_P2, False, IEEE_DOT, LOAD_KV)
     for j in range(tl.maximum(lo, num_full), hi):
-        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                      v_scale_ptr, block_table_ptr, kv_head, q_pos, seq_len, qk_scale,
+        acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr,
+                                      v_side_ptr, block_table_ptr, kv_head, q_pos, seq_len, qk_scale,
                                       head_dim, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                                       BLOCK_SIZE, HEAD_P2, True, IEEE_DOT, LOAD_KV)
 
@@ -341,8 +342,8 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       max_query_len: int, max_seq_len: int, scale: float | None = None,
                       num_kv_splits: int | None = None, num_warps: int | None = None,
-                      num_stages: int | None = None, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None, load_kv=None) -> torch.Tensor:
+                      num_stages: int | None = None, k_side: torch.Tensor | None = None,
+                      v_side: torch.Tensor | None = None, load_kv=None) -> torch.Tensor:
     """Paged attention for a flat batch of prefill chunks and decodes, in one launch.
 
     q, out: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d), holding every token of
@@ -350,10 +351,10 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     seq_lens (B,), block_tables (B, M): int32, as in `AttentionMetadata`. max_query_len and
     max_seq_len (host ints) choose the tile shape and the split. num_kv_splits: None picks it by
     `choose_num_kv_splits`; a power of two forces it. num_warps, num_stages: Triton's launch
-    options (None: `launch_options`' choice), for tuning sweeps. k_scale, v_scale, load_kv: a
-    quantized cache's (phase 5): its scales, (num_blocks, block_size, KVH) each, and the
-    `@triton.jit` function that reads a block of it (`_load_kv_block`'s arguments); None: the
-    cache is read as it is. Returns out.
+    options (None: `launch_options`' choice), for tuning sweeps. k_side, v_side, load_kv:
+    another cache layout's side data, (num_blocks, block_size, KVH) each, and the `@triton.jit`
+    function that reads a block of it (`read_kv_block`'s arguments); None: the cache is read as
+    it is. Returns out.
     """
     q = _last_dim_contiguous(q)
     n, h, d = q.shape
@@ -375,17 +376,17 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         part_lse = torch.empty(n, h, num_kv_splits, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused
-    k_scale, v_scale, stride_sb, stride_st = _scales(k_scale, v_scale, k_cache, v_cache)
+    k_side, v_side, stride_sb, stride_st = _side_data(k_side, v_side, k_cache, v_cache)
     grid = (n // block_q + num_seqs, kvh, num_kv_splits)
-    _unified_attention_kernel[grid](
-        out, q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+    unified_attention_kernel[grid](
+        out, q, k_cache, v_cache, k_side, v_side, block_tables, seq_lens, query_start_loc,
         part_out, part_lse,
         (scale if scale is not None else d ** -0.5) * 1.4426950408889634,  # log2(e): exp2 below
         num_seqs, h, d, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_P2=head_p2,
-        NUM_SPLITS=num_kv_splits, IEEE_DOT=q.dtype == torch.float32, LOAD_KV=load_kv or _load_kv_block,
+        NUM_SPLITS=num_kv_splits, IEEE_DOT=q.dtype == torch.float32, LOAD_KV=load_kv or read_kv_block,
         **launch_options(max_query_len, num_warps, num_stages))
     if num_kv_splits > 1:
         merge_attn_states(out, part_out, part_lse)

@@ -15,7 +15,6 @@ never touches the rest of the pool.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -115,9 +114,7 @@ class QuantizedPagedAttention(PagedAttention):
         self.used = torch.unique(tables)                                         # (U,)
         renumber = torch.zeros(cache.num_blocks, dtype=torch.long, device=tables.device)
         renumber[self.used] = torch.arange(len(self.used), device=tables.device)
-        self.compact_meta = dataclasses.replace(
-            meta, block_tables=renumber[tables], decode_block_tables=renumber[meta.decode_block_tables],
-            _decode_inputs=None)
+        self.compact_meta = meta.with_block_ids(renumber)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)

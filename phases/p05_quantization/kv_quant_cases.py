@@ -122,16 +122,16 @@ def compile_for_cuda(capability: int = 90) -> list[str]:
                                    ("i8", "fp32", 2, 4)]:
         block_m = max(16, triton.next_power_of_2(group))
         types = {"out_ptr": "*" + dt, "q_ptr": "*" + dt, "k_cache_ptr": "*" + fmt, "v_cache_ptr": "*" + fmt,
-                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i32",
+                 "k_side_ptr": "*fp32", "v_side_ptr": "*fp32", "block_tables_ptr": "*i32",
                  "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32", "part_out_ptr": "*fp32",
                  "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
-        done.append(compile_kernel(ta._unified_attention_kernel, types,
+        done.append(compile_kernel(ta.unified_attention_kernel, types,
                                    dict(GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_SIZE=16,
                                         HEAD_P2=64, NUM_SPLITS=splits, IEEE_DOT=dt == "fp32",
                                         LOAD_KV=tq._load_quantized_kv_block), capability))
         types = {"k_ptr": "*" + dt, "v_ptr": "*" + dt, "k_cache_ptr": "*" + fmt, "v_cache_ptr": "*" + fmt,
-                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
-        done.append(compile_kernel(ta._reshape_and_cache_kernel, types,
+                 "k_side_ptr": "*fp32", "v_side_ptr": "*fp32", "slot_mapping_ptr": "*i64"}
+        done.append(compile_kernel(ta.reshape_and_cache_kernel, types,
                                    dict(BLOCK_SIZE=16, KVH_P2=4, HEAD_P2=128, STORE_KV=tq._store_quantized_kv),
                                    capability))
     return done

@@ -2,13 +2,13 @@
 
 Phase 4's kernels store and load the cache through two `tl.constexpr` arguments, `STORE_KV` and
 `LOAD_KV` (a `@triton.jit` function is a compile-time constant: the call is inlined, and a
-kernel is compiled per function passed), and take the cache's scales beside it. This module
-supplies the quantized cache's pair, and nothing else of the kernels changes:
+kernel is compiled per function passed), and take *side data* beside the cache: here, its
+scales. This module supplies the quantized cache's pair, and nothing else of the kernels changes:
 
 - `_store_quantized_kv`: for each KV head of a new token, s = max|x| / QMAX, the values x / s
   rounded (int8: to the nearest integer, ties to even, within +-127; fp8: to the nearest float8
   e4m3 value), stored as bytes, and s beside them: bit for bit what `quantize_kv` stores.
-- `_load_quantized_kv_block`: phase 4's `_load_kv_block` reads a block's bytes, then each
+- `_load_quantized_kv_block`: phase 4's `read_kv_block` reads a block's bytes, then each
   (token, head) row is multiplied by its scale in float32, as `dequantize_kv` does; the kernel
   casts the block to the compute dtype before its products.
 
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from phases.p04_triton_kernels.engine import TritonPagedAttention
-from phases.p04_triton_kernels.triton_attention import _load_kv_block, reshape_and_cache, unified_attention
+from phases.p04_triton_kernels.triton_attention import read_kv_block, reshape_and_cache, unified_attention
 
 from .kv_quant import KV_CACHE_DTYPES
 
@@ -77,7 +77,7 @@ def _quantize_store(x, cache_ptr, scale_ptr, dst, scale_dst, mask, head_ok):
 @triton.jit
 def _store_quantized_kv(k, v, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, dst, scale_dst, mask,
                         head_ok):
-    """Phase 4's `_store_kv` for a quantized cache (its STORE_KV)."""
+    """Phase 4's `write_kv` for a quantized cache (its STORE_KV)."""
     _quantize_store(k, k_cache_ptr, k_scale_ptr, dst, scale_dst, mask, head_ok)
     _quantize_store(v, v_cache_ptr, v_scale_ptr, dst, scale_dst, mask, head_ok)
 
@@ -94,9 +94,9 @@ def _dequantize(q, scale):
 def _load_quantized_kv_block(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, kv_head, k_pos,
                              seq_len, head_dim, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                              BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr):
-    """Phase 4's `_load_kv_block` for a quantized cache (its LOAD_KV): the bytes as phase 4 reads
+    """Phase 4's `read_kv_block` for a quantized cache (its LOAD_KV): the bytes as phase 4 reads
     them, times each (token, head)'s scale. Slots past seq_len read as 0."""
-    k, v = _load_kv_block(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, kv_head, k_pos,
+    k, v = read_kv_block(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, kv_head, k_pos,
                           seq_len, head_dim, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                           BLOCK_SIZE, HEAD_P2)
     scale_offsets = block * stride_sb + tl.arange(0, BLOCK_SIZE) * stride_st + kv_head
@@ -119,7 +119,7 @@ def unified_attention_quantized(q: torch.Tensor, kv: torch.Tensor, scales: torch
                                 *args, **kwargs) -> torch.Tensor:
     """Phase 4's `unified_attention` over one layer of a `QuantizedKVCache` (kv, scales as in
     `reshape_and_cache_quantized`); the other arguments are `unified_attention`'s."""
-    return unified_attention(q, kv[0], kv[1], out, *args, k_scale=scales[0], v_scale=scales[1],
+    return unified_attention(q, kv[0], kv[1], out, *args, k_side=scales[0], v_side=scales[1],
                              load_kv=_load_quantized_kv_block, **kwargs)
 
 

@@ -28,6 +28,7 @@ from tinyvllm.sampler import Sampler
 from tinyvllm.sequence import Sequence
 
 from .rejection_sampler import SequenceAhead
+from .rollback import truncate_table
 from .spec_config import SpeculativeConfig
 
 
@@ -113,8 +114,6 @@ class DraftModelProposer:
         """After a step: the draft keeps only the KV the target kept (the tokens before the
         target's `num_computed_tokens`: its accepted drafts, never a rejected one), and frees
         the cache of sequences that stopped running (finished, aborted, preempted)."""
-        from .engine import truncate_table
-
         keep = set(running)
         for seq in list(self.states):
             st = self.states[seq]
@@ -127,5 +126,4 @@ class DraftModelProposer:
 
 def _same_vocabulary(draft, target) -> bool:
     return (draft.model_config.vocab_size == target.model_config.vocab_size
-            and draft.tokenizer._tok.get_vocab(with_added_tokens=True)
-            == target.tokenizer._tok.get_vocab(with_added_tokens=True))
+            and draft.tokenizer.get_vocab() == target.tokenizer.get_vocab())

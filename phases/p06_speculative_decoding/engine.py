@@ -27,23 +27,16 @@ import time
 
 import torch
 
-from phases.p02_paged_kv import BlockAllocator, BlockTable
 from phases.p05_quantization import Engine as Phase5Engine
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sequence import Sequence
 
+from .draft_proposer import DraftModelProposer
 from .ngram_proposer import NgramProposer
 from .rejection_sampler import RejectionSampler
+from .rollback import truncate_table
 from .scheduler import SpecScheduler
 from .spec_config import SpeculativeConfig
-
-
-def truncate_table(allocator: BlockAllocator, table: BlockTable, num_tokens: int) -> None:
-    """Shrink `table` to `num_tokens` slots: blocks left with no slot go back to the pool."""
-    keep = allocator.blocks_needed(num_tokens)
-    while len(table.block_ids) > keep:
-        allocator.release_block(table.block_ids.pop())
-    table.num_tokens = min(table.num_tokens, num_tokens)
 
 
 class Engine(Phase5Engine):
@@ -69,7 +62,6 @@ class Engine(Phase5Engine):
             return None
         if spec.method == "ngram":
             return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-        from .draft_proposer import DraftModelProposer
         return DraftModelProposer(self, spec)
 
     # -- one step ------------------------------------------------------------------------------

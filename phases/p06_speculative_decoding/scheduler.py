@@ -19,12 +19,12 @@ class SpecScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.spec_token_ids: dict[Sequence, list[int]] = {}  # this step's drafts, set before schedule()
 
-    def _num_new_tokens(self, seq: Sequence, budget: int) -> int:
-        n = super()._num_new_tokens(seq, budget)
+    def num_new_tokens(self, seq: Sequence, budget: int) -> int:
+        n = super().num_new_tokens(seq, budget)
         drafts = self.spec_token_ids.get(seq)
         if n == 1 and drafts and seq.num_computed_tokens + 1 == seq.num_tokens:  # a decode
             k = min(len(drafts), budget - 1)
-            while k > 0 and not self._can_grow(seq, 1 + k):
+            while k > 0 and not self.can_grow(seq, 1 + k):
                 k -= 1
             if k < len(drafts):
                 self.spec_token_ids[seq] = drafts[:k]

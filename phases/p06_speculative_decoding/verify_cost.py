@@ -22,7 +22,7 @@ def verify_pass_times(engine, max_query: int = 8, batch: int = 1, context: int =
                       repeat: int = 7, seed: int = 0) -> dict[int, float]:
     """Median seconds of one pass with q = 1..max_query query tokens per sequence, for `batch`
     sequences of `context` cached tokens. `engine`: a phase 6 `Engine` (speculation off or on)."""
-    from .engine import truncate_table
+    from .rollback import truncate_table
 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
