@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import phases
-from tinyvllm.bench.cli import add_engine_args, engine_args_from
+from tinyvllm.engine_flags import add_engine_args, engine_args_from
 from tinyvllm.bench.harness import (
     load_runners,
     mean_decode_context,

@@ -104,7 +104,7 @@ class LLM:
                 try:
                     outputs = engine.step()
                 except Exception:
-                    engine.abort_request(list(engine.groups))  # the rest of this call, too
+                    engine.abort_request(engine.unfinished_request_ids())  # the rest of this call, too
                     raise
                 for out in outputs:
                     if out.finished and bar is not None:

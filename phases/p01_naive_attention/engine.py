@@ -102,6 +102,9 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.groups)
+
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop a request (or several) now; later phases free its blocks at once. Unknown ids
         are ignored."""
@@ -153,7 +156,7 @@ class Engine:
         first position, positions computed, its first row in `hidden` (N, D))."""
         for seq, start, num_new, row in spans:
             group = seq.group
-            if group is None:  # a sequence that is no request's (phase 6's draft model)
+            if group is None:  # a sequence that belongs to no request (an engine's own)
                 continue
             positions = group.prompt_rows_wanted(start, num_new)
             if positions:
@@ -165,11 +168,16 @@ class Engine:
 
     def append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its row of logits and record it."""
-        tokens, logprobs = self.sampler(logits, seqs)
+        tokens, logprobs = self.sample(logits, seqs)
         now = time.perf_counter()
         for seq, token, lp in zip(seqs, tokens, logprobs):
             seq.append_token(token, lp)
             seq.group.record_token_time(now)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
+        """The sampler's token (and logprobs) for each row: an extension point, for an engine
+        that samples a batch another way."""
+        return self.sampler(logits, seqs)
 
     def collect_outputs(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
         """The outputs of the groups that changed this step; forget the finished ones."""

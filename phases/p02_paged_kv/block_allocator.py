@@ -6,7 +6,7 @@ A sequence's KV cache is not one contiguous stretch of memory but a list of bloc
 `block_id * block_size + offset`. A sequence takes a new block only when its last one is full,
 so it wastes at most `block_size - 1` slots, whatever its final length.
 
-Reference counts let several sequences share a block (phase 3's prefix caching); a block goes
+Reference counts let several sequences share a block (a prefix cache, for one); a block goes
 back to the free list when its count drops to zero.
 """
 
@@ -100,7 +100,7 @@ class BlockAllocator:
 
     def free(self, table: BlockTable) -> None:
         """Give back every block of `table` (shared blocks only lose one reference)."""
-        for block_id in reversed(table.block_ids):  # tail first: phase 3's LRU keeps the prefix longest
+        for block_id in reversed(table.block_ids):  # tail first: an LRU of freed blocks keeps a prefix longest
             self.release_block(block_id)
         table.block_ids.clear()
         table.num_tokens = 0

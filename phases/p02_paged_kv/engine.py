@@ -43,7 +43,7 @@ class Engine(Phase1Engine):
         self.kv_cache = self.make_kv_cache()
         self.allocator = self.make_allocator(self.kv_cache.num_blocks)
         self.running: list[Sequence] = []  # the current static batch
-        self.reset_stats()
+        self._stats = self._zero_stats()
 
     def make_kv_cache(self) -> KVCache:
         """The KV pool, as many blocks as the memory budget holds (a later phase stores it in
@@ -152,15 +152,18 @@ class Engine(Phase1Engine):
                     ) -> tuple[list[int], list[Sequence]]:
         """Which rows of the flat batch need logits: the last row of every sequence whose last
         token is computed this step (called before num_computed_tokens moves). Returns the rows
-        and those sequences. (Phase 6 asks for several rows of one sequence.)"""
+        and those sequences. (An extension point: an engine may ask for several rows of one sequence.)"""
         done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
         return [query_start_loc[i + 1] - 1 for i in done], [batch[i][0] for i in done]
 
     # -- numbers for the bench -----------------------------------------------------------------
     def reset_stats(self) -> None:
-        self._stats = dict(num_kv_blocks=self.allocator.num_blocks, block_size=self.block_size,
-                           peak_kv_blocks_used=0, peak_kv_tokens_reserved=0, peak_kv_tokens_used=0,
-                           contiguous_kv_tokens_reserved=0)
+        self._stats = self._zero_stats()
+
+    def _zero_stats(self) -> dict:
+        return dict(num_kv_blocks=self.allocator.num_blocks, block_size=self.block_size,
+                    peak_kv_blocks_used=0, peak_kv_tokens_reserved=0, peak_kv_tokens_used=0,
+                    contiguous_kv_tokens_reserved=0)
 
     def update_stats(self) -> None:
         """Record the cache's use at its peak: blocks held, the slots they reserve, the tokens

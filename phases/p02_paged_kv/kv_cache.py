@@ -1,6 +1,6 @@
 """The KV cache: one tensor holding every block of every layer.
 
-Layout (phase 4's kernels read it the same way):
+Layout (a kernel that reads the cache in place relies on it):
 
     kv:  (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
               |       |      |            |            |

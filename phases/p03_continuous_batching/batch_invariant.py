@@ -14,8 +14,9 @@ its own matmul and attention kernels: each output is computed from its own input
 order, whatever else is in the step (`batch_invariant.c`).
 
 - Every float `Linear` of the model becomes a `BatchInvariantLinear` (the same weight), whose
-  product is `bi_linear`. Phase 5's own int8/int4 kernels already are: their sums are exact
-  integers, each row rounded on its own.
+  product is `bi_linear`. A layer of another kind keeps its own product, which must be
+  batch-invariant itself (exact integer sums are, for one): an engine that brings such layers
+  checks them.
 - The attention backend is `BatchInvariantAttention`: the cache write as before, then
   `bi_attention`, one kernel for prefill tokens and decode tokens alike.
 - The rest of the model is row by row already (RMSNorm, RoPE, SiLU, the residual adds): the

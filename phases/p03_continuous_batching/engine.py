@@ -53,7 +53,13 @@ class Engine(Phase2Engine):
                     f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= max_model_len "
                     f"({self.max_model_len}) when enable_chunked_prefill is False")
             budget = max(budget, self.max_model_len)
-        self.scheduler = Scheduler(self.allocator, c.max_num_seqs, budget, c.enable_chunked_prefill)
+        self.max_num_batched_tokens = budget
+        self.scheduler = self.make_scheduler()
+
+    def make_scheduler(self) -> Scheduler:
+        """The part that decides each step's batch (a later phase's schedules more per sequence)."""
+        c = self.config
+        return Scheduler(self.allocator, c.max_num_seqs, self.max_num_batched_tokens, c.enable_chunked_prefill)
 
     def make_attention(self, meta: AttentionMetadata) -> PagedAttention:
         if self.config.batch_invariant:
@@ -108,14 +114,42 @@ class Engine(Phase2Engine):
                 self.scheduler.finish(seq)
         return self.collect_outputs([s.group for s in sampled])
 
+    # -- what a server shows -------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """The engine's state as plain data: every running and waiting sequence with its KV
+        blocks (those shared through the prefix cache apart), the pool, and the counters. A
+        server's live page and metrics read this, never the parts themselves."""
+        sched, alloc = self.scheduler, self.allocator
+        ref_counts = alloc.ref_counts
+
+        def describe(seq) -> dict:
+            blocks = list(seq.block_table.block_ids) if seq.block_table is not None else []
+            return {"request_id": seq.group.request_id, "index": seq.index,
+                    "num_prompt_tokens": len(seq.group.prompt_token_ids),
+                    "num_output_tokens": seq.num_output_tokens, "blocks": blocks,
+                    "shared_blocks": [b for b in blocks if ref_counts[b] > 1]}
+
+        stats = self.get_stats()
+        return {
+            "phase": self.phase,
+            "running": [describe(s) for s in list(sched.running)],
+            "waiting": [describe(s) for s in list(sched.waiting)],
+            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "num_blocks": alloc.num_blocks, "num_free_blocks": alloc.num_free_blocks,
+            "block_size": alloc.block_size,
+            "kv_cache_usage_perc": 1.0 - alloc.num_free_blocks / max(alloc.num_blocks, 1),
+            "num_preemptions": int(stats.get("num_preemptions", 0)),
+            "prefix_cache_queries": int(stats.get("prefix_cache_queries", 0)),
+            "prefix_cache_hits": int(stats.get("prefix_cache_hits", 0)),
+        }
+
     # -- numbers for the bench -----------------------------------------------------------------
     def running_sequences(self):
         return self.scheduler.running
 
     def reset_stats(self) -> None:
         super().reset_stats()
-        if hasattr(self, "scheduler"):
-            self.scheduler.num_preemptions = 0
+        self.scheduler.num_preemptions = 0
         if isinstance(self.allocator, PrefixCachingBlockAllocator):
             self.allocator.num_queries = self.allocator.num_hits = 0
 

@@ -18,7 +18,8 @@ more than scoring one. So, each step:
 
 Overrides: `step` (propose first), `run_model` (the drafts join the batch), `logits_rows` (k + 1
 rows of a verified sequence), `append_tokens` (verification), `abort_request`, `get_stats`,
-`reset_stats`. The scheduler is phase 3's with drafts counted (`SpecScheduler`).
+`reset_stats`. Parts: `make_scheduler` gives phase 3's scheduler with drafts counted
+(`SpecScheduler`); `make_proposer` the n-gram or the draft-model proposer.
 """
 
 from __future__ import annotations
@@ -49,13 +50,16 @@ class Engine(Phase5Engine):
         # checked before any model is loaded: a bad config costs nothing
         self.spec_config = SpeculativeConfig.from_dict(engine_args.get("speculative_config"))
         super().__init__(model, **engine_args)
-        old = self.scheduler
-        self.scheduler = SpecScheduler(old.allocator, old.max_num_seqs, old.max_num_batched_tokens,
-                                       old.enable_chunked_prefill)
+        self._spec_stats = self._zero_spec_stats()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.proposer = self.make_proposer(self.spec_config)
         self._verifying: dict[Sequence, list[int]] = {}           # this step's drafts, by sequence
         self._draft_probs: dict[Sequence, torch.Tensor | None] = {}  # q of each, (k, V); None: one-hot
+
+    def make_scheduler(self) -> SpecScheduler:
+        """Phase 3's scheduler, counting each decode's drafts in its tokens."""
+        c = self.config
+        return SpecScheduler(self.allocator, c.max_num_seqs, self.max_num_batched_tokens, c.enable_chunked_prefill)
 
     def make_proposer(self, spec: SpeculativeConfig | None):
         if spec is None:
@@ -179,8 +183,12 @@ class Engine(Phase5Engine):
 
     def reset_stats(self) -> None:
         super().reset_stats()
-        self._spec_stats = dict(spec_num_drafts=0, spec_num_draft_tokens=0, spec_num_accepted_tokens=0,
-                                spec_num_accepted_tokens_per_pos=[])
+        self._spec_stats = self._zero_spec_stats()
+
+    @staticmethod
+    def _zero_spec_stats() -> dict:
+        return dict(spec_num_drafts=0, spec_num_draft_tokens=0, spec_num_accepted_tokens=0,
+                    spec_num_accepted_tokens_per_pos=[])
 
     def get_stats(self) -> dict:
         """Phase 5's counters plus speculation's (vLLM's names): spec_num_drafts (verified runs),

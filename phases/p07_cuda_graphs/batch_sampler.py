@@ -68,18 +68,17 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 
 class BatchSampler(Sampler):
-    """`Sampler` with the vectorized path: when the engine has put this step's parameters in
-    `params` (the persistent batch's rows, in the step's order), and no row needs penalties,
-    min_tokens or logprobs, `sample` does the work; otherwise `Sampler` does, unchanged."""
+    """`Sampler` with the vectorized path: given `params`, this step's parameters as tensors
+    (temperature, top_k, top_p, min_p, generators: the persistent batch's rows, in the step's
+    order), and when no row needs penalties, min_tokens or logprobs, `sample` does the work;
+    otherwise `Sampler` does, unchanged."""
 
     def __init__(self, tokenizer=None):
         super().__init__(tokenizer)
-        self.params: tuple | None = None   # (temperature, top_k, top_p, min_p, generators), set per step
         self.num_vectorized = 0            # steps sampled by `sample` (for tests)
 
     @torch.inference_mode()
-    def __call__(self, logits, seqs):
-        params, self.params = self.params, None
+    def __call__(self, logits, seqs, params: tuple | None = None):
         if params is None or any(s.params.has_penalties or s.min_tokens_pending
                                  or s.params.logprobs is not None for s in seqs):
             return super().__call__(logits, seqs)

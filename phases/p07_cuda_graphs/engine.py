@@ -10,7 +10,8 @@ one newest token; no prefill chunk, no speculative tokens):
   scratch KV block that the allocator never hands out.
 - `DecodeRunner.run(bucket)` runs the forward: on CUDA a graph per bucket, captured once and
   replayed (`CudaGraphDecodeRunner`); on a CPU the same buffers eagerly.
-- The batch's sampling parameters are tensors, and the sampler is vectorized (`BatchSampler`).
+- The batch's sampling parameters are tensors, and the sampler is vectorized (`BatchSampler`,
+  handed them by `sample`).
 - At start, each layer's q/k/v and gate/up projections are fused into one product each, float or
   phase 5's int8/int4 (`fuse_projections`; the same outputs bit for bit, fewer operator calls;
   every step), and decode steps run `decode_forward`: the model's numbers with fewer operators
@@ -18,7 +19,7 @@ one newest token; no prefill chunk, no speculative tokens):
 
 Every other step (prefill chunks, speculative verification, more requests than the largest
 bucket) runs phase 6's `run_model` unchanged, and `enforce_eager=True` is phase 6 exactly.
-Overridden: `make_allocator` (one block fewer: the scratch block), `run_model`.
+Overridden: `make_allocator` (one block fewer: the scratch block), `run_model`, `sample`.
 """
 
 from __future__ import annotations
@@ -53,12 +54,14 @@ class Engine(Phase6Engine):
         super().__init__(model, **engine_args)
         c = self.config
         self.capture_sizes = c.cudagraph_capture_sizes or default_capture_sizes(c.max_num_seqs)
+        self._batch_params: tuple | None = None   # a static step's sampling parameters, for `sample`
         if c.enforce_eager:
             return
         # q/k/v and gate/up as one product each: bit-identical outputs, fewer operator calls
         self.num_fused_modules = fuse_projections(self.model)
         max_blocks = cdiv(self.max_model_len, self.block_size)
         self.input_batch = InputBatch(c.max_num_seqs, self.max_model_len, max_blocks)
+        self.scratch_block = self.kv_cache.num_blocks - 1   # the block make_allocator left out
         self.buffers = StaticDecodeBuffers(self.capture_sizes[-1], max_blocks, self.block_size,
                                            self.scratch_block, self.device)
         if self.device.type == "cuda":
@@ -75,7 +78,6 @@ class Engine(Phase6Engine):
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 when enforce_eager is False (one block is "
                              f"the scratch block of padded decode rows), got {num_blocks}")
-        self.scratch_block = num_blocks - 1
         return super().make_allocator(num_blocks - 1)
 
     def is_static_decode(self, batch: list[tuple[Sequence, int]]) -> bool:
@@ -98,7 +100,14 @@ class Engine(Phase6Engine):
             seq.num_computed_tokens += 1
         ib.num_computed[:n] += 1
         order = torch.tensor(rows)
-        self.sampler.params = (ib.temperature[:n][order], ib.top_k[:n][order], ib.top_p[:n][order],
-                               ib.min_p[:n][order], [ib.generators[r] for r in rows])
+        self._batch_params = (ib.temperature[:n][order], ib.top_k[:n][order], ib.top_p[:n][order],
+                              ib.min_p[:n][order], [ib.generators[r] for r in rows])
         self.num_static_steps += 1
         return logits[order.to(logits.device)], seqs
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
+        """After a static step, the vectorized sampler with the persistent batch's parameters."""
+        params, self._batch_params = self._batch_params, None
+        if params is None:
+            return super().sample(logits, seqs)
+        return self.sampler(logits, seqs, params)

@@ -54,8 +54,14 @@ def _fuse(layers: list) -> torch.nn.Module | None:
     return fused
 
 
-class FusedLlamaAttention(LlamaAttention):
+class FusedLlamaAttention(torch.nn.Module):
     """`LlamaAttention` with q, k and v from one product."""
+
+    def __init__(self, unfused: LlamaAttention, qkv_proj: torch.nn.Module):
+        super().__init__()
+        self.layer_idx, self.head_dim = unfused.layer_idx, unfused.head_dim
+        self.num_heads, self.num_kv_heads = unfused.num_heads, unfused.num_kv_heads
+        self.qkv_proj, self.o_proj = qkv_proj, unfused.o_proj
 
     def forward(self, x, rope, attn):
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -67,8 +73,12 @@ class FusedLlamaAttention(LlamaAttention):
         return self.o_proj(out.reshape(n, h * d))
 
 
-class FusedLlamaMLP(LlamaMLP):
+class FusedLlamaMLP(torch.nn.Module):
     """`LlamaMLP` with gate and up from one product."""
+
+    def __init__(self, unfused: LlamaMLP, gate_up_proj: torch.nn.Module):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = gate_up_proj, unfused.down_proj
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -76,23 +86,21 @@ class FusedLlamaMLP(LlamaMLP):
 
 
 def fuse_projections(model: torch.nn.Module) -> int:
-    """Fuse every decoder layer's q/k/v and gate/up projections in place. Returns how many
-    modules were fused."""
+    """Fuse every decoder layer's q/k/v and gate/up projections, replacing its attention and MLP
+    modules. Returns how many modules were fused."""
     count = 0
-    for module in model.modules():
-        if type(module) is LlamaAttention:
-            fused = _fuse([module.q_proj, module.k_proj, module.v_proj])
+    for layer in model.model.layers:
+        if type(layer.self_attn) is LlamaAttention:
+            a = layer.self_attn
+            fused = _fuse([a.q_proj, a.k_proj, a.v_proj])
             if fused is not None:
-                module.qkv_proj = fused
-                del module.q_proj, module.k_proj, module.v_proj
-                module.__class__ = FusedLlamaAttention
+                layer.self_attn = FusedLlamaAttention(a, fused)
                 count += 1
-        elif type(module) is LlamaMLP:
-            fused = _fuse([module.gate_proj, module.up_proj])
+        if type(layer.mlp) is LlamaMLP:
+            m = layer.mlp
+            fused = _fuse([m.gate_proj, m.up_proj])
             if fused is not None:
-                module.gate_up_proj = fused
-                del module.gate_proj, module.up_proj
-                module.__class__ = FusedLlamaMLP
+                layer.mlp = FusedLlamaMLP(m, fused)
                 count += 1
     return count
 

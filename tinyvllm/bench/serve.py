@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tinyvllm.engine_flags import engine_flags_from
+
 
 @dataclass(slots=True)
 class RequestResult:
@@ -181,25 +183,6 @@ def start_builtin_server(serve_args: list[str], timeout: float = 600, **popen_kw
             time.sleep(0.3)
     proc.kill()
     raise RuntimeError(f"the server did not start in {timeout:.0f} s")
-
-
-def engine_flags_from(engine_args: dict) -> list[str]:
-    """Engine arguments back into `tinyvllm serve` flags (the spellings add_engine_args makes)."""
-    from .cli import _engine_flag
-
-    flags = []
-    for name, value in engine_args.items():
-        if isinstance(value, bool):  # only a flip from the default is given: its flag
-            flags.append(_engine_flag(name, not value)[0])
-            continue
-        flag = _engine_flag(name, None)[0]
-        if isinstance(value, list):
-            flags += [flag, *map(str, value)]
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value)]
-        else:
-            flags += [flag, str(value)]
-    return flags
 
 
 def run_serve_bench(args, engine_args: dict, command: str) -> int:

@@ -68,7 +68,7 @@ class AsyncEngine:
     """
 
     def __init__(self, engine: Any, max_num_waiting: int | None = None, on_dead=None):
-        for name in ("add_group", "step", "abort_request", "has_unfinished_requests", "scheduler"):
+        for name in ("add_group", "step", "abort_request", "has_unfinished_requests", "snapshot"):
             if not hasattr(engine, name):
                 raise ValueError(
                     f"phase: phase {getattr(engine, 'phase', '?')} has no streaming API "
@@ -189,7 +189,7 @@ class AsyncEngine:
                     self._fail(e.request_ids, e)
                     continue
                 except Exception as e:       # no request named: abort them all, and go on
-                    ids = list(engine.groups)
+                    ids = engine.unfinished_request_ids()
                     engine.abort_request(ids)
                     self._fail(ids, StepError(ids, e))
                     continue
@@ -221,7 +221,7 @@ class AsyncEngine:
             try:
                 self._drain_inbox()
                 if engine.has_unfinished_requests():
-                    engine.abort_request(list(engine.groups))
+                    engine.abort_request(engine.unfinished_request_ids())
             finally:
                 if self.error is not None and self.on_dead is not None:
                     self.on_dead()
@@ -237,34 +237,7 @@ class AsyncEngine:
         self.state = self._snapshot(0.0)
 
     def _snapshot(self, tokens_per_s: float) -> dict:
-        """The engine's state as plain data: read by /metrics and GET /v1/engine/state."""
-        engine = self.engine
-        sched, alloc = engine.scheduler, engine.allocator
-        ref_counts = getattr(alloc, "ref_counts", None) or []
-
-        def describe(seq) -> dict:
-            table = seq.block_table
-            blocks = list(table.block_ids) if table is not None else []
-            return {"request_id": seq.group.request_id, "index": seq.index,
-                    "num_prompt_tokens": len(seq.group.prompt_token_ids),
-                    "num_output_tokens": seq.num_output_tokens,
-                    "blocks": blocks,
-                    "shared_blocks": [b for b in blocks if b < len(ref_counts) and ref_counts[b] > 1]}
-
-        stats = engine.get_stats()
-        return {
-            "phase": engine.phase,
-            "running": [describe(s) for s in list(sched.running)],
-            "waiting": [describe(s) for s in list(sched.waiting)],
-            "num_running": len(sched.running),
-            "num_waiting": len(sched.waiting),
-            "num_blocks": alloc.num_blocks,
-            "num_free_blocks": alloc.num_free_blocks,
-            "block_size": alloc.block_size,
-            "kv_cache_usage_perc": 1.0 - alloc.num_free_blocks / max(alloc.num_blocks, 1),
-            "num_preemptions": int(stats.get("num_preemptions", 0)),
-            "prefix_cache_queries": int(stats.get("prefix_cache_queries", 0)),
-            "prefix_cache_hits": int(stats.get("prefix_cache_hits", 0)),
-            "generation_tokens": self.generation_tokens,
-            "tokens_per_s": tokens_per_s,
-        }
+        """The engine's state as plain data (`engine.snapshot()`) with the server's rates: read
+        by /metrics and GET /v1/engine/state."""
+        return {**self.engine.snapshot(), "generation_tokens": self.generation_tokens,
+                "tokens_per_s": tokens_per_s}

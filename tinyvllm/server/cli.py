@@ -9,7 +9,7 @@ import sys
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to the `tinyvllm` parser: model, host, port, phase, api key, limits, engine args."""
-    from tinyvllm.bench.cli import add_engine_args
+    from tinyvllm.engine_flags import add_engine_args
     from tinyvllm.server.limits import CHARS_PER_TOKEN, Limits
 
     p = subparsers.add_parser(
@@ -52,7 +52,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     import phases
-    from tinyvllm.bench.cli import engine_args_from
+    from tinyvllm.engine_flags import engine_args_from
     from tinyvllm.server.app import build_app
     from tinyvllm.server.async_engine import AsyncEngine
     from tinyvllm.server.limits import Limits
