@@ -1,7 +1,7 @@
 """Phase 3: continuous batching, with preemption, chunked prefill and prefix caching."""
 
 from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
-from tinyvllm.testing import ThroughputCheckpoint
+from tinyvllm.testing import KindClaim, ThroughputCheckpoint
 
 from .engine import Engine
 from .prefix_cache import PrefixBlockTable, PrefixCachingBlockAllocator
@@ -27,6 +27,11 @@ THROUGHPUT_CHECKPOINTS = (
         claim_source="docs/assets/bench/throughput-64-4seqs.json (SmolLM2-135M, 64 requests, 4 seats, "
                      "2-core EPYC): 1.37x; throughput-8seqs.json (8 seats): 1.23x",
         min_gain=1.1,
+        # on a faster CPU a step of the wide tiny model is mostly fixed costs, and the scheduler's
+        # are larger than a static batch's: the 1.49x fewer steps buy less time
+        per_cpu_kind={"avx512_vnni": KindClaim(
+            1.15, 1.03, "tests/test_throughput.py -m phase03 -s on a 2-core Intel Xeon (avx512_vnni), 2026-11-24, "
+                        "four runs: 1.10x, 1.14x, 1.17x, 1.17x")},
         bench_command=(WIDE_CMD + "tinyvllm bench throughput --model /tmp/wide-tiny --phases 2-3 "
                        + _QUEUED_FLAGS + " --repeat 3")),
     ThroughputCheckpoint(

@@ -19,7 +19,7 @@ from phases.p04_triton_kernels import (
     TritonPagedAttention,
     cpu_paged_attention,
 )
-from phases.p04_triton_kernels.kernel_cases import (
+from phases.p04_triton_kernels.tools.kernel_cases import (
     DECODES,
     MIXED,
     engine_tokens,

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from phases.p04_triton_kernels.kernel_cases import CACHE_CASES, CASES, run_in_subprocess
+from phases.p04_triton_kernels.tools.kernel_cases import CACHE_CASES, CASES, run_in_subprocess
 
 
 def run_cases(*args: str, interpret: bool = True) -> dict:
-    """`python -m phases.p04_triton_kernels.kernel_cases *args`, in the interpreter or not."""
-    return run_in_subprocess("phases.p04_triton_kernels.kernel_cases", *args, interpret=interpret)
+    """`python -m phases.p04_triton_kernels.tools.kernel_cases *args`, in the interpreter or not."""
+    return run_in_subprocess("phases.p04_triton_kernels.tools.kernel_cases", *args, interpret=interpret)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def test_split_kv_rule_chose_to_split_in_interpreter(interpreted):
 @pytest.mark.interpreter
 @pytest.mark.slow  # a whole engine in the interpreter: ~21 s
 def test_engine_in_interpreter_gives_phase3_tokens(tiny_model_dir):
-    from phases.p04_triton_kernels.kernel_cases import engine_tokens
+    from phases.p04_triton_kernels.tools.kernel_cases import engine_tokens
 
     triton = run_cases("--engine", str(tiny_model_dir), "triton")
     assert triton["backend"] == "triton"
@@ -59,7 +59,7 @@ def test_kernels_compile_for_cuda_without_a_gpu():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_compiled_on_gpu(case, dtype):
-    from phases.p04_triton_kernels.kernel_cases import run_case
+    from phases.p04_triton_kernels.tools.kernel_cases import run_case
 
     result = run_case(case, "cuda", dtype)
     assert result["max_err"] <= result["tol"], result
@@ -69,7 +69,7 @@ def test_kernel_compiled_on_gpu(case, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("case", list(CACHE_CASES))
 def test_cache_write_compiled_on_gpu(case, dtype):
-    from phases.p04_triton_kernels.kernel_cases import run_cache_case
+    from phases.p04_triton_kernels.tools.kernel_cases import run_cache_case
 
     result = run_cache_case(case, "cuda", dtype)
     assert result["max_err"] <= result["tol"], result
@@ -77,7 +77,7 @@ def test_cache_write_compiled_on_gpu(case, dtype):
 
 @pytest.mark.gpu
 def test_engine_compiled_on_gpu_gives_phase3_tokens(tiny_model_dir):
-    from phases.p04_triton_kernels.kernel_cases import engine_tokens
+    from phases.p04_triton_kernels.tools.kernel_cases import engine_tokens
 
     ours = engine_tokens(str(tiny_model_dir), 4, device="cuda", dtype="float32")
     ref = engine_tokens(str(tiny_model_dir), 3, device="cuda", dtype="float32")

@@ -379,7 +379,8 @@ def test_int4_group_size_defaults_to_128_where_it_fits_else_32(tiny_model_dir):
 
 
 def test_step_parts_times_every_way(tiny_model_dir, capsys):
-    from phases.p05_quantization import quant, step_parts
+    from phases.p05_quantization import quant
+    from phases.p05_quantization.tools import step_parts
 
     chosen = quant.QuantizedLinear.choose_kernel
     step_parts.main(["--model", str(tiny_model_dir), "--steps", "2"])

@@ -9,13 +9,13 @@ import os
 
 import pytest
 
-from phases.p04_triton_kernels.kernel_cases import run_in_subprocess
-from phases.p05_quantization.kv_quant_cases import CASES, WRITE_CASES
+from phases.p04_triton_kernels.tools.kernel_cases import run_in_subprocess
+from phases.p05_quantization.tools.kv_quant_cases import CASES, WRITE_CASES
 
 
 def run_cases(*args: str, interpret: bool = True) -> dict:
-    """`python -m phases.p05_quantization.kv_quant_cases *args`, in the interpreter or not."""
-    return run_in_subprocess("phases.p05_quantization.kv_quant_cases", *args, interpret=interpret)
+    """`python -m phases.p05_quantization.tools.kv_quant_cases *args`, in the interpreter or not."""
+    return run_in_subprocess("phases.p05_quantization.tools.kv_quant_cases", *args, interpret=interpret)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_triton_write_stores_exactly_what_quantize_kv_stores(case, interpreted):
 def test_engine_with_triton_over_a_quantized_cache_gives_the_cpu_paths_tokens(tiny_model_dir):
     # the engine's wiring (which backend, which cache); the kernels' numbers, sampling included,
     # are the cases above and phase 4's engine test
-    from phases.p04_triton_kernels.kernel_cases import engine_tokens
+    from phases.p04_triton_kernels.tools.kernel_cases import engine_tokens
 
     triton = run_cases("--engine", str(tiny_model_dir), "int8")
     assert triton["backend"] == "triton"
@@ -62,7 +62,7 @@ def test_quantized_kernels_compile_for_cuda_without_a_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
 def test_triton_attention_over_a_quantized_cache_compiled_on_gpu(case):
-    from phases.p05_quantization.kv_quant_cases import run_case
+    from phases.p05_quantization.tools.kv_quant_cases import run_case
 
     result = run_case(case, "cuda")
     assert result["cache_equal"], result
@@ -72,6 +72,6 @@ def test_triton_attention_over_a_quantized_cache_compiled_on_gpu(case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(WRITE_CASES))
 def test_triton_write_compiled_on_gpu_stores_what_quantize_kv_stores(case):
-    from phases.p05_quantization.kv_quant_cases import run_write_case
+    from phases.p05_quantization.tools.kv_quant_cases import run_write_case
 
     assert run_write_case(case, "cuda")["max_err"] == 0

@@ -14,10 +14,11 @@ real step pays. `tinyvllm.model.Linear` quotes this command's numbers.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+
+from .timing import best, times
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 
@@ -25,13 +26,12 @@ DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 def time_linears(linears: list, rows: int, fn, repeat: int) -> float:
     """Best seconds, over `repeat` passes, to push `rows` rows through every layer with fn."""
     inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
-    best = float("inf")
-    for _ in range(repeat + 1):  # the first pass warms up, and is not kept
-        t = time.perf_counter()
+
+    def one_pass():
         for m in linears:
             fn(m, inputs[m.in_features])
-        best = min(best, time.perf_counter() - t)
-    return best
+
+    return best(times(one_pass, repeat))  # the first pass warms up, and is not kept
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,13 +16,14 @@ import os
 import platform
 import re
 import resource
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from tinyvllm.hardware import cpu_kind, cpu_vendor, reported_flags
+
+from .timing import best, times
 
 # Sizes of the limit measurements: large enough to leave the caches behind (a copy that fits in
 # cache measures the cache, not memory), small enough to take about a second in all.
@@ -77,17 +78,8 @@ class MachineLimits:
 
 def _best_time(fn, device: torch.device, repeats: int) -> float:
     """The fastest of `repeats` calls (after one untimed call): noise only ever adds time."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    return best(times(fn, repeats, sync=sync))
 
 
 def _copy_seconds(copy_bytes: int, device: torch.device, repeats: int) -> float:

@@ -4,17 +4,17 @@ Speculation rests on this: verifying k drafts is one pass over k + 1 query token
 This times exactly that pass, the engine's own verify path (`run_model` with drafts, logits at
 every row), for 1..8 query tokens per sequence over a cached context, at a given batch size.
 
-    python -m phases.p06_speculative_decoding.verify_cost [--batch 1] [--context 256] [--model PATH]
+    python -m phases.p06_speculative_decoding.tools.verify_cost [--batch 1] [--context 256] [--model PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
 
 import torch
+
+from tinyvllm.bench.timing import elapsed, median
 
 
 @torch.inference_mode()
@@ -22,7 +22,7 @@ def verify_pass_times(engine, max_query: int = 8, batch: int = 1, context: int =
                       repeat: int = 7, seed: int = 0) -> dict[int, float]:
     """Median seconds of one pass with q = 1..max_query query tokens per sequence, for `batch`
     sequences of `context` cached tokens. `engine`: a phase 6 `Engine` (speculation off or on)."""
-    from .rollback import truncate_table
+    from ..rollback import truncate_table
 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
@@ -40,13 +40,11 @@ def verify_pass_times(engine, max_query: int = 8, batch: int = 1, context: int =
             for seq in seqs:
                 engine.scheduler.spec_token_ids[seq] = [0] * (q - 1)
                 engine.allocator.allocate(seq.block_table, q)
-            start = time.perf_counter()
-            engine.run_model([(seq, q) for seq in seqs])
-            samples.append(time.perf_counter() - start)
+            samples.append(elapsed(lambda: engine.run_model([(seq, q) for seq in seqs])))
             for seq in seqs:  # undo: as if the pass never ran
                 seq.num_computed_tokens -= q
                 truncate_table(engine.allocator, seq.block_table, seq.num_computed_tokens)
-        times[q] = statistics.median(samples[1:])
+        times[q] = median(samples[1:])
     engine.scheduler.spec_token_ids.clear()
     engine.abort_request([f"verify-cost-{i}" for i in range(batch)])
     return times

@@ -1,6 +1,6 @@
 """Where an int8 decode step's time goes: the same step with each product done another way.
 
-    python -m phases.p05_quantization.step_parts [--model DIR] [--steps 25]
+    python -m phases.p05_quantization.tools.step_parts [--model DIR] [--steps 25]
 
 One phase 5 engine with int8 weights decodes one greedy request; every `QuantizedLinear`
 product of its steps is done in turn (one step each, interleaved, so a slower moment of the
@@ -20,14 +20,13 @@ It prints the median step time of each (ms).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.bench.timing import elapsed, median
 
-from . import cpu_int8, quant
+from .. import cpu_int8, quant
 
 
 def _none(layer, x):
@@ -66,9 +65,7 @@ def main(argv=None) -> None:
 
     def step_with(fn) -> float:
         quant.KERNEL_FNS["_step_parts"] = fn
-        t = time.perf_counter()
-        engine.step()
-        return time.perf_counter() - t
+        return elapsed(engine.step)
 
     times: dict[str, list[float]] = {name: [] for name in ways}
     try:
@@ -84,7 +81,7 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, cpu capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{torch.get_num_threads()} threads; int8 decode step, batch 1, median of {a.steps}")
     for name, ts in times.items():
-        print(f"{name:16s} {1e3 * statistics.median(ts):6.1f} ms")
+        print(f"{name:16s} {1e3 * median(ts):6.1f} ms")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Time one decode step, phase 7's static path against enforce_eager (phase 6), on one model.
 
-    python -m phases.p07_cuda_graphs.bench_step [--model DIR] [--batch 1 8] [--steps 30] [--gc-freeze]
+    python -m phases.p07_cuda_graphs.tools.bench_step [--model DIR] [--batch 1 8] [--steps 30] [--gc-freeze]
         [--quantization none int8] [--profile [--json FILE] [--plot FILE]]
-    python -m phases.p07_cuda_graphs.bench_step --fused [--model DIR] [--batch 1 8]
+    python -m phases.p07_cuda_graphs.tools.bench_step --fused [--model DIR] [--batch 1 8]
 
 Each batch: `batch` requests are prefilled in each engine, then `steps` decode steps of each are
 timed, interleaved (median of the per-step times). With --profile, five more steps run under
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 import time
 
 import torch
 
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.bench.timing import elapsed, median
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -43,9 +43,7 @@ def decode_step_times(engines: dict, batch: int, steps: int, gc_freeze: bool) ->
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(steps):
         for name, engine in engines.items():
-            t = time.perf_counter()
-            engine.step()
-            times[name].append(time.perf_counter() - t)
+            times[name].append(elapsed(engine.step))
     for engine in engines.values():
         engine.abort_request([f"r{i}" for i in range(batch)])
     if gc_freeze:
@@ -67,10 +65,7 @@ def step_breakdown(engine, steps: int = 5) -> tuple[float, float, float]:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        step = (time.perf_counter() - t) / steps
+        step = elapsed(lambda: [engine.step() for _ in range(steps)]) / steps
     ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}   # microseconds
     products = sum(ops.get(k, 0.0) for k in PRODUCT_OPS) / 1e3 / steps
     attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS) / 1e3 / steps
@@ -120,24 +115,19 @@ def bench_fused(model_dir, batches: list[int], repeat: int = 15) -> None:
     """The model's forward with separate and with fused projections, interleaved, min of `repeat`."""
     import copy
 
-    from .fused import fuse_projections
+    from ..fused import fuse_projections
 
     model = LLM(model_dir, phase=7, enforce_eager=True).llm_engine.model
-    t = time.perf_counter()
     fused = copy.deepcopy(model)
-    fuse_projections(fused)
-    print(f"copy + fuse_projections: {time.perf_counter() - t:.2f} s")
+    print(f"copy + fuse_projections: {elapsed(lambda: fuse_projections(fused)):.2f} s")
     for n in batches:
         device = model.model.embed_tokens.weight.device
         ids, pos = torch.randint(0, 1000, (n,), device=device), torch.arange(n, device=device) + 20
         times: dict[str, list[float]] = {"separate": [], "fused": []}
         for _ in range(repeat):
             for name, m in (("separate", model), ("fused", fused)):
-                t = time.perf_counter()
-                m(ids, pos, _NoCache())
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)  # the GPU's time, not the launches'
-                times[name].append(time.perf_counter() - t)
+                sync = torch.cuda.synchronize if device.type == "cuda" else None  # the GPU's time
+                times[name].append(elapsed(lambda: m(ids, pos, _NoCache()), sync))
         print(f"batch {n:3d}  forward separate {1e3 * min(times['separate']):7.1f} ms, "
               f"fused {1e3 * min(times['fused']):7.1f} ms (min of {repeat}, interleaved)", flush=True)
 
@@ -170,7 +160,7 @@ def main() -> None:
     for b in a.batch:
         times = decode_step_times(engines, b, a.steps, a.gc_freeze)
         for name, engine in engines.items():
-            ms = 1e3 * statistics.median(times[name])
+            ms = 1e3 * median(times[name])
             print(f"batch {b:3d}  {name:30s} decode step {ms:7.2f} ms (median of {a.steps})", flush=True)
             if a.profile:
                 params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -191,7 +181,7 @@ def main() -> None:
         from tinyvllm.bench.machine import machine_info
         from tinyvllm.bench.report import write_json
 
-        report = dict(command="python -m phases.p07_cuda_graphs.bench_step " + " ".join(sys.argv[1:]),
+        report = dict(command="python -m phases.p07_cuda_graphs.tools.bench_step " + " ".join(sys.argv[1:]),
                       date=time.strftime("%Y-%m-%d"), machine=machine_info(torch.device("cpu")),
                       steps=a.steps, rows=rows)
         if a.json:

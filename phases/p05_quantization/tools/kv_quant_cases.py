@@ -1,7 +1,7 @@
 """The quantized KV cache in phase 4's Triton kernels, checked against the CPU path.
 
 Used by `test_triton_kv_quant.py` as phase 4's `kernel_cases.py` is by its tests: on a CPU in a
-subprocess with TRITON_INTERPRET=1 (`python -m phases.p05_quantization.kv_quant_cases` prints one
+subprocess with TRITON_INTERPRET=1 (`python -m phases.p05_quantization.tools.kv_quant_cases` prints one
 JSON object, {case: {"max_err": ..., "tol": ...}}), on a CUDA GPU compiled in the test process,
 and without a GPU compiled ahead of time for one (`--compile 90`); `--engine MODEL_DIR FMT` runs
 phase 5's engine with attention_backend="triton" and kv_cache_dtype=FMT (greedy tokens).
@@ -25,9 +25,9 @@ from types import SimpleNamespace
 
 import torch
 
-from phases.p04_triton_kernels.kernel_cases import DECODES, MIXED, TOLERANCE, case_inputs
+from phases.p04_triton_kernels.tools.kernel_cases import DECODES, MIXED, TOLERANCE, case_inputs
 
-from .kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantize_kv
+from ..kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantize_kv
 
 CASES = {  # name: block size, head_dim, query heads per KV head, KV heads, batch, dtype, splits
     "int8-bs16-d64-gqa2-mixed-f32": dict(fmt="int8", bs=16, d=64, group=2, kvh=2, batch=MIXED,
@@ -58,7 +58,7 @@ def _cache(fmt: str, num_blocks: int, bs: int, kvh: int, d: int, device: str) ->
 
 
 def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
-    from .triton_kv_quant import reshape_and_cache_quantized, unified_attention_quantized
+    from ..triton_kv_quant import reshape_and_cache_quantized, unified_attention_quantized
 
     c = CASES[name]
     dtype = dtype or c["dtype"]
@@ -79,7 +79,7 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
 
 
 def run_write_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
-    from .triton_kv_quant import reshape_and_cache_quantized
+    from ..triton_kv_quant import reshape_and_cache_quantized
 
     c = WRITE_CASES[name]
     dt = getattr(torch, dtype or c["dtype"])
@@ -113,9 +113,9 @@ def compile_for_cuda(capability: int = 90) -> list[str]:
     import triton
 
     from phases.p04_triton_kernels import triton_attention as ta
-    from phases.p04_triton_kernels.kernel_cases import compile_kernel
+    from phases.p04_triton_kernels.tools.kernel_cases import compile_kernel
 
-    from . import triton_kv_quant as tq
+    from .. import triton_kv_quant as tq
 
     done = []
     for fmt, dt, splits, group in [("i8", "bf16", 1, 3), ("u8", "bf16", 4, 1), ("u8", "fp16", 1, 8),
@@ -142,7 +142,7 @@ def main(argv: list[str]) -> None:
         print(json.dumps(compile_for_cuda(int(argv[1]))))
         return
     if argv and argv[0] == "--engine":  # --engine MODEL_DIR KV_CACHE_DTYPE: phase 5 with the kernels
-        from phases.p04_triton_kernels.kernel_cases import engine_tokens
+        from phases.p04_triton_kernels.tools.kernel_cases import engine_tokens
         print(json.dumps(engine_tokens(argv[1], 5, sampled=False, attention_backend="triton",
                                        kv_cache_dtype=argv[2])))
         return

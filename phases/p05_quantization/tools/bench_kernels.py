@@ -1,6 +1,6 @@
 """Time every CPU matrix product for int8 and int4 weights on the default model's shapes.
 
-    python -m phases.p05_quantization.bench_kernels [--rows 1 4 32] [--repeat 7] [--group-size 64]
+    python -m phases.p05_quantization.tools.bench_kernels [--rows 1 4 32] [--repeat 7] [--group-size 64]
 
 For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
 LM head 49152x576) and each row count, the best-of-`repeat` time of: float32 through
@@ -12,15 +12,15 @@ then matmul) is printed beside it.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
+from tinyvllm.bench.timing import best, times
 from tinyvllm.hardware import cpu_kind, cpu_vendor
 from tinyvllm.model import Linear
 
-from . import cpu_int8
-from .quant import QuantizedLinear
+from .. import cpu_int8
+from ..quant import QuantizedLinear
 
 # tinyvllm's C kernels need the CPU's instructions: those that cannot run here are left out
 RUNS_HERE = {"cpu_int8": cpu_int8.available, "cpu_int4": cpu_int8.available,
@@ -31,13 +31,7 @@ SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_pro
 
 
 def best_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e3
+    return 1e3 * best(times(fn, repeat))
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,6 @@
 """Sweep the decode launch of `unified_attention` on a CUDA GPU: split-KV segments x warps x stages.
 
-    python -m phases.p04_triton_kernels.tune_decode            # needs a CUDA GPU
+    python -m phases.p04_triton_kernels.tools.tune_decode            # needs a CUDA GPU
 
 For each decode shape (sequences x context, the default model's 9 query heads over 3 KV heads,
 head_dim 64, bfloat16, blocks of 16), every combination is checked against SDPA in float32 and
@@ -25,7 +25,7 @@ def main() -> None:
 
     from tinyvllm.bench.machine import measure_limits
 
-    from .triton_attention import choose_num_kv_splits, num_sms, unified_attention
+    from ..triton_attention import choose_num_kv_splits, num_sms, unified_attention
 
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode needs a CUDA GPU (the interpreter's timings mean nothing)")

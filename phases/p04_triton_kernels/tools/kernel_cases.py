@@ -2,7 +2,7 @@
 hit the edges. Used by `test_p04_kernels.py` in two ways:
 
 - on a CPU, in a subprocess with TRITON_INTERPRET=1 (so the interpreter never enters the test
-  process): `TRITON_INTERPRET=1 python -m phases.p04_triton_kernels.kernel_cases` runs every
+  process): `TRITON_INTERPRET=1 python -m phases.p04_triton_kernels.tools.kernel_cases` runs every
   case and prints one JSON object, {case: {"max_err": ..., "tol": ...}};
 - on a CUDA GPU, compiled, in the test process (`run_case(name, "cuda", dtype)`);
 - without a GPU, compiled ahead of time for one (`python -m ... --compile 90`), which checks that
@@ -117,7 +117,7 @@ def run_in_subprocess(module: str, *args: str, interpret: bool = True) -> dict:
 def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     """Run one attention case: write the step's K/V with `reshape_and_cache`, attend with
     `unified_attention`, compare with phase 2's `paged_attention` in float32."""
-    from .triton_attention import (
+    from ..triton_attention import (
         choose_num_kv_splits,
         num_sms,
         reshape_and_cache,
@@ -141,7 +141,7 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
 def run_cache_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     """`reshape_and_cache` with padded rows (slot -1): the written slots hold exactly the new K/V,
     every other slot is unchanged."""
-    from .triton_attention import reshape_and_cache
+    from ..triton_attention import reshape_and_cache
 
     c = CACHE_CASES[name]
     dt = getattr(torch, dtype or c["dtype"])
@@ -187,7 +187,7 @@ def compile_for_cuda(capability: int = 90) -> list[str]:
     tl.dot tile below the hardware's minimum). Returns one line per compiled kernel."""
     import triton
 
-    from . import triton_attention as ta
+    from .. import triton_attention as ta
 
     def build(fn, types: dict, consts: dict) -> str:
         return compile_kernel(fn, types, consts, capability)

@@ -1,0 +1,142 @@
+"""The layers import in one direction, read from the source (no module is imported here):
+
+    front door (tinyvllm.llm, .cli, .engine_flags, .server, .bench) -> phases -> foundation (tinyvllm.*)
+
+- the foundation never imports `phases` nor the front door;
+- phase N imports only phases before it, never the front door (its measurement tools, in
+  `phases/pNN_*/tools/`, may use the bench's helpers), and never a private name (one that starts
+  with "_") of another phase;
+- no two modules import each other, directly or through others (no cycles).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FRONT_DOOR = ("tinyvllm.llm", "tinyvllm.cli", "tinyvllm.engine_flags", "tinyvllm.server", "tinyvllm.bench")
+# `tinyvllm` itself (its __init__) is the public face, `from tinyvllm import LLM`: front-door level
+
+
+def _front_door(module: str) -> bool:
+    return module == "tinyvllm" or _is(module, FRONT_DOOR)
+
+
+def _is_tool(module: str) -> bool:
+    """A phase's measurement tools (phases/pNN_*/tools/): they may use the bench's helpers."""
+    return ".tools." in module + "." and module.startswith("phases.")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    files = [p for p in REPO.glob("tinyvllm/**/*.py")] + [p for p in REPO.glob("phases/**/*.py")]
+    return {_module_name(p): p for p in files if not p.name.startswith("test_")}
+
+
+def _imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
+    """(module imported, names taken from it) for every import in the file, functions included."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            found.append((module, [a.name for a in node.names]))
+    return found
+
+
+def _is(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def _phase_of(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] == "phases" and len(parts) > 1 and parts[1][:1] == "p" and parts[1][1:3].isdigit():
+        return int(parts[1][1:3])
+    return None
+
+
+MODULES = _modules()
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("tinyvllm")))
+def test_the_foundation_never_imports_phases_or_the_front_door(name):
+    if _front_door(name):
+        return
+    for module, _ in _imports(name, MODULES[name]):
+        assert not _is(module, ("phases",)), f"{name} (foundation) imports {module}"
+        assert not _front_door(module), f"{name} (foundation) imports {module} (front door)"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if _phase_of(n) is not None))
+def test_a_phase_imports_only_earlier_phases_and_no_private_name(name):
+    phase = _phase_of(name)
+    for module, names in _imports(name, MODULES[name]):
+        assert _is_tool(name) or not _front_door(module), f"{name} imports the front door ({module})"
+        other = _phase_of(module)
+        if other is None:
+            continue
+        assert other <= phase, f"{name} (phase {phase}) imports phase {other} ({module})"
+        if other != phase:
+            private = [n for n in names if n.startswith("_")]
+            assert not private, f"{name} imports private names {private} of phase {other} ({module})"
+
+
+def test_no_import_cycles():
+    """Module-level imports only (an import inside a function runs later, and cannot deadlock
+    the loading of a module), between our own modules."""
+    graph: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps = set()
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    module = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    module = node.module
+                deps.add(module)
+                deps |= {f"{module}.{a.name}" for a in node.names}
+        graph[name] = {d for d in deps if d in MODULES and d != name}
+    # a package's __init__ importing its own submodules is how packages work: not a cycle
+    for name in graph:
+        graph[name] = {d for d in graph[name] if not d.startswith(name + ".")}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycle = path[path.index(dep):] + [dep]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name)
