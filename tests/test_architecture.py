@@ -140,3 +140,40 @@ def test_no_import_cycles():
     for name in sorted(graph):
         if name not in state:
             visit(name)
+
+
+def test_the_parts_table_of_the_architecture_page_is_the_code_s():
+    """docs/architecture.md's table of which phase provides which part is `python -m
+    phases.parts`'s output, so it cannot drift from the hooks the engines define."""
+    from phases.parts import PARTS, parts_table, provider
+
+    page = (REPO / "docs" / "architecture.md").read_text()
+    start = page.index("<!-- parts-table")
+    table = page[page.index("\n", start) + 1: page.index("<!-- /parts-table -->")].strip()
+    assert table == parts_table(), "regenerate docs/architecture.md's table with `python -m phases.parts`"
+    assert provider(7, "make_model_runner") == 7 and provider(3, "make_scheduler") == 3
+    assert all(provider(1, hook) in (None, 1) for hook in PARTS.values())
+
+
+def _code_lines(path: Path) -> int:
+    """Lines of code: not blank, not a comment, not a docstring."""
+    text = path.read_text()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+                    and isinstance(first.value.value, str):
+                docstrings |= set(range(first.lineno, first.end_lineno + 1))
+    return sum(1 for i, line in enumerate(text.splitlines(), start=1)
+               if line.strip() and not line.strip().startswith("#") and i not in docstrings)
+
+
+def test_a_phase_engine_file_is_short_and_its_code_within_budget():
+    """A phase's engine.py says which parts it changes (under 250 lines); the phase's engine code
+    (tools, tests and C excluded; lines of code, not comments or docstrings) stays within 600."""
+    for folder in sorted((REPO / "phases").glob("p0*")):
+        engine = folder / "engine.py"
+        assert len(engine.read_text().splitlines()) < 250, f"{engine} is long: move a part out of it"
+        code = sum(_code_lines(p) for p in folder.glob("*.py") if not p.name.startswith("test_"))
+        assert code <= 600, f"phases.{folder.name}: {code} lines of engine code"

@@ -52,10 +52,14 @@ class Engine:
         self.tokenizer = Tokenizer(self.model_path)
         self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config, self.tokenizer)
         self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
-        self.sampler = Sampler(self.tokenizer)
+        self.sampler = self.make_sampler()
         self.rng = torch.Generator().manual_seed(self.config.seed)  # seeds for unseeded requests
         self.groups: dict[str, SequenceGroup] = {}                 # unfinished requests by id
         self.queue: deque[Sequence] = deque()                      # phase 1: one at a time, FIFO
+
+    def make_sampler(self) -> Sampler:
+        """The part that picks each next token from its logits (`tinyvllm.sampler`)."""
+        return Sampler(self.tokenizer)
 
     @classmethod
     def check_engine_args(cls, engine_args: dict) -> None:
@@ -151,20 +155,7 @@ class Engine:
         return self.collect_outputs([seq.group])
 
     def record_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
-        """For requests with `prompt_logprobs`: the logits of the prompt rows this step computed,
-        and only those (a prompt's rows are otherwise never turned into logits). `spans`: (seq,
-        first position, positions computed, its first row in `hidden` (N, D))."""
-        for seq, start, num_new, row in spans:
-            group = seq.group
-            if group is None:  # a sequence that belongs to no request (an engine's own)
-                continue
-            positions = group.prompt_rows_wanted(start, num_new)
-            if positions:
-                rows = torch.tensor([row + p - start for p in positions], device=hidden.device)
-                logits = self.model.compute_logits(hidden[rows])               # (P, V)
-                targets = [group.prompt_token_ids[p + 1] for p in positions]
-                group.record_prompt_logprobs(
-                    self.sampler.prompt_logprobs(logits, targets, group.params.prompt_logprobs))
+        record_prompt_logprobs(self.model, self.sampler, hidden, spans)
 
     def append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample one token per sequence from its row of logits and record it."""
@@ -187,6 +178,22 @@ class Engine:
             if group.is_finished:
                 self.groups.pop(group.request_id, None)
         return outputs
+
+
+def record_prompt_logprobs(model, sampler, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
+    """For requests with `prompt_logprobs`: the logits of the prompt rows this step computed,
+    and only those (a prompt's rows are otherwise never turned into logits). `spans`: (seq,
+    first position, positions computed, its first row in `hidden` (N, D))."""
+    for seq, start, num_new, row in spans:
+        group = seq.group
+        if group is None:  # a sequence that belongs to no request (an engine's own)
+            continue
+        positions = group.prompt_rows_wanted(start, num_new)
+        if positions:
+            rows = torch.tensor([row + p - start for p in positions], device=hidden.device)
+            logits = model.compute_logits(hidden[rows])                      # (P, V)
+            targets = [group.prompt_token_ids[p + 1] for p in positions]
+            group.record_prompt_logprobs(sampler.prompt_logprobs(logits, targets, group.params.prompt_logprobs))
 
 
 def _eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:

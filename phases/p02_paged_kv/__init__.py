@@ -6,6 +6,7 @@ from tinyvllm.testing import ThroughputCheckpoint
 from .block_allocator import BlockAllocator, BlockTable
 from .engine import Engine
 from .kv_cache import KVCache
+from .model_runner import ModelInputs, ModelRunner
 from .paged_attention import (
            AttentionMetadata,
            PagedAttention,
@@ -14,7 +15,8 @@ from .paged_attention import (
            paged_attention,
 )
 
-__all__ = ["Engine", "BlockAllocator", "BlockTable", "KVCache", "AttentionMetadata", "PagedAttention",
+__all__ = ["Engine", "BlockAllocator", "BlockTable", "KVCache", "ModelRunner", "ModelInputs",
+           "AttentionMetadata", "PagedAttention",
            "paged_attention", "decode_attention", "decode_gather"]
 
 

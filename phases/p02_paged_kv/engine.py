@@ -16,6 +16,7 @@ never run, and is rejected when it is added.
 
 from __future__ import annotations
 
+import functools
 import time
 
 import torch
@@ -27,6 +28,7 @@ from tinyvllm.sequence import Sequence
 
 from .block_allocator import BlockAllocator, BlockTable, cdiv
 from .kv_cache import KVCache, num_kv_blocks
+from .model_runner import ModelRunner
 from .paged_attention import AttentionMetadata, PagedAttention
 
 
@@ -122,39 +124,19 @@ class Engine(Phase1Engine):
         return self.collect_outputs([s.group for s in sampled])
 
     # -- the model on a flat batch -------------------------------------------------------------
-    def run_model(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run the model on `num_new` tokens of each sequence (they follow its cached ones; their
-        blocks are already allocated). Returns the logits of the sequences whose last token was
-        computed, (S, V), and those sequences."""
-        bs = self.block_size
-        input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
-        for seq, n in batch:
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start: start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table.slot(p, bs) for p in range(start, start + n)]
-            query_lens.append(n)
-            seq_lens.append(start + n)
-        meta = AttentionMetadata.build(slots, query_lens, seq_lens,
-                                       [seq.block_table.block_ids for seq, _ in batch], self.device)
-        hidden = self.model(torch.tensor(input_ids, device=self.device),
-                            torch.tensor(positions, device=self.device),
-                            self.make_attention(meta))                             # (N, D)
-        self.record_prompt_logprobs(hidden, [(seq, seq.num_computed_tokens, n, meta.query_start_loc[i])
-                                             for i, (seq, n) in enumerate(batch)])
-        rows, sampled = self.logits_rows(batch, meta.query_start_loc)
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-        rows = torch.tensor(rows, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[rows]), sampled
+    @functools.cached_property
+    def model_runner(self) -> ModelRunner:
+        """Made at the first step, once every phase's constructor has set up what it needs."""
+        return self.make_model_runner()
 
-    def logits_rows(self, batch: list[tuple[Sequence, int]], query_start_loc: list[int]
-                    ) -> tuple[list[int], list[Sequence]]:
-        """Which rows of the flat batch need logits: the last row of every sequence whose last
-        token is computed this step (called before num_computed_tokens moves). Returns the rows
-        and those sequences. (An extension point: an engine may ask for several rows of one sequence.)"""
-        done = [i for i, (seq, n) in enumerate(batch) if seq.num_computed_tokens + n == seq.num_tokens]
-        return [query_start_loc[i + 1] - 1 for i in done], [batch[i][0] for i in done]
+    def make_model_runner(self) -> ModelRunner:
+        """The part that turns a batch of sequences into the model's inputs and runs it."""
+        return ModelRunner(self.model, self.sampler, self.block_size, self.make_attention, self.device)
+
+    def run_model(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
+        """The model runner on `num_new` tokens of each sequence: the logits of the sequences whose
+        last token was computed, (S, V), and those sequences."""
+        return self.model_runner.run(batch)
 
     # -- numbers for the bench -----------------------------------------------------------------
     def reset_stats(self) -> None:

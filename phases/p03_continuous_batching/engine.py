@@ -4,7 +4,7 @@ Phase 2 ran requests in static batches: a batch started together and the next on
 its *last* request ended, while finished requests' seats stood empty. Here the batch is remade at
 every step (iteration-level scheduling): a request joins the step after it arrives and leaves the
 step it ends. The `Scheduler` decides each step's batch; the model runs it as one flat batch of
-prefill chunks and decodes, through phase 2's paged attention (`run_model` is phase 2's).
+prefill chunks and decodes, through phase 2's model runner and paged attention.
 
 Also new: preemption when the cache runs out, chunked prefill, prefix caching, the streaming
 API (`add_request`, `step`, `abort_request`, `has_unfinished_requests`), and the batch-invariant

@@ -12,8 +12,8 @@ Phase 4 reads the paged cache where it lies:
   `cpu_attention.py`: PyTorch's fused CPU attention for prefill chunks too.
 - "torch": phase 3's attention exactly, for comparison.
 
-Only the backend changes: the scheduler, the cache and `run_model` are phase 3's (and phase 2's);
-`make_attention` hands `run_model` this phase's backend for each step.
+Only the backend changes: the scheduler, the cache and the model runner are phase 3's (and
+phase 2's); `make_attention` hands the model runner this phase's backend for each step.
 """
 
 from __future__ import annotations

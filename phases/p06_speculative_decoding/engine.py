@@ -10,16 +10,17 @@ more than scoring one. So, each step:
 2. The scheduler gives such a sequence 1 + k tokens of the step (its last token and the drafts),
    counted in the token budget and the cache like a prefill chunk; sequences without drafts and
    prefill chunks share the same flat batch.
-3. The target model scores all of them in one pass (`run_model`, with logits at every one of the
-   k + 1 rows), and the `RejectionSampler` keeps the drafts the target agrees with, plus one token
-   of its own: between 1 and k + 1 tokens for one pass, distributed exactly as without drafts.
+3. The target model scores all of them in one pass (the `SpecModelRunner`, with logits at every
+   one of the k + 1 rows), and the `RejectionSampler` keeps the drafts the target agrees with,
+   plus one token of its own: between 1 and k + 1 tokens for one pass, distributed exactly as
+   without drafts.
 4. The slots of rejected drafts are rolled back (`num_computed_tokens`, the block table; blocks
    left empty go back to the pool), in the draft model's cache too.
 
-Overrides: `step` (propose first), `run_model` (the drafts join the batch), `logits_rows` (k + 1
-rows of a verified sequence), `append_tokens` (verification), `abort_request`, `get_stats`,
-`reset_stats`. Parts: `make_scheduler` gives phase 3's scheduler with drafts counted
-(`SpecScheduler`); `make_proposer` the n-gram or the draft-model proposer.
+Parts: `make_scheduler` gives phase 3's scheduler with drafts counted (`SpecScheduler`),
+`make_model_runner` phase 2's runner with the drafts in the batch (`SpecModelRunner`),
+`make_proposer` the n-gram or the draft-model proposer. Overrides: `step` (propose first),
+`append_tokens` (verification), `abort_request`, `get_stats`, `reset_stats`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from tinyvllm.outputs import RequestOutput
 from tinyvllm.sequence import Sequence
 
 from .draft_proposer import DraftModelProposer
+from .model_runner import SpecModelRunner
 from .ngram_proposer import NgramProposer
 from .rejection_sampler import RejectionSampler
 from .rollback import truncate_table
@@ -49,17 +51,20 @@ class Engine(Phase5Engine):
     def __init__(self, model=None, **engine_args):
         # checked before any model is loaded: a bad config costs nothing
         self.spec_config = SpeculativeConfig.from_dict(engine_args.get("speculative_config"))
+        # this step's drafts, by sequence: the proposer writes them, the scheduler counts them,
+        # the model runner scores them
+        self.spec_token_ids: dict[Sequence, list[int]] = {}
         super().__init__(model, **engine_args)
         self._spec_stats = self._zero_spec_stats()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.proposer = self.make_proposer(self.spec_config)
-        self._verifying: dict[Sequence, list[int]] = {}           # this step's drafts, by sequence
         self._draft_probs: dict[Sequence, torch.Tensor | None] = {}  # q of each, (k, V); None: one-hot
 
     def make_scheduler(self) -> SpecScheduler:
         """Phase 3's scheduler, counting each decode's drafts in its tokens."""
         c = self.config
-        return SpecScheduler(self.allocator, c.max_num_seqs, self.max_num_batched_tokens, c.enable_chunked_prefill)
+        return SpecScheduler(self.allocator, c.max_num_seqs, self.max_num_batched_tokens, c.enable_chunked_prefill,
+                             spec_token_ids=self.spec_token_ids)
 
     def make_proposer(self, spec: SpeculativeConfig | None):
         if spec is None:
@@ -80,7 +85,7 @@ class Engine(Phase5Engine):
 
     def propose_drafts(self) -> None:
         """Drafts for every running sequence that is decoding, unless the batch is too large."""
-        drafts = self.scheduler.spec_token_ids
+        drafts = self.spec_token_ids
         drafts.clear()
         self._draft_probs.clear()
         spec, running = self.spec_config, self.scheduler.running
@@ -107,39 +112,19 @@ class Engine(Phase5Engine):
                 drafts[seq], self._draft_probs[seq] = tokens, q
 
     # -- the drafts in the flat batch ----------------------------------------------------------
-    def run_model(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """Phase 2's pass, with each verified sequence's drafts appended to its tokens for the
-        pass only. Returns k + 1 logits rows for a sequence with k drafts, 1 for the others."""
-        self._verifying = {}
-        for seq, n in batch:
-            tokens = self.scheduler.spec_token_ids.get(seq)
-            if tokens and n > 1 and seq.num_computed_tokens + 1 == seq.num_tokens:
-                self._verifying[seq] = tokens[: n - 1]
-        for seq, tokens in self._verifying.items():
-            seq.token_ids.extend(tokens)
-        try:
-            return super().run_model(batch)
-        finally:
-            for seq, tokens in self._verifying.items():
-                del seq.token_ids[-len(tokens):]
-
-    def logits_rows(self, batch, query_start_loc):
-        rows, sampled = super().logits_rows(batch, query_start_loc)
-        if not self._verifying:
-            return rows, sampled
-        out = []
-        for row, seq in zip(rows, sampled):
-            k = len(self._verifying.get(seq, ()))
-            out.extend(range(row - k, row + 1))  # the last real token's row, then one per draft
-        return out, sampled
+    def make_model_runner(self) -> SpecModelRunner:
+        """Phase 2's runner, with each decoding sequence's drafts scored in the same pass."""
+        return SpecModelRunner(self.model, self.sampler, self.block_size, self.make_attention, self.device,
+                               spec_token_ids=self.spec_token_ids)
 
     def append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """Sample as before for sequences without drafts; verify the drafts of the others."""
-        if not self._verifying:
+        verifying = self.model_runner.take_verifying()
+        if not verifying:
             return super().append_tokens(seqs, logits)
         plain, plain_rows, runs, r = [], [], [], 0
         for seq in seqs:
-            k = len(self._verifying.get(seq, ()))
+            k = len(verifying.get(seq, ()))
             if k:
                 runs.append((seq, logits[r: r + k + 1]))
             else:
@@ -149,7 +134,7 @@ class Engine(Phase5Engine):
         if plain:
             super().append_tokens(plain, logits[plain_rows])
         for seq, rows in runs:
-            drafts = self._verifying[seq]
+            drafts = verifying[seq]
             tokens, logprobs = self.rejection_sampler(rows, seq, drafts, self._draft_probs.get(seq))
             self.record_verification(seq, drafts, tokens)
             for token, lp in zip(tokens, logprobs):
@@ -160,7 +145,6 @@ class Engine(Phase5Engine):
             # KV is valid for the last real token and the accepted drafts; the rest is rolled back
             seq.num_computed_tokens -= len(drafts) - (len(tokens) - 1)
             truncate_table(self.allocator, seq.block_table, seq.num_computed_tokens)
-        self._verifying = {}
 
     def abort_request(self, request_id: str | list[str]) -> None:
         super().abort_request(request_id)

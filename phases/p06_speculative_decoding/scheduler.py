@@ -15,9 +15,9 @@ from tinyvllm.sequence import Sequence
 class SpecScheduler(Scheduler):
     """A `Scheduler` whose decodes may carry draft tokens."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, spec_token_ids: dict[Sequence, list[int]], **kwargs):
         super().__init__(*args, **kwargs)
-        self.spec_token_ids: dict[Sequence, list[int]] = {}  # this step's drafts, set before schedule()
+        self.spec_token_ids = spec_token_ids  # this step's drafts (the engine's), set before schedule()
 
     def num_new_tokens(self, seq: Sequence, budget: int) -> int:
         n = super().num_new_tokens(seq, budget)

@@ -17,9 +17,11 @@ one newest token; no prefill chunk, no speculative tokens):
   every step), and decode steps run `decode_forward`: the model's numbers with fewer operators
   around the products (the residual add fused with RMSNorm, one RoPE for q and k).
 
-Every other step (prefill chunks, speculative verification, more requests than the largest
-bucket) runs phase 6's `run_model` unchanged, and `enforce_eager=True` is phase 6 exactly.
-Overridden: `make_allocator` (one block fewer: the scratch block), `run_model`, `sample`.
+Parts: `make_model_runner` wraps phase 6's runner in a `StaticModelRunner`, which runs the
+decode-only steps this way and hands every other step (prefill chunks, speculative verification,
+more requests than the largest bucket) to phase 6's unchanged; `make_allocator` leaves out one
+block (the scratch block); `sample` gives the vectorized sampler the static step's parameters.
+`enforce_eager=True` is phase 6 exactly.
 """
 
 from __future__ import annotations
@@ -32,15 +34,10 @@ from phases.p06_speculative_decoding import Engine as Phase6Engine
 from tinyvllm.sequence import Sequence
 
 from .batch_sampler import BatchSampler
-from .decode_runner import (
-    CudaGraphDecodeRunner,
-    DecodeRunner,
-    StaticDecodeBuffers,
-    bucket_for,
-    default_capture_sizes,
-)
+from .decode_runner import CudaGraphDecodeRunner, DecodeRunner, StaticDecodeBuffers, default_capture_sizes
 from .fused import fuse_projections
 from .input_batch import InputBatch
+from .model_runner import StaticModelRunner
 
 
 class Engine(Phase6Engine):
@@ -54,7 +51,6 @@ class Engine(Phase6Engine):
         super().__init__(model, **engine_args)
         c = self.config
         self.capture_sizes = c.cudagraph_capture_sizes or default_capture_sizes(c.max_num_seqs)
-        self._batch_params: tuple | None = None   # a static step's sampling parameters, for `sample`
         if c.enforce_eager:
             return
         # q/k/v and gate/up as one product each: bit-identical outputs, fewer operator calls
@@ -68,8 +64,10 @@ class Engine(Phase6Engine):
             self.runner = CudaGraphDecodeRunner(self.model, self.buffers, self.kv_cache)
         else:
             self.runner = DecodeRunner(self.model, self.buffers, self.make_attention)
-        self.sampler = BatchSampler(self.tokenizer)
-        self.num_static_steps = 0  # decode steps run on the static buffers (for tests)
+
+    def make_sampler(self):
+        """The sampler with a vectorized path for the static steps (`BatchSampler`)."""
+        return super().make_sampler() if self.config.enforce_eager else BatchSampler(self.tokenizer)
 
     def make_allocator(self, num_blocks: int) -> BlockAllocator:
         # the pool's last block is the padded rows' scratch block: never handed out
@@ -80,34 +78,22 @@ class Engine(Phase6Engine):
                              f"the scratch block of padded decode rows), got {num_blocks}")
         return super().make_allocator(num_blocks - 1)
 
-    def is_static_decode(self, batch: list[tuple[Sequence, int]]) -> bool:
-        """True for a step the static path runs: every request computes just its newest token."""
-        return (not self.config.enforce_eager and len(batch) <= self.capture_sizes[-1]
-                and all(n == 1 and seq.num_computed_tokens == seq.num_tokens - 1 for seq, n in batch))
+    def make_model_runner(self):
+        """Phase 6's runner, wrapped: decode-only steps run on the persistent batch and the static
+        buffers (`StaticModelRunner`), every other step as before."""
+        inner = super().make_model_runner()
+        if self.config.enforce_eager:
+            return inner
+        return StaticModelRunner(inner, self.input_batch, self.buffers, self.runner, self.capture_sizes)
 
-    @torch.inference_mode()
-    def run_model(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        if not self.is_static_decode(batch):
-            return super().run_model(batch)
-        seqs = [seq for seq, _ in batch]
-        ib = self.input_batch
-        rows = ib.sync(seqs)                      # rows 0..n-1, in the batch's own order
-        n = ib.num_reqs
-        bucket = bucket_for(n, self.capture_sizes)
-        self.buffers.fill(ib.token_ids[:n], ib.num_computed[:n], ib.block_table[:n], ib.num_blocks[:n], bucket)
-        logits = self.runner.run(bucket)[:n]     # (n, V): the padded rows dropped
-        for seq in seqs:
-            seq.num_computed_tokens += 1
-        ib.num_computed[:n] += 1
-        order = torch.tensor(rows)
-        self._batch_params = (ib.temperature[:n][order], ib.top_k[:n][order], ib.top_p[:n][order],
-                              ib.min_p[:n][order], [ib.generators[r] for r in rows])
-        self.num_static_steps += 1
-        return logits[order.to(logits.device)], seqs
+    @property
+    def num_static_steps(self) -> int:
+        """Decode steps run on the static buffers (for tests)."""
+        return getattr(self.model_runner, "num_static_steps", 0)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
         """After a static step, the vectorized sampler with the persistent batch's parameters."""
-        params, self._batch_params = self._batch_params, None
+        params = self.model_runner.take_batch_params() if not self.config.enforce_eager else None
         if params is None:
             return super().sample(logits, seqs)
         return self.sampler(logits, seqs, params)

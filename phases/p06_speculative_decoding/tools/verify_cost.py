@@ -38,14 +38,14 @@ def verify_pass_times(engine, max_query: int = 8, batch: int = 1, context: int =
         samples = []
         for _ in range(repeat + 1):  # the first pass is a warm-up (weight packing, allocations)
             for seq in seqs:
-                engine.scheduler.spec_token_ids[seq] = [0] * (q - 1)
+                engine.spec_token_ids[seq] = [0] * (q - 1)
                 engine.allocator.allocate(seq.block_table, q)
             samples.append(elapsed(lambda: engine.run_model([(seq, q) for seq in seqs])))
             for seq in seqs:  # undo: as if the pass never ran
                 seq.num_computed_tokens -= q
                 truncate_table(engine.allocator, seq.block_table, seq.num_computed_tokens)
         times[q] = median(samples[1:])
-    engine.scheduler.spec_token_ids.clear()
+    engine.spec_token_ids.clear()
     engine.abort_request([f"verify-cost-{i}" for i in range(batch)])
     return times
 
