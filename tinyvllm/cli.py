@@ -16,14 +16,13 @@ import math
 import sys
 import time
 
+import phases
 from tinyvllm.bench import add_bench_parser, run_bench_command
 from tinyvllm.sampling_params import SamplingParams
 
 
 def _phase_help() -> str:
     """The phases that exist, read from the registry: '1 (p01_naive_attention), 2 (...), ...'."""
-    import phases  # the registry (front door -> phases is the allowed direction)
-
     names = [f"{n} ({phases.PHASES[n].rsplit('.', 1)[-1]})" for n in sorted(phases.PHASES)]
     return (f"which phase's engine to run: {', '.join(names)} "
             f"(default: the newest, {phases.latest_phase()})")

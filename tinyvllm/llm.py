@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import phases
 from tinyvllm.inputs import PromptType
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
@@ -38,8 +39,6 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, phase: int | None = None, **engine_args: Any):
-        import phases  # the registry; imported here so the foundation never imports phases
-
         self.phase = phase if phase is not None else phases.latest_phase()
         engine_cls = phases.get_engine_class(phase)
         self.llm_engine = engine_cls(model, **engine_args)

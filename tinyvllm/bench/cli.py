@@ -14,10 +14,13 @@ import argparse
 import json
 import shlex
 import sys
+
+import phases
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.engine_flags import add_engine_args, engine_args_from
 
 from .workloads import DATASETS, DEFAULTS, WORKLOADS
+
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to the `tinyvllm` parser's subparsers."""
@@ -90,7 +93,6 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run `tinyvllm bench` from parsed arguments: print the table, write --json and --plot."""
-    import phases
     from tinyvllm.download import resolve_model
     from tinyvllm.tokenizer import Tokenizer
 

@@ -17,6 +17,8 @@ import sys
 from datetime import datetime, timezone
 from typing import TextIO
 
+import phases
+
 from .machine import MachineLimits, load_average, machine_info, measure_limits
 from .report import speedups, summarize
 from .roofline import decode_roofline, kv_bytes_per_token
@@ -28,7 +30,6 @@ REPORT_VERSION = 1
 
 def parse_phases(text: str) -> list[int]:
     """'1-3', '1,3', '2' or 'all' -> registered phase numbers, in the order given."""
-    import phases
 
     registered = sorted(phases.PHASES)
     if text.strip() == "all":

@@ -16,6 +16,10 @@ KV heads and head_dim, one layer:
 
 bytes = the K/V bytes the sequences hold plus q and the output, read or written once; achieved
 bytes/s = bytes / best time of `--repeat` calls; `of copy` = that over the measured bandwidth.
+
+The phases' kernels are imported inside the functions that time them: `tinyvllm bench` (and the
+`tinyvllm` command, which builds its parser) must start without loading four phases and, worse,
+Triton, whose import decides once whether its kernels compile or run in the interpreter.
 """
 
 from __future__ import annotations

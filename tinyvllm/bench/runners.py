@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import phases
 from tinyvllm.sampling_params import SamplingParams
 
 from .machine import PeakMemory
@@ -75,7 +76,6 @@ class EngineRunner:
     kind = "tinyvllm"
 
     def __init__(self, phase: int, model: str | None, engine_args: dict):
-        import phases
 
         from tinyvllm.config import unsupported_engine_args
         from tinyvllm.llm import LLM
@@ -95,7 +95,6 @@ class EngineRunner:
     @property
     def label(self) -> str:
         """'phase 2 (paged_kv)', from the phase's folder name."""
-        import phases
 
         slug = phases.PHASES[self.phase].rsplit(".", 1)[-1].split("_", 1)[-1]
         return f"phase {self.phase} ({slug})"

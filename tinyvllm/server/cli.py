@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+import phases
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to the `tinyvllm` parser: model, host, port, phase, api key, limits, engine args."""
@@ -51,7 +53,6 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build the engine, then run uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
-    import phases
     from tinyvllm.engine_flags import engine_args_from
     from tinyvllm.server.app import build_app
     from tinyvllm.server.async_engine import AsyncEngine
