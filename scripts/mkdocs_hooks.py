@@ -37,7 +37,7 @@ log = logging.getLogger("mkdocs.hooks.tinyvllm")
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS_SECTION = "Notebooks"
 OPTIONAL_PAGES = ("benchmarks.md",)
-SOURCE_GLOBS = ("tinyvllm/*.py", "phases/*.py", "phases/*/*.py", "phases/*/tools/*.py", "phases/*/*.c", "tests/*.py",
+SOURCE_GLOBS = ("tinyvllm/*.py", "tinyvllm/entrypoints/*.py", "phases/*.py", "phases/*/*.py", "phases/*/tools/*.py", "phases/*/*.c", "tests/*.py",
                 "conftest.py", "scripts/*.sh", "scripts/*.py", "Makefile", "pyproject.toml", "mkdocs.yml")
 LANGUAGES = {".py": "python", ".c": "c", ".sh": "bash", ".toml": "toml", ".yml": "yaml", "Makefile": "make"}
 SOURCE_PREFIX = "source/"

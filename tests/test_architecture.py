@@ -1,6 +1,6 @@
 """The layers import in one direction, read from the source (no module is imported here):
 
-    front door (tinyvllm.llm, .cli, .engine_flags, .server, .bench) -> phases -> foundation (tinyvllm.*)
+    front door (tinyvllm.entrypoints: LLM, the CLI, the server, the bench) -> phases -> foundation (tinyvllm.*)
 
 - the foundation never imports `phases` nor the front door;
 - phase N imports only phases before it, never the front door (its measurement tools, in
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-FRONT_DOOR = ("tinyvllm.llm", "tinyvllm.cli", "tinyvllm.engine_flags", "tinyvllm.server", "tinyvllm.bench")
+FRONT_DOOR = ("tinyvllm.entrypoints",)
 # `tinyvllm` itself (its __init__) is the public face, `from tinyvllm import LLM`: front-door level
 
 

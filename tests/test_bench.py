@@ -14,34 +14,34 @@ import pytest
 import torch
 
 import phases
-from tinyvllm.engine_flags import add_engine_args, engine_args_from
-from tinyvllm.bench.harness import (
+from tinyvllm.entrypoints.engine_flags import add_engine_args, engine_args_from
+from tinyvllm.entrypoints.bench.harness import (
     load_runners,
     mean_decode_context,
     parse_phases,
     run_bench,
 )
-from tinyvllm.bench.machine import MachineLimits
-from tinyvllm.bench.report import plot_report, write_plot
-from tinyvllm.bench.roofline import (
+from tinyvllm.entrypoints.bench.machine import MachineLimits
+from tinyvllm.entrypoints.bench.report import plot_report, write_plot
+from tinyvllm.entrypoints.bench.roofline import (
     decode_roofline,
     flops_per_token,
     kv_bytes_per_token,
     weight_bytes_per_step,
 )
-from tinyvllm.bench.runners import (
+from tinyvllm.entrypoints.bench.runners import (
     STATS_KEYS,
     EngineRunner,
     RunResult,
     check_token_counts,
 )
-from tinyvllm.bench.workloads import (
+from tinyvllm.entrypoints.bench.workloads import (
     CHAT_QUESTIONS,
     WARMUP_MAX_TOKENS,
     make_workload,
     parse_len_range,
 )
-from tinyvllm.cli import main
+from tinyvllm.entrypoints.cli import main
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.tokenizer import Tokenizer
 
@@ -403,7 +403,7 @@ def test_hf_peer_without_transformers_says_how_to_install(tiny_model_dir, monkey
     import sys
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if it were not installed
-    monkeypatch.delitem(sys.modules, "tinyvllm.bench.hf", raising=False)
+    monkeypatch.delitem(sys.modules, "tinyvllm.entrypoints.bench.hf", raising=False)
     with pytest.raises(ValueError, match=r"--vs hf needs Hugging Face transformers: pip install"):
         load_runners(str(tiny_model_dir), [1], {}, ["hf"])
 
@@ -414,7 +414,7 @@ def test_engines_of_a_ladder_share_the_gpu(monkeypatch):
     import torch
 
     import tinyvllm.weights
-    from tinyvllm.bench.harness import share_gpu
+    from tinyvllm.entrypoints.bench.harness import share_gpu
 
     monkeypatch.setattr(tinyvllm.weights, "resolve_device", lambda d: torch.device("cuda"))
     shares = share_gpu({"max_num_seqs": 8}, 4)

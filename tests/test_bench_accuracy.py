@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from tinyvllm.bench.accuracy import TEXT_PATH, load_text, run_accuracy
+from tinyvllm.entrypoints.bench.accuracy import TEXT_PATH, load_text, run_accuracy
 
 
 def test_shipped_text_is_long_enough_and_licensed():
@@ -38,7 +38,7 @@ def test_accuracy_report(tiny_model_dir):
 
 
 def test_accuracy_cli_json(tiny_model_dir, tmp_path):
-    from tinyvllm.cli import main
+    from tinyvllm.entrypoints.cli import main
     out = tmp_path / "acc.json"
     rc = main(["bench", "accuracy", "--model", str(tiny_model_dir), "--quantization-list", "int4",
                "--kv-cache-dtypes", "fp8", "--window", "16",

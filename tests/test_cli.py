@@ -8,7 +8,7 @@ import pytest
 
 import phases
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.cli import main
+from tinyvllm.entrypoints.cli import main
 
 # a row of generate's --logprobs table: step, token id, 'text', logprob, probability, rank
 LOGPROB_ROW = re.compile(r"^\s+(\d+)\s+(\d+)\s+(?:'.*?'|\".*?\")\s+(-?\d+\.\d+)\s+(\d\.\d+)\s+(\d+)\b",
@@ -111,7 +111,7 @@ def test_generate_imports_neither_transformers_nor_the_server_stack(tiny_model_d
     # generate` / `bench` start without FastAPI/uvicorn (a machine with only torch and the engine's
     # needs runs them; importing the server costs startup time). A fresh interpreter, so that
     # nothing this test session imported counts.
-    code = ("import sys; from tinyvllm.cli import main; "
+    code = ("import sys; from tinyvllm.entrypoints.cli import main; "
             f"main(['generate', '--model', {str(tiny_model_dir)!r}, '--prompt', 'hi', '--max-tokens', '2']); "
             "bad = [m for m in ('transformers', 'fastapi', 'uvicorn', 'starlette') if m in sys.modules]; "
             "assert not bad, bad")

@@ -15,8 +15,8 @@ import pytest
 import phases
 from tinyvllm import SamplingParams
 from tinyvllm.errors import StepError
-from tinyvllm.server.app import build_app
-from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError
+from tinyvllm.entrypoints.server.app import build_app
+from tinyvllm.entrypoints.server.async_engine import AsyncEngine, EngineDeadError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
@@ -95,7 +95,7 @@ def test_the_server_answers_a_failed_step_with_an_error_and_goes_on(engine):
     ae = AsyncEngine(engine)
     app = build_app(ae, "tiny")
     rids = iter(["boom", "ok-1", "boom", "ok-2"])
-    import tinyvllm.server.app as app_module
+    import tinyvllm.entrypoints.server.app as app_module
 
     class _Ids:  # the app names its requests from uuid4: give them the names above, in order
         def __init__(self):

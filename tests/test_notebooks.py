@@ -38,7 +38,7 @@ LONGEST_FIRST = ("03_continuous_batching", "01_naive_attention", "06_speculative
 # the cell asks (the notebooks import it from the harness after this cell, so they get this one).
 QUICK_BENCH = """\
 import dataclasses as _dc  # put here by tests/test_notebooks.py: a smaller benchmark, one round
-import tinyvllm.bench.harness as _harness
+import tinyvllm.entrypoints.bench.harness as _harness
 _run_bench = _harness.run_bench
 def _quick_bench(workload, *args, **kwargs):
     requests = [_dc.replace(r, max_tokens=min(r.max_tokens, 16)) for r in workload.requests[:8]]

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.bench.serve import start_builtin_server
+from tinyvllm.entrypoints.bench.serve import start_builtin_server
 
 pytestmark = pytest.mark.server
 openai = pytest.importorskip("openai")
@@ -326,7 +326,7 @@ def test_queue_bound_and_sigterm(tiny_model_dir):
 
 
 def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path):
-    from tinyvllm.cli import main
+    from tinyvllm.entrypoints.cli import main
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--base-url", server, "--api-key", API_KEY, "--model", str(tiny_model_dir),
                "--num-prompts", "6", "--dataset", "random", "--input-len", "12", "--output-len", "5",
@@ -343,7 +343,7 @@ def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("phase", [1, 2])
 def test_phases_without_streaming_api_are_refused(tiny_model_dir, phase):
-    from tinyvllm.server import AsyncEngine
+    from tinyvllm.entrypoints.server import AsyncEngine
     engine = LLM(str(tiny_model_dir), phase=phase).llm_engine
     with pytest.raises(ValueError, match="phase 3 or later"):
         AsyncEngine(engine)

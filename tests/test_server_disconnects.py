@@ -11,8 +11,8 @@ import time
 
 import phases
 from tinyvllm import SamplingParams
-from tinyvllm.server.app import build_app
-from tinyvllm.server.async_engine import AsyncEngine, _Mailbox
+from tinyvllm.entrypoints.server.app import build_app
+from tinyvllm.entrypoints.server.async_engine import AsyncEngine, _Mailbox
 
 
 def _slowed(engine, seconds: float):

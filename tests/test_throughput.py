@@ -21,8 +21,8 @@ import torch
 
 import phases
 from conftest import PHASE_NUMBERS, phase_params
-from tinyvllm.bench.runners import EngineRunner, RunResult
-from tinyvllm.bench.workloads import WARMUP_MAX_TOKENS, Workload, make_workload
+from tinyvllm.entrypoints.bench.runners import EngineRunner, RunResult
+from tinyvllm.entrypoints.bench.workloads import WARMUP_MAX_TOKENS, Workload, make_workload
 from tinyvllm.testing import WIDE_TINY_LLAMA, ThroughputCheckpoint, make_tiny_llama
 
 pytestmark = pytest.mark.throughput
@@ -71,7 +71,7 @@ def baseline_runner(cp: ThroughputCheckpoint, model: str, candidate: EngineRunne
     if cp.baseline != "hf":
         return engine_runner(cp.baseline, model, cp.engine_args)
     pytest.importorskip("transformers", reason="the 'hf' checkpoint compares with transformers' generate")
-    from tinyvllm.bench.hf import HFRunner
+    from tinyvllm.entrypoints.bench.hf import HFRunner
     e = candidate.engine
     return HFRunner(model, e.device, e.dtype, e.config.max_num_seqs, sorted(e.eos_token_ids))
 

@@ -3,7 +3,7 @@
     from tinyvllm import LLM, SamplingParams
 """
 
-from tinyvllm.llm import LLM
+from tinyvllm.entrypoints.llm import LLM
 from tinyvllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 

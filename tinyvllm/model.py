@@ -132,7 +132,7 @@ class Linear(nn.Linear):
     Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
     it is plain `F.linear`.
 
-    Measured with `python -m tinyvllm.bench.linear --repeat 9` (all 211 weight matrices of the
+    Measured with `python -m tinyvllm.entrypoints.bench.linear --repeat 9` (all 211 weight matrices of the
     default model, best of 9, torch 2.13.0+cpu, 2 threads):
 
     - AMD EPYC (AVX-512), F.linear -> Linear: 1 row 44 -> 20 ms, 2 rows 73 -> 19, 4 rows

@@ -169,8 +169,8 @@ class ThroughputCheckpoint:
         name: what is compared, e.g. "cached decode over recompute".
         baseline: the phase number it is compared with, or "hf" (transformers' `generate` on
             static batches of `max_num_seqs`).
-        workload: a `tinyvllm.bench` workload name: "throughput", "latency" or "prefix".
-        workload_args: keyword arguments of `tinyvllm.bench.workloads.make_workload`
+        workload: a `tinyvllm.entrypoints.bench` workload name: "throughput", "latency" or "prefix".
+        workload_args: keyword arguments of `tinyvllm.entrypoints.bench.workloads.make_workload`
             (num_prompts, dataset, input_len, output_len, seed, ...).
         model: "wide-tiny" (`make_tiny_llama(**WIDE_TINY_LLAMA)`, random weights, seconds) or
             "default" (SmolLM2-135M-Instruct, minutes).

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
-from tinyvllm.bench.kernels import run_kernels
-from tinyvllm.bench.machine import MachineLimits
-from tinyvllm.cli import main
+from tinyvllm.entrypoints.bench.kernels import run_kernels
+from tinyvllm.entrypoints.bench.machine import MachineLimits
+from tinyvllm.entrypoints.cli import main
 
 LIMITS = MachineLimits(memory_bandwidth=10e9, matmul_flops=50e9, matmul_dtype="float32",
                        copy_bytes=1, matmul_size=1)  # made up: the measurement is not under test

@@ -356,7 +356,7 @@ def test_reuse_workload_prompts_are_seeded_and_reused(tiny_model_dir):
     """The bench's `reuse` dataset: the same seed gives the same prompts; the kinds take turns
     (a function to edit, records to reformat, lines to extract), each with eight items to copy,
     and the function is valid Python."""
-    from tinyvllm.bench.workloads import make_workload
+    from tinyvllm.entrypoints.bench.workloads import make_workload
     from tinyvllm.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_model_dir)

@@ -23,7 +23,7 @@ SPLITS, WARPS, STAGES = (1, 2, 4, 8, 16), (2, 4, 8), (1, 2, 3)
 def main() -> None:
     import triton
 
-    from tinyvllm.bench.machine import measure_limits
+    from tinyvllm.entrypoints.bench.machine import measure_limits
 
     from ..triton_attention import choose_num_kv_splits, num_sms, unified_attention
 

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from tinyvllm.bench.timing import best, times
+from tinyvllm.entrypoints.bench.timing import best, times
 from tinyvllm.hardware import cpu_kind, cpu_vendor
 from tinyvllm.model import Linear
 

@@ -24,7 +24,7 @@ import argparse
 import torch
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.bench.timing import elapsed, median
+from tinyvllm.entrypoints.bench.timing import elapsed, median
 
 from .. import cpu_int8, quant
 

@@ -14,7 +14,7 @@ import random
 
 import torch
 
-from tinyvllm.bench.timing import elapsed, median
+from tinyvllm.entrypoints.bench.timing import elapsed, median
 
 
 @torch.inference_mode()

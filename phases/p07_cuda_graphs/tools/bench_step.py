@@ -23,7 +23,7 @@ import time
 import torch
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.bench.timing import elapsed, median
+from tinyvllm.entrypoints.bench.timing import elapsed, median
 
 PROMPT = "Write a short story about a robot who learns to paint."
 
@@ -75,7 +75,7 @@ def step_breakdown(engine, steps: int = 5) -> tuple[float, float, float]:
 
 def plot_breakdown(report: dict):
     """Stacked bars: each (batch, engine)'s median step as matrix products, attention, the rest."""
-    from tinyvllm.bench.report import cpu_name, require_matplotlib
+    from tinyvllm.entrypoints.bench.report import cpu_name, require_matplotlib
 
     require_matplotlib()
     from matplotlib.figure import Figure
@@ -178,8 +178,8 @@ def main() -> None:
                 rows.append(dict(batch=b, engine=name, step_ms=round(ms, 2), products_ms=round(products, 2),
                                  attention_ms=round(attention, 2), rest_ms=round(rest, 2)))
     if a.json or a.plot:
-        from tinyvllm.bench.machine import machine_info
-        from tinyvllm.bench.report import write_json
+        from tinyvllm.entrypoints.bench.machine import machine_info
+        from tinyvllm.entrypoints.bench.report import write_json
 
         report = dict(command="python -m phases.p07_cuda_graphs.tools.bench_step " + " ".join(sys.argv[1:]),
                       date=time.strftime("%Y-%m-%d"), machine=machine_info(torch.device("cpu")),

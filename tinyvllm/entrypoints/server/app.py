@@ -26,10 +26,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm.errors import StepError
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from tinyvllm.server.limits import CHARS_PER_TOKEN, Limits
-from tinyvllm.server.metrics import ServerMetrics
-from tinyvllm.server.protocol import (
+from tinyvllm.entrypoints.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from tinyvllm.entrypoints.server.limits import CHARS_PER_TOKEN, Limits
+from tinyvllm.entrypoints.server.metrics import ServerMetrics
+from tinyvllm.entrypoints.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tinyvllm.engine_flags import engine_flags_from
+from tinyvllm.entrypoints.engine_flags import engine_flags_from
 
 
 @dataclass(slots=True)
@@ -168,7 +168,7 @@ def start_builtin_server(serve_args: list[str], timeout: float = 600, **popen_kw
     import httpx
 
     port = _free_port()
-    cmd = [sys.executable, "-m", "tinyvllm.cli", "serve", "--port", str(port), *serve_args]
+    cmd = [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", "--port", str(port), *serve_args]
     proc = subprocess.Popen(cmd, **popen_kwargs)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout

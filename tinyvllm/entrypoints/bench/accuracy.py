@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-TEXT_PATH = Path(__file__).resolve().parent.parent / "data" / "python_reference.txt"
+TEXT_PATH = Path(__file__).resolve().parents[2] / "data" / "python_reference.txt"  # tinyvllm/data
 
 
 def load_text() -> str:

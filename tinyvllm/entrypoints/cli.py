@@ -17,7 +17,7 @@ import sys
 import time
 
 import phases
-from tinyvllm.bench import add_bench_parser, run_bench_command
+from tinyvllm.entrypoints.bench import add_bench_parser, run_bench_command
 from tinyvllm.sampling_params import SamplingParams
 
 
@@ -129,9 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"happens once: later runs, and the engine's own first use of the default model, reuse it")
     sub.add_parser("download", description=download_help,
                    help="download and convert the default model into the cache; print its folder")
-    add_bench_parser(sub)  # its flags live beside the harness, in tinyvllm/bench/cli.py
-    from tinyvllm.server.cli import add_serve_parser
-    add_serve_parser(sub)  # its flags live beside the server, in tinyvllm/server/cli.py
+    add_bench_parser(sub)  # its flags live beside the harness, in tinyvllm/entrypoints/bench/cli.py
+    from tinyvllm.entrypoints.server.cli import add_serve_parser
+    add_serve_parser(sub)  # its flags live beside the server, in tinyvllm/entrypoints/server/cli.py
     return parser
 
 
@@ -145,10 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             return run_bench_command(args, argv)
         if args.command == "serve":
-            from tinyvllm.server.cli import run_serve
+            from tinyvllm.entrypoints.server.cli import run_serve
             return run_serve(args)
         params = _sampling_params(args)
-        from tinyvllm.llm import LLM
+        from tinyvllm.entrypoints.llm import LLM
         llm = LLM(args.model, phase=args.phase, **_engine_kwargs(args))
         if args.command == "generate":
             return _generate(llm, args.prompt, params)

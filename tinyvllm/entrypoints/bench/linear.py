@@ -2,8 +2,8 @@
 on a CPU: `F.linear` (MKL), the product written the other way round, (W @ x^T)^T, oneDNN with a
 packed weight, and the model's own `Linear`, which picks one of them by rows and CPU vendor.
 
-    .venv/bin/python -m tinyvllm.bench.linear                  # the default model, CPU
-    .venv/bin/python -m tinyvllm.bench.linear --rows 1 2 12 16 64 --repeat 7
+    .venv/bin/python -m tinyvllm.entrypoints.bench.linear                  # the default model, CPU
+    .venv/bin/python -m tinyvllm.entrypoints.bench.linear --rows 1 2 12 16 64 --repeat 7
 
 For each row count it multiplies a batch of that many rows through every weight matrix of the
 model once, as one decode step does, and prints the best time of `--repeat` passes for each
@@ -35,7 +35,7 @@ def time_linears(linears: list, rows: int, fn, repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tinyvllm.bench.linear", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m tinyvllm.entrypoints.bench.linear", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a local Hugging Face folder (default: the default model)")
     parser.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS),

@@ -5,7 +5,7 @@
     tinyvllm bench prefix --phases 3 --no-prefix-caching
     tinyvllm bench kernels --json kernels.json     # attention kernels alone (see bench/kernels.py)
 
-Every engine argument of `EngineConfig` is a flag here (`tinyvllm.engine_flags`).
+Every engine argument of `EngineConfig` is a flag here (`tinyvllm.entrypoints.engine_flags`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 
 import phases
 from tinyvllm.config import EngineConfig, ModelConfig
-from tinyvllm.engine_flags import add_engine_args, engine_args_from
+from tinyvllm.entrypoints.engine_flags import add_engine_args, engine_args_from
 
 from .workloads import DATASETS, DEFAULTS, WORKLOADS
 
@@ -63,7 +63,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"tokens of the shared prefix (prefix workload; default {DEFAULTS['prefix']['prefix_len']})")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
 
-    s = p.add_argument_group("serve: a load test of an OpenAI-compatible server (tinyvllm/bench/serve.py)")
+    s = p.add_argument_group("serve: a load test of an OpenAI-compatible server (tinyvllm/entrypoints/bench/serve.py)")
     s.add_argument("--request-rate", type=float, default=float("inf"),
                    help="requests per second, Poisson arrivals (default inf: all at once)")
     s.add_argument("--base-url", default=None,

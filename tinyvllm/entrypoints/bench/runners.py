@@ -78,7 +78,7 @@ class EngineRunner:
     def __init__(self, phase: int, model: str | None, engine_args: dict):
 
         from tinyvllm.config import unsupported_engine_args
-        from tinyvllm.llm import LLM
+        from tinyvllm.entrypoints.llm import LLM
 
         self.phase = phase
         # A ladder of phases shares one command line: each phase gets the arguments it acts on

@@ -1,4 +1,4 @@
-"""`tinyvllm serve`: its flags and its main (kept beside the server; tinyvllm/cli.py adds it)."""
+"""`tinyvllm serve`: its flags and its main (kept beside the server; tinyvllm/entrypoints/cli.py adds it)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import phases
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to the `tinyvllm` parser: model, host, port, phase, api key, limits, engine args."""
-    from tinyvllm.engine_flags import add_engine_args
-    from tinyvllm.server.limits import CHARS_PER_TOKEN, Limits
+    from tinyvllm.entrypoints.engine_flags import add_engine_args
+    from tinyvllm.entrypoints.server.limits import CHARS_PER_TOKEN, Limits
 
     p = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server (FastAPI + uvicorn) with a live page at /",
@@ -53,10 +53,10 @@ def run_serve(args: argparse.Namespace) -> int:
     """Build the engine, then run uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
-    from tinyvllm.engine_flags import engine_args_from
-    from tinyvllm.server.app import build_app
-    from tinyvllm.server.async_engine import AsyncEngine
-    from tinyvllm.server.limits import Limits
+    from tinyvllm.entrypoints.engine_flags import engine_args_from
+    from tinyvllm.entrypoints.server.app import build_app
+    from tinyvllm.entrypoints.server.async_engine import AsyncEngine
+    from tinyvllm.entrypoints.server.limits import Limits
 
     model = args.model or args.model_flag
     if args.max_num_waiting is not None and args.max_num_waiting < 1:

@@ -14,8 +14,8 @@ measures the machine's limits in the same run, and reports each engine against t
 
 From Python:
 
-    from tinyvllm.bench.workloads import make_workload
-    from tinyvllm.bench.harness import load_runners, run_bench
+    from tinyvllm.entrypoints.bench.workloads import make_workload
+    from tinyvllm.entrypoints.bench.harness import load_runners, run_bench
 
 This package imports only the light command-line part on import, so `tinyvllm --help` stays fast;
 torch and the engines load when a benchmark runs.
