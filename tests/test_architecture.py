@@ -42,6 +42,14 @@ def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in files if not p.name.startswith("test_")}
 
 
+def _from_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a `from ... import` reads (relative ones resolved)."""
+    if not node.level:
+        return node.module
+    base = package.split(".")
+    return ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+
+
 def _imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
     """(module imported, names taken from it) for every import in the file, functions included."""
     tree = ast.parse(path.read_text())
@@ -51,13 +59,7 @@ def _imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
         if isinstance(node, ast.Import):
             found += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module
-            found.append((module, [a.name for a in node.names]))
+            found.append((_from_module(node, package), [a.name for a in node.names]))
     return found
 
 
@@ -110,12 +112,7 @@ def test_no_import_cycles():
             if isinstance(node, ast.Import):
                 deps |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - node.level + 1]
-                    module = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    module = node.module
+                module = _from_module(node, package)
                 deps.add(module)
                 deps |= {f"{module}.{a.name}" for a in node.names}
         graph[name] = {d for d in deps if d in MODULES and d != name}
