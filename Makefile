@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own setup (scripts/setup.sh), reused after.
-.PHONY: setup demo test test-fast
+.PHONY: setup demo test test-fast learn learn-check
 
 PY := .venv/bin/python
 
@@ -18,3 +18,13 @@ test: setup
 ## server or Triton interpreter
 test-fast: setup
 	@$(PY) -m pytest -m "not slow and not throughput and not notebooks and not docs and not server and not interpreter"
+
+## learn: copy phase PHASE into workspace/ with its key functions left to write (tinyvllm learn start)
+learn: setup
+	@test -n "$(PHASE)" || { echo "usage: make learn PHASE=2"; exit 2; }
+	@.venv/bin/tinyvllm learn start $(PHASE)
+
+## learn-check: grade workspace/'s copy of phase PHASE, task by task (tinyvllm learn check)
+learn-check: setup
+	@test -n "$(PHASE)" || { echo "usage: make learn-check PHASE=2"; exit 2; }
+	@.venv/bin/tinyvllm learn check $(PHASE)

@@ -3,6 +3,7 @@
 - Every registered phase gets a marker: `pytest -m phase02` runs phase 2's checkpoint and its
   cases of the shared suite.
 - `gpu` tests are skipped, with the reason, where no CUDA GPU is present.
+- `--workspace DIR` grades a learner's copies of phases (tinyvllm learn) instead of the reference.
 - Engines are cached per session: loading the default model takes seconds, not every test.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,6 +29,51 @@ def phase_params(min_phase: int = 1):
     """pytest.param for each registered phase >= min_phase, marked phaseNN."""
     return [pytest.param(p, id=f"phase{p}", marks=getattr(pytest.mark, f"phase{p:02d}"))
             for p in PHASE_NUMBERS if p >= min_phase]
+
+
+WORKSPACE_COPIES = pytest.StashKey[list]()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--workspace", default=None, metavar="DIR",
+                     help="grade a learner's copies of phases in DIR (tinyvllm learn start N writes "
+                          "them) instead of the reference ones")
+    parser.addoption("--check-timeout", type=int, default=0, metavar="S",
+                     help="fail a test that runs longer than S seconds (tinyvllm learn check sets it: "
+                          "a learner's engine that waits for blocks nobody frees would loop forever)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    limit = item.config.getoption("--check-timeout")
+    if not limit:
+        yield
+        return
+
+    def stop(signum, frame):
+        pytest.fail(f"this check did not finish in {limit} s: does the engine wait forever, for "
+                    f"KV blocks that are never given back, or a request that never finishes?",
+                    pytrace=False)
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def pytest_configure(config):
+    if config.getoption("--workspace"):
+        from phases.workspace import use_workspace
+        config.stash[WORKSPACE_COPIES] = use_workspace(config.getoption("--workspace"))
+
+
+def pytest_report_header(config):
+    copies = config.stash.get(WORKSPACE_COPIES, None)
+    if copies is not None:
+        return f"workspace: {config.getoption('--workspace')} stands in for {', '.join(copies) or 'no phase'}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,7 @@ A new phase joins every shared test and the front door (`LLM(phase=N)`) by addin
 from __future__ import annotations
 
 import importlib
+import os
 
 PHASES: dict[int, str] = {
     1: "phases.p01_naive_attention",
@@ -16,6 +17,10 @@ PHASES: dict[int, str] = {
     6: "phases.p06_speculative_decoding",
     7: "phases.p07_cuda_graphs",
 }
+
+if os.environ.get("TINYVLLM_WORKSPACE"):  # a learner's copies of phases stand in (phases/workspace.py)
+    from .workspace import use_workspace
+    use_workspace(os.environ["TINYVLLM_WORKSPACE"])
 
 
 def first_phase_with(engine_arg: str) -> int | None:

@@ -108,6 +108,7 @@ class Verdict:
     passed: bool
     ratio: float
     message: str
+    summary: str = ""  # one line, for tinyvllm learn check
 
 
 def judge(cp: ThroughputCheckpoint, phase: int, candidate_tok_s: list[float],
@@ -128,7 +129,8 @@ def judge(cp: ThroughputCheckpoint, phase: int, candidate_tok_s: list[float],
                f"{', '.join(f'{c:.1f}/{b:.1f}' for c, b in zip(candidate_tok_s, baseline_tok_s))}): "
                f"ratio {ratio:.2f}x, must be >= {min_gain:.2f}x {where} (margin {ratio - min_gain:+.2f}; "
                f"claimed {claim.claimed_gain:.2f}x: {claim.claim_source}). Reproduce: {cp.bench_command}")
-    return Verdict(ratio >= min_gain, ratio, message)
+    summary = f"{cp.name}: {ratio:.2f}x the speed of {base}, needs {min_gain:.2f}x"
+    return Verdict(ratio >= min_gain, ratio, message, summary)
 
 
 def assert_gain(cp: ThroughputCheckpoint, phase: int, candidate_tok_s, baseline_tok_s) -> Verdict:
@@ -141,7 +143,7 @@ def assert_gain(cp: ThroughputCheckpoint, phase: int, candidate_tok_s, baseline_
 # -- the checkpoints ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("phase,cp", checkpoint_params())
-def test_throughput_checkpoint(phase, cp, wide_tiny_dir):
+def test_throughput_checkpoint(phase, cp, wide_tiny_dir, record_property):
     model = model_path(cp, wide_tiny_dir)
     candidate = engine_runner(phase, model, cp.engine_args)
     baseline = baseline_runner(cp, model, candidate)
@@ -152,6 +154,7 @@ def test_throughput_checkpoint(phase, cp, wide_tiny_dir):
         if cp.model == "default":  # no other checkpoint shares them: give their memory back
             for key in [k for k in _RUNNERS if k[1] == model]:
                 del _RUNNERS[key]
+    record_property("speed", judge(cp, phase, cand, base).summary)  # tinyvllm learn check shows it
     assert_gain(cp, phase, cand, base)
 
 

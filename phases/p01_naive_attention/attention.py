@@ -21,6 +21,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     Query i sits at position num_past + i and sees keys 0 .. num_past + i.
     """
+    # >>> exercise causal_attention (2 stars): Attention of Tq queries over Tk keys: each query sees keys 0 .. num_past + i, KV heads shared by groups of query heads.
+    # hint: repeat each KV head H // KVH times; scores = q k^T / sqrt(d); mask keys after each query's position with -inf; softmax in float32, then times v.
+    # checked by: test_causal_attention_equals_sdpa, test_backend_is_causal_over_the_whole_sequence, test_logits_equal_transformers
     tq, h, d = q.shape
     tk, kvh, _ = k.shape
     k = k.repeat_interleave(h // kvh, dim=1)                     # (Tk, H, d)
@@ -31,6 +34,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores = scores.masked_fill(k_pos > q_pos, float("-inf"))    # causal mask
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.einsum("hqk,khd->qhd", probs, v)                # (Tq, H, d)
+    # <<< exercise causal_attention
 
 
 class NaiveAttention:

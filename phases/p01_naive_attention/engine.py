@@ -139,6 +139,9 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Generate one token for the sequence at the head of the queue."""
+        # >>> exercise recompute_step (1 star): One step of phase 1: run the model over the whole sequence of the queue's first request, and sample its next token from the last row.
+        # hint: torch.arange gives the positions; NaiveAttention() is the backend; compute_logits on hidden[-1:]; append_tokens samples; pop the request once it is finished.
+        # checked by: test_every_step_recomputes_the_whole_sequence, test_greedy_matches_transformers
         if not self.queue:
             return []
         seq = self.queue[0]
@@ -153,6 +156,7 @@ class Engine:
         if seq.is_finished:
             self.queue.popleft()
         return self.collect_outputs([seq.group])
+        # <<< exercise recompute_step
 
     def record_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
         record_prompt_logprobs(self.model, self.sampler, hidden, spans)

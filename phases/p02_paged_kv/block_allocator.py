@@ -82,12 +82,16 @@ class BlockAllocator:
 
     def allocate(self, table: BlockTable, num_tokens: int) -> None:
         """Grow `table` so it has room for `num_tokens` more tokens (a prompt, or a chunk of one)."""
+        # >>> exercise allocate (1 star): Grow `table` so it holds `num_tokens` more tokens: take as many free blocks as it lacks.
+        # hint: blocks_needed(table.num_tokens + num_tokens) - len(table) blocks are missing; refuse (RuntimeError) when the free list is shorter; _take_block() gives one.
+        # checked by: test_allocator_never_leaks_or_double_books, test_every_block_is_free_after_generate, test_small_pool_runs_batches_one_after_another, test_request_that_never_fits_is_rejected
         needed = self.blocks_needed(table.num_tokens + num_tokens) - len(table)
         if needed > self.num_free_blocks:
             raise RuntimeError(f"out of KV cache blocks: need {needed}, have {self.num_free_blocks}")
         for _ in range(needed):
             table.block_ids.append(self._take_block())
         table.num_tokens += num_tokens
+        # <<< exercise allocate
 
     def can_append_slot(self, table: BlockTable) -> bool:
         return table.num_tokens % self.block_size != 0 or self.num_free_blocks > 0
@@ -100,7 +104,11 @@ class BlockAllocator:
 
     def free(self, table: BlockTable) -> None:
         """Give back every block of `table` (shared blocks only lose one reference)."""
+        # >>> exercise free (1 star): Give every block of `table` back to the pool, and empty the table.
+        # hint: release_block(b) for each block, the last one first; then clear block_ids and num_tokens.
+        # checked by: test_allocator_never_leaks_or_double_books, test_every_block_is_free_after_generate, test_small_pool_runs_batches_one_after_another
         for block_id in reversed(table.block_ids):  # tail first: an LRU of freed blocks keeps a prefix longest
             self.release_block(block_id)
         table.block_ids.clear()
         table.num_tokens = 0
+        # <<< exercise free

@@ -64,6 +64,9 @@ class ModelRunner:
 
     def prepare(self, batch: list[tuple[Sequence, int]]) -> ModelInputs:
         """The flat tokens of the batch, their positions, their cache slots and how they group."""
+        # >>> exercise prepare_inputs (2 stars): Turn a batch of (sequence, num_new) into the flat input_ids, positions and cache slots, and the AttentionMetadata.
+        # hint: a sequence's new tokens are token_ids[num_computed_tokens : num_computed_tokens + n]; its slot for position p is block_table.slot(p, block_size); seq_lens count the tokens after this step.
+        # checked by: test_greedy_equals_phase1, test_seeded_sampling_equals_phase1, test_greedy_matches_transformers
         bs = self.block_size
         input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for seq, n in batch:
@@ -77,6 +80,7 @@ class ModelRunner:
                                        [seq.block_table.block_ids for seq, _ in batch], self.device)
         return ModelInputs(torch.tensor(input_ids, device=self.device),
                            torch.tensor(positions, device=self.device), meta)
+        # <<< exercise prepare_inputs
 
     def execute(self, inputs: ModelInputs) -> torch.Tensor:
         """The model's hidden states of every token of the step, (N, D)."""

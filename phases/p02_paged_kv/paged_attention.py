@@ -108,11 +108,15 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size
         mask      (B, 1, 1, T)           added to the scores: 0 on a sequence's tokens, -inf on
                                          the slots past its length (rest of its last block, padding)
     """
+    # >>> exercise decode_gather (2 stars): For B decoding sequences: the block ids to gather (each sequence padded to the longest's blocks) and the additive mask (0 on real tokens, -inf past each length).
+    # hint: max_blocks = ceil(max(seq_lens) / block_size); block_tables[:, :max_blocks].flatten(); a slot t of row b is past the end when t >= seq_lens[b].
+    # checked by: test_paged_attention_equals_naive, test_greedy_equals_phase1
     max_blocks = -(-int(seq_lens.max()) // block_size)
     block_ids = block_tables[:, :max_blocks].flatten()
     past_end = torch.arange(max_blocks * block_size, device=seq_lens.device)[None, :] >= seq_lens[:, None]
     mask = torch.zeros(past_end.shape, dtype=dtype, device=seq_lens.device).masked_fill_(past_end, float("-inf"))
     return block_ids, mask[:, None, None, :]
+    # <<< exercise decode_gather
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -69,6 +69,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Blocks of the cache that hold the longest prefix of `token_ids`. At least one token is
         always left to compute: its logits are what sampling needs, even on a full hit."""
+        # >>> exercise match_prefix (2 stars): The cached blocks that hold the longest prefix of `token_ids`, walking it a full block at a time; always leave at least one token to compute.
+        # hint: key of block i = (hash of the previous key, the block's token ids); stop at the first key not in self.cached; only (len - 1) // block_size blocks may match.
+        # checked by: test_prefix_cache_full_hit_on_block_multiple, test_prefix_cache_shares_a_system_prompt, test_heavy_preemption_keeps_outputs
         bs = self.block_size
         blocks, parent = [], None
         for i in range((len(token_ids) - 1) // bs):
@@ -79,6 +82,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
             blocks.append(block_id)
             parent = hash(key)
         return blocks
+        # <<< exercise match_prefix
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup: its prompt tokens, and those the cache held (a
@@ -100,6 +104,9 @@ class PrefixCachingBlockAllocator(BlockAllocator):
 
     def cache_full_blocks(self, table: PrefixBlockTable, token_ids: list[int], num_computed: int) -> None:
         """Key every block of `table` that is now full of computed tokens, so others can find it."""
+        # >>> exercise cache_full_blocks (2 stars): Key every block of `table` that is now full of computed tokens, so later requests can find it.
+        # hint: continue from table.num_hashed_blocks while (i + 1) * block_size <= num_computed; chain table.last_hash; do not re-key a block or a key already cached.
+        # checked by: test_prefix_cache_full_hit_on_block_multiple, test_prefix_cache_shares_a_system_prompt
         bs = self.block_size
         while (table.num_hashed_blocks + 1) * bs <= num_computed:
             i = table.num_hashed_blocks
@@ -110,6 +117,7 @@ class PrefixCachingBlockAllocator(BlockAllocator):
                 self.block_key[block_id] = key
             table.num_hashed_blocks += 1
             table.last_hash = hash(key)
+        # <<< exercise cache_full_blocks
 
     def free(self, table: BlockTable) -> None:
         super().free(table)

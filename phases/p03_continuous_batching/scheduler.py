@@ -77,6 +77,9 @@ class Scheduler:
 
     # -- the policy ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        # >>> exercise schedule (3 stars): One step's batch: running sequences first (preempting the newest when blocks run out), then waiting ones in order while budget, seats and blocks allow.
+        # hint: num_new_tokens(seq, budget) and can_grow(seq, n) for the running; for a waiting one, match_prefix gives its cached blocks (with prefix caching), and record_lookup counts an admission.
+        # checked by: test_token_budget_and_chunks, test_no_chunking_waits_for_room, test_max_num_seqs, test_preemption_takes_the_newest_first, test_any_arrival_order_equals_transformers_and_phase2, test_heavy_preemption_keeps_outputs, test_chunked_prefill_any_chunk_size
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         # 1. running sequences, oldest first
@@ -131,6 +134,7 @@ class Scheduler:
             budget -= num_new
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+        # <<< exercise schedule
 
     def _limit(self, remaining: int, budget: int) -> int:
         """Tokens to run now out of `remaining`: all, a chunk, or none (no chunking, no room)."""
@@ -157,12 +161,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the sequence's cache; it restarts from the waiting queue."""
+        # >>> exercise preempt (1 star): Recompute preemption: take `seq` out of the running list, free its blocks, and put it back at the front of the waiting queue.
+        # hint: num_computed_tokens goes back to 0 (its K/V is gone); its status becomes PREEMPTED; count it in num_preemptions.
+        # checked by: test_preemption_takes_the_newest_first, test_heavy_preemption_keeps_outputs, test_seeded_sampling_survives_preemption
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.PREEMPTED
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        # <<< exercise preempt
 
     # -- the end of a sequence -----------------------------------------------------------------
     def finish(self, seq: Sequence) -> None:

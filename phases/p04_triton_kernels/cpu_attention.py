@@ -32,6 +32,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
     q: (Tq, H, d); k, v: (Tk, KVH, d), Tk >= Tq -> (Tq, H, d).
     """
+    # >>> exercise prefill_attention (2 stars): A prefill chunk's attention through PyTorch's fused SDPA: Tq queries that are the last Tq of Tk keys, causal, grouped-query heads.
+    # hint: SDPA wants (1, heads, T, d): transpose and add a batch dimension; with Tq == Tk is_causal=True works; otherwise a lower-right mask, tril(diagonal=Tk - Tq); enable_gqa=True.
+    # checked by: test_cpu_path_equals_phase3_attention, test_cpu_engine_equals_phase3_with_chunks_and_prefix_hits
     tq, tk = q.shape[0], k.shape[0]
     # SDPA wants (batch, heads, tokens, d); its CPU flash kernel takes the 4-D form (a 3-D input
     # goes to the slower unfused path): a batch of one, and transposed views, no copies
@@ -43,6 +46,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)                              # (Tq, H, d)
+    # <<< exercise prefill_attention
 
 
 def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

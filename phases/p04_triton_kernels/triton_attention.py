@@ -171,6 +171,9 @@ def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr, v_s
                   BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                   IEEE_DOT: tl.constexpr, LOAD_KV: tl.constexpr):
     """Fold block j of the sequence into the running (acc, m_i, l_i): one online-softmax step."""
+    # >>> exercise attend_block (3 stars): One block of keys in the online softmax: scores, a new running max, rescale the sum and the accumulator, add this block's exp-weighted values.
+    # hint: work in log2 units (qk_scale already holds log2(e)): p = exp2(s - m_new), alpha = exp2(m_i - m_new); mask keys past seq_len (and, if MASK, after the query's position) to -inf before the max.
+    # checked by: test_kernel_in_interpreter, test_engine_in_interpreter_gives_phase3_tokens
     block = tl.load(block_table_ptr + j).to(tl.int64)             # through the block table
     k_pos = j * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)              # (BLOCK_SIZE,) key positions
     k, v = LOAD_KV(k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr, block, kv_head, k_pos, seq_len,
@@ -194,6 +197,7 @@ def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr, v_s
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return acc, m_new, l_i
+    # <<< exercise attend_block
 
 
 @triton.jit

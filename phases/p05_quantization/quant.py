@@ -45,10 +45,14 @@ INT4_GROUP_SIZES = (32, 64, 128)
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (O, I) float -> q (O, I) int8, scale (O,) float32, with w ~ q * scale[:, None]."""
+    # >>> exercise quantize_int8 (1 star): Symmetric int8 per output row: one scale per row, the row's largest magnitude over 127.
+    # hint: scale = max|w_row| / 127 (never 0); q = round(w / scale) clamped to [-127, 127], as int8.
+    # checked by: test_int8_round_trip_within_half_a_step, test_each_cpu_kernel_matches_the_reference
     w = w.float()
     scale = w.abs().amax(dim=1).clamp(min=1e-8) / 127                   # (O,)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # (O, I)
     return q, scale
+    # <<< exercise quantize_int8
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
@@ -74,6 +78,9 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     """w (O, I) float -> q (O, I) uint8 in [0, 15] (not yet packed), scale (O, I/g) float32,
     zero (O, I/g) float32 (the value of level 0: the group's minimum), with w ~ q * scale + zero,
     group by group."""
+    # >>> exercise quantize_int4 (2 stars): Asymmetric int4 per group of `group_size` input columns: a scale and a zero point (the group's minimum) per group, levels 0..15.
+    # hint: reshape to (O, G, g); lo, hi = min and max per group; scale = (hi - lo) / 15; q = round((w - lo) / scale) clamped to [0, 15].
+    # checked by: test_int4_round_trip_within_half_a_step, test_int4_groups_beat_one_scale_per_row_with_an_outlier_column
     o, i = w.shape
     check_group_size(i, group_size)
     g = w.float().reshape(o, i // group_size, group_size)                  # (O, G, g)
@@ -81,11 +88,16 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     scale = ((hi - lo) / 15).clamp(min=1e-8)                                 # (O, G)
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)     # (O, G, g)
     return q.reshape(o, i).to(torch.uint8), scale, lo
+    # <<< exercise quantize_int4
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q (O, I) uint8 values in [0, 15] -> (O, I/2) uint8: column 2j low nibble, 2j+1 high."""
+    # >>> exercise pack_int4 (1 star): Two 4-bit values a byte: column 2j in the low nibble, column 2j + 1 in the high one.
+    # hint: q[:, 0::2] | (q[:, 1::2] << 4).
+    # checked by: test_int4_packed_layout, test_int4_round_trip_within_half_a_step
     return q[:, 0::2] | (q[:, 1::2] << 4)
+    # <<< exercise pack_int4
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,9 @@ class NgramProposer:
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to `k` draft tokens to follow `token_ids` (an empty list when nothing matches)."""
+        # >>> exercise ngram_propose (2 stars): Prompt lookup: find the latest n tokens earlier in the sequence (n from max_n down to min_n) and propose the up to k tokens that followed the earliest match.
+        # hint: numpy's sliding_window_view(tokens[:-1], n) gives every earlier window; compare with tokens[-n:]; the first hit at i proposes tokens[i + n : i + n + k].
+        # checked by: test_ngram_proposer_proposes_what_followed_the_earliest_longest_match, test_ngram_greedy_same_tokens_as_phase5
         if k < 1 or len(token_ids) < self.min_n + 1:
             return []
         tokens = np.asarray(token_ids)
@@ -35,3 +38,4 @@ class NgramProposer:
                 start = int(hits[0]) + n
                 return tokens[start: start + k].tolist()
         return []
+        # <<< exercise ngram_propose

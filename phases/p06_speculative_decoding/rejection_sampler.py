@@ -66,6 +66,9 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
     Returns:
         1 to k+1 tokens: the accepted prefix of the drafts, then the resampled or bonus token.
     """
+    # >>> exercise rejection_sample (3 stars): Speculative sampling: accept draft d_j with probability min(1, p(d_j) / q(d_j)); at the first rejection draw from max(0, p - q), normalized; if all are accepted, draw a bonus token from the last row.
+    # hint: one uniform u per draft from the sequence's generator (u * q < p accepts); q is one-hot at d for n-gram drafts (draft_probs None); Sampler.draw samples a row that needs no normalizing.
+    # checked by: test_every_emitted_position_is_distributed_as_the_target, test_seeded_runs_repeat, test_sampling_distribution_is_the_target_s
     out: list[int] = []
     for j, d in enumerate(draft_token_ids):
         p = target_probs[j]                                                  # (V,)
@@ -85,6 +88,7 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
         return out
     out.append(Sampler.draw(target_probs[-1][None], [generator])[0])  # all accepted: the bonus
     return out
+    # <<< exercise rejection_sample
 
 
 class RejectionSampler:

@@ -13,7 +13,11 @@ from phases.p02_paged_kv import BlockAllocator, BlockTable
 
 def truncate_table(allocator: BlockAllocator, table: BlockTable, num_tokens: int) -> None:
     """Shrink `table` to `num_tokens` slots: blocks left with no slot go back to the pool."""
+    # >>> exercise truncate_table (1 star): Roll a block table back to `num_tokens` slots: blocks left with no slot go back to the pool.
+    # hint: keep = blocks_needed(num_tokens); release_block the blocks past it, the last first; num_tokens can only shrink.
+    # checked by: test_abort_mid_speculation_frees_every_block, test_ngram_greedy_same_tokens_as_phase5
     keep = allocator.blocks_needed(num_tokens)
     while len(table.block_ids) > keep:
         allocator.release_block(table.block_ids.pop())
     table.num_tokens = min(table.num_tokens, num_tokens)
+    # <<< exercise truncate_table

@@ -10,6 +10,7 @@ import pytest
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.testing import make_tiny_llama
 
+from .ngram_proposer import NgramProposer
 from .test_p06_rejection_sampler import chi2_critical
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -91,6 +92,19 @@ SETUPS = {
     "preemption, small pool": dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=16),
     "no prefix caching": dict(enable_prefix_caching=False),
 }
+
+
+def test_ngram_proposer_proposes_what_followed_the_earliest_longest_match():
+    """Greedy output is the same whatever the proposer guesses, so the proposer's own rule is
+    checked here: the longest n-gram first, its earliest occurrence, up to k tokens after it."""
+    seq = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]  # the last 3 tokens occur at 0 and at 6
+    assert NgramProposer(1, 3).propose(seq, 2) == [4, 5], "the earliest match proposes what followed it"
+    assert NgramProposer(1, 3).propose(seq, 10) == [4, 5, 9, 1, 2, 3, 7, 8, 1, 2], "up to k tokens"
+    assert NgramProposer(1, 3).propose([5, 2, 3, 6, 1, 2, 3], 2) == [6, 1], "the longest n that matches"
+    assert NgramProposer(1, 3).propose([7, 1, 8, 1], 2) == [8, 1]
+    assert NgramProposer(2, 3).propose([7, 1, 8, 1], 2) == [], "no n-gram shorter than prompt_lookup_min"
+    assert NgramProposer(1, 3).propose([1, 2, 3, 4], 3) == [], "no match, no proposal"
+    assert NgramProposer(1, 3).propose(seq, 0) == [] and NgramProposer(1, 3).propose([4], 3) == []
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))

@@ -36,10 +36,14 @@ def default_capture_sizes(max_num_seqs: int) -> list[int]:
 
 def bucket_for(n: int, sizes: list[int]) -> int:
     """The smallest bucket that holds n rows."""
+    # >>> exercise bucket_for (1 star): The smallest bucket (a captured batch size) that holds n rows.
+    # hint: the sizes are sorted; past the largest, a ValueError naming it.
+    # checked by: test_every_bucket_gives_eager_tokens, test_shrink_grow_cross_buckets_and_preempt
     for s in sizes:
         if s >= n:
             return s
     raise ValueError(f"{n} rows is more than the largest bucket ({sizes[-1]})")
+    # <<< exercise bucket_for
 
 
 class StaticDecodeBuffers:
@@ -60,6 +64,9 @@ class StaticDecodeBuffers:
              num_blocks: torch.Tensor, bucket: int) -> None:
         """Rows 0..n-1 from a batch's first n rows (token_ids (n, L), num_computed (n,),
         block_table (n, M), num_blocks (n,)); rows n..bucket-1 padded to the scratch block."""
+        # >>> exercise fill_buffers (2 stars): Copy a batch's first n rows into the static buffers, and pad rows n .. bucket - 1 so they touch only the scratch block.
+        # hint: a row's query is its token at position num_computed; its slot comes from its block table; a padded row is token 0 at position 0, written to the scratch block's first slot, attending to it alone.
+        # checked by: test_padding_writes_only_the_scratch_block, test_padded_rows_never_change_real_rows, test_every_bucket_gives_eager_tokens
         n, bs = len(num_computed), self.block_size
         pos = num_computed                                            # the query's position
         ids = token_ids.gather(1, pos[:, None])[:, 0]
@@ -78,6 +85,7 @@ class StaticDecodeBuffers:
         self.seq_lens[n:bucket] = 1
         self.block_tables[n:bucket, 0] = self.scratch_block
         self.num_blocks_used = m
+        # <<< exercise fill_buffers
 
 
 class DecodeRunner:

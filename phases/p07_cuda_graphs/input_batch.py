@@ -79,6 +79,9 @@ class InputBatch:
 
     def remove(self, seq_id: int) -> None:
         """Drop a request's row; the last row moves into the hole (valid elements only)."""
+        # >>> exercise remove_row (2 stars): Drop a request's row of the persistent batch: the last row moves into the hole, copying only its valid tokens and blocks.
+        # hint: every per-row tensor and list moves the same way; row_of of the moved request changes; count the elements copied in elements_copied.
+        # checked by: test_swap_copies_valid_tokens_only, test_shrink_grow_cross_buckets_and_preempt
         r = self.row_of.pop(seq_id)
         last = self.num_reqs - 1
         if r != last:
@@ -94,12 +97,16 @@ class InputBatch:
             self.row_of[self.seqs[r].seq_id] = r
         self.seqs[last] = self.generators[last] = self._tables[last] = None
         self.num_reqs = last
+        # <<< exercise remove_row
 
     # -- what changed since the last step ------------------------------------------------------
     def update(self, seq: Sequence) -> None:
         """Copy into `seq`'s row what changed since it was last seen: new tokens, new blocks, the
         computed count. A request that was preempted and re-admitted has a new block table
         object: its blocks are copied again from the first."""
+        # >>> exercise update_row (3 stars): Bring a request's row up to date with only what changed: new tokens, new blocks, the computed count.
+        # hint: usually one new token and at most one new block; a re-admitted request (after preemption) has a new table object: copy its blocks from the first.
+        # checked by: test_swap_copies_valid_tokens_only, test_shrink_grow_cross_buckets_and_preempt, test_every_bucket_gives_eager_tokens
         r = self.row_of[seq.seq_id]
         old, n = int(self.num_tokens[r]), seq.num_tokens
         if n > old:  # usually one token: the one sampled last step
@@ -113,6 +120,7 @@ class InputBatch:
         self.num_blocks[r] = len(ids)
         self._tables[r] = table
         self.num_computed[r] = seq.num_computed_tokens
+        # <<< exercise update_row
 
     def sync(self, seqs: list[Sequence]) -> list[int]:
         """Make the batch hold exactly `seqs` (this step's requests): remove the rows of those

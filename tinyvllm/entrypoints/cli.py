@@ -132,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)  # its flags live beside the harness, in tinyvllm/entrypoints/bench/cli.py
     from tinyvllm.entrypoints.server.cli import add_serve_parser
     add_serve_parser(sub)  # its flags live beside the server, in tinyvllm/entrypoints/server/cli.py
+    from tinyvllm.entrypoints.learn import add_learn_parser
+    add_learn_parser(sub)
     return parser
 
 
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "bench":
             return run_bench_command(args, argv)
+        if args.command == "learn":
+            from tinyvllm.entrypoints.learn import run_learn
+            return run_learn(args)
         if args.command == "serve":
             from tinyvllm.entrypoints.server.cli import run_serve
             return run_serve(args)
@@ -153,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             return _generate(llm, args.prompt, params)
         return _chat(llm, args, params)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
         print(f"tinyvllm: error: {e}", file=sys.stderr)
         return 2
 

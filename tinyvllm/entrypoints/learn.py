@@ -1,0 +1,429 @@
+"""tinyvllm learn: build a phase yourself, graded by the phase's own checkpoint.
+
+In each phase, the functions that carry its idea are marked in the source:
+
+    # >>> exercise free (1 star): Give every block of `table` back to the pool, and empty the table.
+    # hint: release_block(b) for each block, the last one first; then clear block_ids and num_tokens.
+    # checked by: test_allocator_never_leaks_or_double_books, test_every_block_is_free_after_generate
+    ...the reference body...
+    # <<< exercise free
+
+`learn start N` copies phase N into a workspace with each marked body replaced by
+`raise NotImplementedError`; `learn check N` runs phase N's checkpoint and its cases of the shared
+suite against that copy (`pytest --workspace`, see phases/workspace.py) and reports each task;
+`learn diff N` shows the copy beside the reference; `learn solve N TASK` puts one reference body
+back, to move on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import difflib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import phases
+
+REPO = Path(phases.__file__).resolve().parent.parent
+DEFAULT_WORKSPACE = REPO / "workspace"
+_START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<name>\w+) \((?P<stars>\d) stars?\): (?P<task>.+)$")
+_HINT = re.compile(r"^[ \t]*# hint: (?P<hint>.+)$")
+_CHECKS = re.compile(r"^[ \t]*# checked by: (?P<checks>.+)$")
+# What a blank task raises; `check` finds the task's name in a failure by this pattern.
+_BLANK_RAISED = re.compile(r"exercise (\w+) is not written yet")
+
+
+@dataclass(frozen=True)
+class Exercise:
+    phase: int
+    name: str
+    stars: int
+    task: str
+    hint: str
+    checks: tuple[str, ...]  # the test functions that grade it
+    file: str                # the module's file name inside the phase's package
+    line: int                # the marker's line (1-based) in the reference file
+    function: str            # the function it sits in, e.g. BlockAllocator.allocate
+
+    @property
+    def package(self) -> str:
+        return phase_package(self.phase)
+
+
+def phase_package(phase: int) -> str:
+    if phase not in phases.PHASES:
+        raise ValueError(f"phase must be one of {sorted(phases.PHASES)}, got {phase}")
+    return phases.PHASES[phase].split(".")[-1]
+
+
+def phase_files(phase: int) -> list[Path]:
+    """The reference files a learner's copy of `phase` holds: its modules, C sources and README
+    (not its tests or tools/, which stay in the repository and grade the copy)."""
+    folder = REPO / "phases" / phase_package(phase)
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".py", ".c", ".md")
+                  and not p.name.startswith("test_"))
+
+
+def _regions(source: str) -> list[tuple[dict, int, int]]:
+    """(fields, first line of the marker, line of the end marker) for every exercise in `source`,
+    0-based. The fields are the marker's name, stars, task, hint, checks and indent."""
+    lines = source.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        m = _START.match(line)
+        if not m:
+            continue
+        hint, checks = _HINT.match(lines[i + 1]), _CHECKS.match(lines[i + 2])
+        if not (hint and checks):
+            raise ValueError(f"exercise {m['name']}: the marker needs '# hint:' and '# checked by:' lines after it")
+        end = next((j for j in range(i + 3, len(lines))
+                    if lines[j].strip() == f"# <<< exercise {m['name']}"), None)
+        if end is None:
+            raise ValueError(f"exercise {m['name']}: no '# <<< exercise {m['name']}' line closes it")
+        found.append((dict(m.groupdict(), hint=hint["hint"], checks=checks["checks"]), i, end))
+    return found
+
+
+def exercises(phase: int | None = None) -> list[Exercise]:
+    """Every marked task of `phase` (None: of every phase), in file order."""
+    out = []
+    for p in ([phase] if phase is not None else sorted(phases.PHASES)):
+        for path in phase_files(p):
+            if path.suffix != ".py":
+                continue
+            source = path.read_text()
+            for f, i, _ in _regions(source):
+                out.append(Exercise(p, f["name"], int(f["stars"]), f["task"], f["hint"],
+                                    tuple(c.strip() for c in f["checks"].split(",")), path.name, i + 1,
+                                    _enclosing(source, i + 1)))
+    return out
+
+
+def _enclosing(source: str, line: int) -> str:
+    """The qualified name of the innermost function around `line` (1-based)."""
+    best = ""
+
+    def walk(node, prefix):
+        nonlocal best
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if child.lineno <= line <= child.end_lineno:
+                    if not isinstance(child, ast.ClassDef):
+                        best = name
+                    walk(child, name + ".")
+
+    walk(ast.parse(source), "")
+    return best
+
+
+def exercise_table(phase: int) -> str:
+    """The markdown table of phase `phase`'s tasks that its lesson carries (a test compares them)."""
+    rows = ["| Task | Difficulty | Function | What to write |", "|---|---|---|---|"]
+    for e in exercises(phase):
+        task = e.task.replace("|", "\\|")
+        rows.append(f"| `{e.name}` | {'★' * e.stars} | [`{e.function}`]({e.file}) | {task} |")
+    return "\n".join(rows) + "\n"
+
+
+def blank(source: str) -> str:
+    """`source` with each marked body replaced by a raise naming the task; the markers stay."""
+    lines = source.splitlines(keepends=True)
+    for f, i, end in reversed(_regions(source)):
+        message = f"exercise {f['name']} is not written yet: {f['task']}"
+        lines[i + 3:end] = [f"{f['indent']}raise NotImplementedError({message!r})\n"]
+    return "".join(lines)
+
+
+def _body(source: str, name: str) -> list[str] | None:
+    """The lines of exercise `name`'s body in `source`, markers excluded (None: no such exercise)."""
+    lines = source.splitlines(keepends=True)
+    for f, i, end in _regions(source):
+        if f["name"] == name:
+            return lines[i + 3:end]
+    return None
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+def start(phase: int, folder: Path, force: bool = False, out=None) -> Path:
+    """Write the learner's copy of `phase` into `folder`; returns the copy's folder."""
+    out = out or sys.stdout
+    copy = folder / phase_package(phase)
+    if copy.exists() and not force:
+        raise FileExistsError(f"{copy} already exists (your work); pass --force to start over")
+    if copy.exists():
+        shutil.rmtree(copy)
+    copy.mkdir(parents=True)
+    for path in phase_files(phase):
+        text = path.read_text()
+        (copy / path.name).write_text(blank(text) if path.suffix == ".py" else text)
+    tasks = exercises(phase)
+    print(f"Wrote your copy of phase {phase} to {copy}: {len(tasks)} tasks to write.", file=out)
+    for e in tasks:
+        print(f"  {e.name:<18} {'*' * e.stars:<4} {e.file}: {e.task}", file=out)
+    print(f"Grade it with: tinyvllm learn check {phase}" + _dir_flag(folder), file=out)
+    return copy
+
+
+def _dir_flag(folder: Path) -> str:
+    return "" if folder.resolve() == DEFAULT_WORKSPACE.resolve() else f" --dir {folder}"
+
+
+@dataclass
+class Case:
+    """One test case's outcome from pytest's JUnit XML report."""
+    test: str        # the test function's name, parameters left off
+    id: str          # the full test id
+    outcome: str     # passed, failed or skipped
+    message: str     # the first line of what went wrong ('' when it passed)
+    text: str        # the whole failure text (tracebacks, a subprocess's stderr)
+    speed: str = ""  # a throughput checkpoint's verdict
+
+
+def _read_report(path: Path) -> list[Case]:
+    cases = []
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
+        outcome = "failed" if bad is not None else "skipped" if tc.find("skipped") is not None else "passed"
+        message = text = ""
+        if bad is not None:
+            text = (bad.get("message") or "") + "\n" + (bad.text or "")
+            message = _plain(bad.get("message") or bad.text or "")
+        props = {p.get("name"): p.get("value") for p in tc.iter("property")}
+        name = tc.get("name", "")
+        cases.append(Case(name.split("[")[0], f"{tc.get('classname')}::{name}", outcome, message,
+                          text, props.get("speed", "")))
+    return cases
+
+
+def _plain(message: str) -> str:
+    """A failure's first line, without pytest's decoration."""
+    first = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
+    for prefix in ("AssertionError: ", "failed on setup with ", '"'):
+        first = first.removeprefix(prefix)
+    first = first.removesuffix('"')
+    return first if len(first) <= 240 else first[:237] + "..."
+
+
+def _blanks_hit(case: Case, names: set[str]) -> list[str]:
+    return sorted({n for n in _BLANK_RAISED.findall(case.text) if n in names})
+
+
+def unwritten(phase: int, folder: Path) -> set[str]:
+    """The tasks whose body in the learner's copy is still the blank raise."""
+    copy = folder / phase_package(phase)
+    names = set()
+    for e in exercises(phase):
+        path = copy / e.file
+        body = _body(path.read_text(), e.name) if path.exists() else None
+        if body is not None and len(body) == 1 and _BLANK_RAISED.search(body[0]):
+            names.add(e.name)
+    return names
+
+
+def grade(tasks: list[Exercise], cases: list[Case], blank_tasks: set[str] = frozenset()
+          ) -> list[tuple[Exercise, str, str]]:
+    """(task, status, detail) per task; status is passed, failed, not written, waits or not run.
+    `blank_tasks`: those the copy still leaves blank (not written, whatever their checks say)."""
+    names = {e.name for e in tasks}
+    out = []
+    for e in tasks:
+        mine = [c for c in cases if c.test in e.checks]
+        failed = [c for c in mine if c.outcome == "failed"]
+        blocked = {n for c in failed for n in _blanks_hit(c, names)}
+        if e.name in blank_tasks:
+            out.append((e, "not written", e.task))
+        elif not mine:
+            out.append((e, "not run", "none of its checks ran (" + ", ".join(e.checks) + ")"))
+        elif e.name in blocked:
+            out.append((e, "not written", e.task))
+        elif not failed:
+            out.append((e, "passed", f"{len(mine)} checks"))
+        else:
+            own = [c for c in failed if not _blanks_hit(c, names)]
+            if own:
+                out.append((e, "failed", f"{own[0].test}: {own[0].message}"))
+            else:
+                out.append((e, "waits", "its checks need " + ", ".join(sorted(blocked)) + " first"))
+    return out
+
+
+def check(phase: int, folder: Path, pytest_args: list[str] = (), out=None, verbose: bool = False,
+          timeout: int = 240) -> int:
+    """Grade the learner's copies in `folder` with phase `phase`'s checkpoint and shared cases;
+    print a report per task. Returns 0 when every task and every other check passed."""
+    out = out or sys.stdout
+    if not (REPO / "tests").is_dir():
+        raise FileNotFoundError(f"tinyvllm learn check needs the repository's tests ({REPO / 'tests'}); "
+                                "run it from a clone of the repository")
+    copy = folder / phase_package(phase)
+    if not copy.is_dir():
+        raise FileNotFoundError(f"no copy of phase {phase} in {folder}; make one with: "
+                                f"tinyvllm learn start {phase}" + _dir_flag(folder))
+    tasks = exercises(phase)
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = Path(tmp) / "report.xml"
+        log = folder / f"check-{phase_package(phase)}.log"
+        cmd = [sys.executable, "-m", "pytest", f"phases/{phase_package(phase)}", "tests",
+               "-m", f"phase{phase:02d} and not docs and not notebooks", f"--workspace={folder.resolve()}",
+               f"--junitxml={xml}", f"--check-timeout={timeout}", "-o", "junit_family=xunit1", "-p", "no:cacheprovider", "-q",
+               "--tb=short", *pytest_args]
+        print(f"Grading {copy} with phase {phase}'s checks (the full output goes to {log}) ...", file=out,
+              flush=True)
+        env = dict(os.environ)
+        env.pop("TINYVLLM_WORKSPACE", None)
+        with open(log, "w") as f:
+            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=None if verbose else f,
+                                  stderr=subprocess.STDOUT if not verbose else None)
+        if not xml.exists():
+            print(f"pytest stopped before running any check (exit {proc.returncode}); see {log}", file=out)
+            return proc.returncode or 1
+        cases = _read_report(xml)
+    results = grade(tasks, cases, unwritten(phase, folder))
+    marks = {"passed": "ok  ", "failed": "FAIL", "not written": "todo", "waits": "wait", "not run": "--  "}
+    print(f"\nPhase {phase}, {len(tasks)} tasks:", file=out)
+    for e, status, detail in results:
+        print(f"  [{marks[status]}] {e.name:<18} {'*' * e.stars:<4} {status}: {detail}", file=out)
+    checked = {t for e in tasks for t in e.checks}
+    speed = [c for c in cases if c.test == "test_throughput_checkpoint"]
+    for c in speed:
+        if c.outcome == "passed":
+            print(f"  [ok  ] speed: {c.speed}", file=out)
+        elif c.outcome == "failed":
+            why = "needs " + ", ".join(_blanks_hit(c, {e.name for e in tasks})) if _blanks_hit(c, {e.name for e in tasks}) else "too slow"
+            print(f"  [FAIL] speed ({why}): {c.speed or c.message}", file=out)
+    others = [c for c in cases if c.test not in checked and c not in speed]
+    waiting: dict[str, int] = {}
+    own_failures = []
+    for c in (c for c in others if c.outcome == "failed"):
+        hit = _blanks_hit(c, {e.name for e in tasks})
+        if hit:  # counted once, for the blank it stopped at
+            first = next((n for n in _BLANK_RAISED.findall(c.message) if n in hit), hit[0])
+            waiting[first] = waiting.get(first, 0) + 1
+        else:
+            own_failures.append(c)
+    n_failed = sum(c.outcome == "failed" for c in others)
+    why = f" (they need {', '.join(f'{n}: {k}' for n, k in sorted(waiting.items()))})" if waiting else ""
+    print(f"  other checks of phase {phase}: {sum(c.outcome == 'passed' for c in others)} passed, "
+          f"{n_failed} failed{why}, {sum(c.outcome == 'skipped' for c in others)} skipped", file=out)
+    for c in own_failures[:8]:
+        print(f"    {c.id}: {c.message}", file=out)
+    if len(own_failures) > 8:
+        print(f"    ... and {len(own_failures) - 8} more (see {log})", file=out)
+    other_failed = n_failed
+    ok = all(s in ("passed", "not run") for _, s, _ in results) and not other_failed and all(c.outcome != "failed" for c in speed)
+    if ok:
+        print(f"Every task of phase {phase} passes.", file=out)
+    return 0 if ok else 1
+
+
+def diff(phase: int, folder: Path, task: str | None = None, out=None) -> int:
+    """Print the learner's copy beside the reference, as a unified diff (the reference is the
+    solution): one task's body, or every file of the copy."""
+    out = out or sys.stdout
+    copy = folder / phase_package(phase)
+    if not copy.is_dir():
+        raise FileNotFoundError(f"no copy of phase {phase} in {folder}")
+    for path in phase_files(phase):
+        yours = copy / path.name
+        if not yours.exists():
+            continue
+        ref, mine = path.read_text(), yours.read_text()
+        if task is not None:
+            if _body(ref, task) is None:
+                continue
+            a, b = _body(mine, task) or [], _body(ref, task)
+            label = f"{path.name}, exercise {task}"
+        else:
+            a, b = mine.splitlines(keepends=True), ref.splitlines(keepends=True)
+            label = path.name
+        out.writelines(difflib.unified_diff(a, b, f"yours: {label}", f"reference: {label}"))
+    if task is not None and task not in {e.name for e in exercises(phase)}:
+        raise ValueError(f"phase {phase} has no exercise {task!r}; its tasks: "
+                         + ", ".join(e.name for e in exercises(phase)))
+    return 0
+
+
+def solve(phase: int, folder: Path, task: str, out=None) -> None:
+    """Put the reference body of `task` into the learner's copy (the markers stay)."""
+    out = out or sys.stdout
+    matches = [e for e in exercises(phase) if e.name == task]
+    if not matches:
+        raise ValueError(f"phase {phase} has no exercise {task!r}; its tasks: "
+                         + ", ".join(e.name for e in exercises(phase)))
+    e = matches[0]
+    yours = folder / phase_package(phase) / e.file
+    if not yours.exists():
+        raise FileNotFoundError(f"no copy of {e.file} in {yours.parent}; run tinyvllm learn start {phase}")
+    mine = yours.read_text()
+    lines = mine.splitlines(keepends=True)
+    for f, i, end in _regions(mine):
+        if f["name"] == task:
+            lines[i + 3:end] = _body((REPO / "phases" / e.package / e.file).read_text(), task)
+            yours.write_text("".join(lines))
+            print(f"Put the reference body of {task} into {yours}.", file=out)
+            return
+    raise ValueError(f"{yours} has lost the markers of exercise {task!r} ('# >>> exercise {task} ...' "
+                     f"and '# <<< exercise {task}'); put them back, or start over with --force")
+
+
+def list_tasks(phase: int | None, out=None) -> None:
+    out = out or sys.stdout
+    for e in exercises(phase):
+        print(f"phase {e.phase}  {e.name:<18} {'*' * e.stars:<4} phases/{e.package}/{e.file}:{e.line}  {e.task}",
+              file=out)
+
+
+def add_learn_parser(sub) -> None:
+    p = sub.add_parser("learn", help="build a phase yourself: a copy with the key functions left to "
+                                     "write, graded by the phase's checkpoint",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    lsub = p.add_subparsers(dest="learn_command", required=True)
+
+    def command(name, help, task=False):
+        c = lsub.add_parser(name, help=help)
+        c.add_argument("phase", type=int, help="the phase number (1-7)")
+        if task:
+            c.add_argument("task", help="the exercise's name (tinyvllm learn list shows them)")
+        c.add_argument("--dir", type=Path, default=DEFAULT_WORKSPACE,
+                       help=f"the workspace folder (default: {DEFAULT_WORKSPACE})")
+        return c
+
+    ls = lsub.add_parser("list", help="every phase's tasks, with their difficulty and file")
+    ls.add_argument("phase", type=int, nargs="?", default=None)
+    command("start", "copy phase N into the workspace with its tasks left to write").add_argument(
+        "--force", action="store_true", help="overwrite an existing copy (your work in it is lost)")
+    c = command("check", "grade your copy: each task passed, failed (and why) or not yet written")
+    c.add_argument("--verbose", action="store_true", help="show pytest's output as it runs")
+    c.add_argument("--timeout", type=int, default=240, metavar="S",
+                   help="fail a check that runs longer than S seconds (default 240)")
+    c.add_argument("-k", dest="keyword", default=None, metavar="EXPR",
+                   help="only the checks whose names match EXPR (pytest -k), e.g. -k allocator")
+    command("diff", "your copy beside the reference (the solution)").add_argument(
+        "--task", default=None, help="only this task's body")
+    command("solve", "put the reference body of one task into your copy, to move on", task=True)
+
+
+def run_learn(a: argparse.Namespace) -> int:
+    if a.learn_command == "list":
+        list_tasks(a.phase)
+        return 0
+    if a.learn_command == "start":
+        start(a.phase, a.dir, force=a.force)
+        return 0
+    if a.learn_command == "check":
+        return check(a.phase, a.dir, ["-k", a.keyword] if a.keyword else [], verbose=a.verbose,
+                     timeout=a.timeout)
+    if a.learn_command == "diff":
+        return diff(a.phase, a.dir, a.task)
+    solve(a.phase, a.dir, a.task)
+    return 0
