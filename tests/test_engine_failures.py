@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -160,3 +161,48 @@ def test_a_stream_cut_by_a_failed_step_ends_with_an_error_event_and_done(engine)
     finally:
         ae.shutdown()
     assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+
+
+def test_health_reports_a_stuck_step(engine):
+    """/health answers 503 while one step runs longer than health_step_timeout, 200 again after."""
+    run_model = engine.run_model
+
+    def slow(batch):
+        time.sleep(1.5)
+        return run_model(batch)
+
+    engine.run_model = slow
+    ae = AsyncEngine(engine)
+    app = build_app(ae, "tiny", health_step_timeout=0.5)
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/health")).status_code == 200
+            job = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}))
+            seen = []
+            while not job.done():
+                r = await client.get("/health")
+                seen.append(r.status_code)
+                if r.status_code == 503:
+                    assert "stuck" in r.json()["error"]["message"]
+                await asyncio.sleep(0.1)
+            assert (await job).status_code == 200
+            assert 503 in seen, seen
+            assert (await client.get("/health")).status_code == 200
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()
+
+
+def test_bearer_and_host_checks():
+    from tinyvllm.entrypoints.server.app import LOOPBACK_NAMES, bearer_matches, host_allowed
+    assert bearer_matches("Bearer k3y", "k3y") and bearer_matches("bearer  k3y ", "k3y")
+    assert not bearer_matches("Bearer k3", "k3y") and not bearer_matches("k3y", "k3y")
+    assert not bearer_matches(None, "k3y") and not bearer_matches("Basic k3y", "k3y")
+    for host in ("localhost", "localhost:8000", "127.0.0.1:1", "[::1]:8000", "LOCALHOST", None):
+        assert host_allowed(host, LOOPBACK_NAMES), host
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", "[::2]:80"):
+        assert not host_allowed(host, LOOPBACK_NAMES), host

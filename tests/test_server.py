@@ -54,8 +54,13 @@ def _post(server, path, body, key=API_KEY, **kw):
     return httpx.post(server + path, json=body, headers=headers, timeout=60, **kw)
 
 
+def _get(server, path, key=API_KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.get(server + path, headers={**headers, **kw.pop("headers", {})}, timeout=60, **kw)
+
+
 def _metric(server, name) -> float:
-    text = httpx.get(server + "/metrics").text
+    text = _get(server, "/metrics").text
     m = re.search(rf"^tinyvllm:{name} (\S+)$", text, re.MULTILINE)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
@@ -271,21 +276,57 @@ def test_invalid_json_bad_chat_and_auth(server):
     assert _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
 
 
+def test_the_key_guards_everything_but_the_page_and_health(server):
+    """As llama.cpp's server: with --api-key only / and /health are open; the engine state, the
+    metrics (prefix-cache counters probe other users' prompts), the tokenizer and the schema need
+    the key. The scheme's case does not matter; a key of the right length but wrong is refused."""
+    guarded = [("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/v1/engine/state"),
+               ("GET", "/openapi.json"), ("GET", "/docs"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+               ("POST", "/v1/completions")]
+    for method, path in guarded:
+        for headers in ({}, {"Authorization": f"Bearer {'x' * len(API_KEY)}"}, {"Authorization": API_KEY}):
+            r = httpx.request(method, server + path, headers=headers, json={}, timeout=60)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path, headers)
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        r = httpx.get(server + "/v1/engine/state", headers={"Authorization": f"{scheme} {API_KEY}"}, timeout=60)
+        assert r.status_code == 200, scheme
+    assert httpx.get(server + "/health", timeout=60).status_code == 200
+    assert httpx.get(server + "/", timeout=60).status_code == 200
+
+
+def test_a_loopback_server_answers_only_loopback_names(server):
+    """DNS rebinding: a page on evil.example that points its name at 127.0.0.1 sends that Host."""
+    port = server.rsplit(":", 1)[1]
+    r = httpx.get(server + "/health", headers={"Host": f"evil.example:{port}"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
+        assert httpx.get(server + "/health", headers={"Host": host}, timeout=60).status_code == 200, host
+
+
+def test_an_empty_api_key_is_refused(tiny_model_dir, capsys, monkeypatch):
+    from tinyvllm.entrypoints.cli import main
+    assert main(["serve", str(tiny_model_dir), "--api-key", ""]) == 2
+    assert "empty" in capsys.readouterr().err
+    monkeypatch.setenv("TINYVLLM_API_KEY", " ")
+    assert main(["serve", str(tiny_model_dir)]) == 2
+    assert "TINYVLLM_API_KEY" in capsys.readouterr().err
+
+
 def test_metrics_have_vllm_names(server):
-    text = httpx.get(server + "/metrics").text
+    text = _get(server, "/metrics").text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "prompt_tokens_total", "generation_tokens_total", "time_to_first_token_seconds_count",
                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count"):
         assert f"tinyvllm:{name}" in text, name
-    state = httpx.get(server + "/v1/engine/state").json()
+    state = _get(server, "/v1/engine/state").json()
     assert state["num_blocks"] >= state["num_free_blocks"] > 0
 
 
 def test_schemathesis_finds_no_5xx(server):
     schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
-    schema = schemathesis.openapi.from_url(server + "/openapi.json")
+    schema = schemathesis.openapi.from_url(server + "/openapi.json", headers={"Authorization": f"Bearer {API_KEY}"})
     failures = []
     for op in schema.get_all_operations():
         operation = op.ok()

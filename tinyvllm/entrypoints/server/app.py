@@ -10,6 +10,7 @@ KV blocks freed, whether it streams or not and whether or not its first token ha
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import math
 import re
@@ -37,6 +38,7 @@ from tinyvllm.entrypoints.server.protocol import (
 )
 
 STATIC = Path(__file__).parent / "static"
+OPEN_PATHS = frozenset({"/", "/health"})  # the only paths served without the API key
 
 
 class APIError(Exception):
@@ -149,9 +151,35 @@ def bad_value(e: Exception, fields: set[str], default_param: str) -> APIError:
     return APIError(400, message, param=param)
 
 
+def bearer_matches(header: str | None, api_key: str) -> bool:
+    """Does an Authorization header carry `api_key`? The scheme in any case, the key compared in
+    constant time (no timing tells how much of a guess was right)."""
+    scheme, _, token = (header or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
+    """Is the Host header's name (its port left off) one of `allowed`? No Host header (HTTP/1.0)
+    is let through: a browser always sends one."""
+    if not host:
+        return True
+    name = host.strip().lower()
+    if name.startswith("["):                     # [::1]:8000
+        name = name[1:name.find("]")] if "]" in name else name
+    elif name.count(":") == 1:                   # localhost:8000
+        name = name.split(":")[0]
+    return name in allowed
+
+
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
-              max_model_len: int | None = None, limits: Limits = Limits()) -> FastAPI:
-    """The app serving `engine` under the name `model_name` (what /v1/models lists)."""
+              max_model_len: int | None = None, limits: Limits = Limits(),
+              allowed_hosts: frozenset[str] | None = None, health_step_timeout: float = 60.0) -> FastAPI:
+    """The app serving `engine` under the name `model_name` (what /v1/models lists).
+    `allowed_hosts`: the Host names it answers (None: any); `health_step_timeout`: /health says
+    503 while one engine step has run longer than this many seconds."""
     metrics = ServerMetrics(engine)
     max_model_len = max_model_len or engine.engine.max_model_len
     max_prompt_chars = limits.max_prompt_chars or max_model_len * CHARS_PER_TOKEN
@@ -195,10 +223,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        # as vLLM, the key guards /v1; the read-only /metrics, /health and engine state stay open
-        guarded = (api_key and request.url.path.startswith("/v1") and request.method != "OPTIONS"
-                   and request.url.path != "/v1/engine/state")
-        if guarded and request.headers.get("authorization") != f"Bearer {api_key}":
+        # a server on a loopback address answers only to loopback names: a web page on another
+        # site that points its own DNS name at 127.0.0.1 (DNS rebinding) gets a 400
+        if allowed_hosts is not None and not host_allowed(request.headers.get("host"), allowed_hosts):
+            return error_response(APIError(400, f"Host: {request.headers.get('host')!r} is not a name of "
+                                                f"this server (a loopback server answers to localhost, "
+                                                f"127.0.0.1 and [::1]; --allowed-host adds names)",
+                                           code="invalid_host"))
+        # as llama.cpp's server: with a key, everything but the live page and /health needs it
+        if (api_key and request.method != "OPTIONS" and request.url.path not in OPEN_PATHS
+                and not bearer_matches(request.headers.get("authorization"), api_key)):
             return error_response(APIError(401, "missing or wrong API key: send "
                                            "'Authorization: Bearer <key>'",
                                            type="authentication_error", code="invalid_api_key"))
@@ -289,6 +323,10 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     async def health():
         if engine.error is not None:
             raise APIError(503, f"the engine has stopped: {engine.error}", type="server_error")
+        running = engine.step_seconds()
+        if running > health_step_timeout:
+            raise APIError(503, f"the engine is stuck: one step has run for {running:.0f} s "
+                                f"(--health-step-timeout {health_step_timeout:g})", type="server_error")
         return Response(status_code=200)
 
     @app.get("/v1/models")

@@ -81,6 +81,7 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.on_dead = on_dead
+        self._step_started: float | None = None                 # monotonic time the running step began
         self.num_failed_steps = 0                             # steps that failed and were survived
         self.num_pending = 0                                  # accepted, not yet in the engine
         self._lock = threading.Lock()                         # num_pending: two threads change it
@@ -95,6 +96,11 @@ class AsyncEngine:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def step_seconds(self) -> float:
+        """How long the engine's current step has run (0 between steps): /health reports a stuck one."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     def check_alive(self) -> None:
         if self.error is not None or self._stopping:
@@ -183,6 +189,7 @@ class AsyncEngine:
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
                     continue
+                self._step_started = time.monotonic()
                 try:
                     outputs = engine.step()
                 except StepError as e:       # its requests are aborted: tell their clients
@@ -193,6 +200,8 @@ class AsyncEngine:
                     engine.abort_request(ids)
                     self._fail(ids, StepError(ids, e))
                     continue
+                finally:
+                    self._step_started = None
                 now = time.perf_counter()
                 made = 0
                 for out in outputs:

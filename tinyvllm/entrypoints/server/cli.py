@@ -28,7 +28,13 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--phase", type=int, default=None, metavar="N",
                    help="which phase's engine (3 or later: the streaming API); default the newest")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1 (or set TINYVLLM_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every path but / and /health "
+                        "(or set TINYVLLM_API_KEY); an empty key is refused")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="on a loopback --host, answer this Host name too (repeatable; default: only "
+                        "localhost, 127.0.0.1 and [::1], against DNS rebinding)")
+    p.add_argument("--health-step-timeout", type=float, default=60.0, metavar="S",
+                   help="/health answers 503 while one engine step has run longer than S seconds (default 60)")
     p.add_argument("--max-num-waiting", type=int, default=None,
                    help="answer 503 when this many requests already wait for a seat (default: no bound)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
@@ -49,12 +55,23 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def is_loopback(host: str) -> bool:
+    """Is `host` (the --host to listen on) a loopback address or name?"""
+    import ipaddress
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Build the engine, then run uvicorn until SIGINT/SIGTERM."""
     import uvicorn
 
     from tinyvllm.entrypoints.engine_flags import engine_args_from
-    from tinyvllm.entrypoints.server.app import build_app
+    from tinyvllm.entrypoints.server.app import LOOPBACK_NAMES, build_app
     from tinyvllm.entrypoints.server.async_engine import AsyncEngine
     from tinyvllm.entrypoints.server.limits import Limits
 
@@ -65,6 +82,15 @@ def run_serve(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TINYVLLM_API_KEY")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("--api-key (or TINYVLLM_API_KEY) is empty: an empty key would turn "
+                         "authentication off; give a key, or leave both unset to serve without one")
+    if args.health_step_timeout <= 0:
+        raise ValueError(f"--health-step-timeout must be > 0, got {args.health_step_timeout}")
+    allowed_hosts = None
+    if is_loopback(args.host):
+        allowed_hosts = LOOPBACK_NAMES | {h.strip().lower() for h in args.allowed_host}
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
                     max_n=args.max_n, max_prompts=args.max_prompts, max_stop=args.max_stop)
     engine_cls = phases.get_engine_class(args.phase)
@@ -78,8 +104,8 @@ def run_serve(args: argparse.Namespace) -> int:
     async_engine = AsyncEngine(engine, max_num_waiting=args.max_num_waiting, on_dead=stop_server)
     name = args.served_model_name or (os.path.basename(os.path.normpath(model)) if model
                                       else "SmolLM2-135M-Instruct")
-    api_key = args.api_key or os.environ.get("TINYVLLM_API_KEY") or None
-    app = build_app(async_engine, name, api_key=api_key, max_model_len=engine.max_model_len, limits=limits)
+    app = build_app(async_engine, name, api_key=api_key, max_model_len=engine.max_model_len, limits=limits,
+                    allowed_hosts=allowed_hosts, health_step_timeout=args.health_step_timeout)
     print(f"tinyvllm: serving {name!r} (phase {engine.phase}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     # uvicorn's SIGTERM: stop accepting, let open requests finish (at most 30 s), then the
