@@ -231,6 +231,16 @@ BAD = [
     ({"prompt": "x", "stop": "s" * 2000}, 400, "stop"),
     ({"prompt": ["x"] * 65}, 400, "prompt"),
     ({"prompt": "x" * 26_000}, 400, "prompt"),   # over max_model_len (512) x 50 characters
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
+     400, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema",
+                                         "json_schema": {"schema": {"type": "no-such-type"}}}},
+     400, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, 400, "response_format"),
+    ({"prompt": "x", "structured_outputs": {"regex": "(unclosed"}}, 400, "structured_outputs"),
+    ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ({"prompt": "x", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"prompt": "x", "logit_bias": {"42": 100}}, 400, "logit_bias"),
 ]
 
 
@@ -243,6 +253,29 @@ def test_bad_input_gets_error_object(server, body, status, param):
     assert err["param"] == param, err
     ok = _post(server, "/v1/completions", {"prompt": "fine", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_response_format_and_structured_outputs(server, client):
+    """OpenAI's response_format (a JSON schema or any JSON object) and vLLM's structured_outputs
+    constrain what the tiny random model writes."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    # JSON may have whitespace between its tokens, and a random model likes it: a prefix, then
+    assert chat.choices[0].message.content.startswith("{"), chat
+    compact = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=20, temperature=0,
+        extra_body={"structured_outputs": {"json": schema, "disable_any_whitespace": True}})
+    assert isinstance(json.loads(compact.choices[0].message.content)["ok"], bool), compact
+    assert compact.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model="tiny", prompt="x", max_tokens=20, temperature=0, stream=True,
+                                       extra_body={"structured_outputs": {"choice": ["red", "green"]}})
+    assert "".join(c.choices[0].text for c in chunks) in ("red", "green")
+    anything = client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0,
+                                         extra_body={"response_format": {"type": "json_object"}})
+    assert anything.choices[0].text.lstrip().startswith("{"), anything
 
 
 def test_a_body_over_the_cap_is_refused_with_413(server):

@@ -1,6 +1,6 @@
 """The one batched sampler every phase uses.
 
-    logits (B, V) --penalties, min_tokens--> --temperature, top-k, top-p, min-p--> token per row
+    logits (B, V) --penalties, min_tokens--> --grammar masks--> --temperature, top-k, top-p, min-p--> token per row
 
 - Greedy fast path: when every row is greedy, one argmax, no softmax.
 - Top-k-only fast path: a row that uses only top-k samples among its k best tokens, without
@@ -25,6 +25,7 @@ import torch
 
 from tinyvllm.outputs import Logprob
 from tinyvllm.sequence import Sequence
+from tinyvllm.structured_output import mask_logits
 
 
 def finite(logits: torch.Tensor) -> torch.Tensor:
@@ -45,6 +46,7 @@ class Sampler:
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(s.params.logprobs is not None for s in seqs) else None)
         logits = self.apply_penalties(logits, seqs)
+        logits = self.apply_grammars(logits, seqs)
         if all(s.params.is_greedy for s in seqs):
             tokens = logits.argmax(dim=-1).tolist()
         else:
@@ -79,6 +81,19 @@ class Sampler:
                 row[banned] = float("-inf")
             row.copy_(finite(row))   # a penalty of 1e-300 divides logits into inf
         return logits
+
+    @staticmethod
+    def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Structured outputs: each constrained row's logits outside the tokens its grammar allows
+        next set to -inf (a copy; logits itself when no row is constrained)."""
+        rows, masks = [], []
+        for i, s in enumerate(seqs):
+            grammar = getattr(s, "grammar", None)
+            mask = grammar.allowed(logits.device) if grammar is not None else None
+            if mask is not None:
+                rows.append(i)
+                masks.append(mask)
+        return mask_logits(logits, rows, masks) if rows else logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep this

@@ -21,6 +21,49 @@ MAX_N = 4096  # completions per request: each is a sequence the engine builds at
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a format (vLLM's `StructuredOutputsParams`): exactly one of
+
+    Args:
+        json: a JSON schema (a dict, or its JSON text): the output is one JSON value that fits it.
+        regex: a regular expression the whole output matches.
+        choice: a list of strings: the output is one of them.
+        grammar: a context-free grammar in Lark syntax (llguidance's dialect).
+        json_object: True: the output is one JSON object, of any shape.
+        disable_any_whitespace: JSON without whitespace between tokens (compact, fewer tokens).
+
+    At each step the allowed next tokens become a mask over the vocabulary; the sampler never
+    draws outside it (tinyvllm/structured_output.py).
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, regex, choice, grammar "
+                             f"or json_object, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise TypeError(f"structured_outputs.json must be a JSON schema (a dict or its JSON text), "
+                            f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise TypeError(f"structured_outputs.{name} must be a string, got {getattr(self, name)!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise TypeError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                            f"got {self.choice!r}")
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise TypeError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """Sampling and stopping rules for one request.
 
@@ -50,6 +93,8 @@ class SamplingParams:
             tokens (0 to 20) (perplexity through the public API, as lm-eval does with vLLM).
         skip_special_tokens: leave special tokens out of the text.
         include_stop_str_in_output: keep the matched stop string at the end of the text.
+        structured_outputs: constrain the output to a JSON schema, a regex, a list of choices or
+            a grammar (`StructuredOutputsParams`, or a dict of its fields).
     """
 
     n: int = 1
@@ -70,6 +115,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
     # normalized copies, filled in __post_init__
     _stop_strings: list[str] = field(default_factory=list, repr=False)
     _stop_token_ids: list[int] = field(default_factory=list, repr=False)
@@ -123,6 +169,17 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if isinstance(self.structured_outputs, dict):
+            fields = set(StructuredOutputsParams.__dataclass_fields__)
+            unknown = set(self.structured_outputs) - fields
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field(s) {sorted(unknown)}; "
+                                 f"it takes {sorted(fields)}")
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs,
+                                                                    StructuredOutputsParams):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
 
     @property
     def is_greedy(self) -> bool:

@@ -49,6 +49,9 @@ class Sequence:
         # cache, and which cache blocks hold them.
         self.num_computed_tokens = 0
         self.block_table = None
+        # with params.structured_outputs: the grammar's parser state (a GrammarMatcher, set by
+        # the engine): which tokens may come next
+        self.grammar = None
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -76,6 +79,8 @@ class Sequence:
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> None:
         """Record a sampled token, stream its text, and check every stop condition."""
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob

@@ -56,6 +56,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what a grammar engine builds its own from)."""
+        return self._tok.to_str()
+
     def get_vocab(self) -> dict[str, int]:
         """Every token's string and id, added tokens included (two tokenizers with the same
         vocabulary map text to the same ids)."""

@@ -13,6 +13,7 @@ phases subclass `Engine` and replace `step` (what runs) and the attention backen
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from pathlib import Path
@@ -26,6 +27,7 @@ from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampler import Sampler
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import Sequence, SequenceGroup
+from tinyvllm.structured_output import StructuredOutputManager
 from tinyvllm.tokenizer import Tokenizer
 from tinyvllm.weights import load_model, resolve_device, resolve_dtype
 
@@ -61,6 +63,15 @@ class Engine:
         """The part that picks each next token from its logits (`tinyvllm.sampler`)."""
         return Sampler(self.tokenizer)
 
+    @functools.cached_property
+    def structured_output_manager(self) -> StructuredOutputManager:
+        """Compiles requests' structured_outputs into grammars (made on first use)."""
+        return self.make_structured_output_manager()
+
+    def make_structured_output_manager(self) -> StructuredOutputManager:
+        """The part behind structured outputs (`tinyvllm.structured_output`)."""
+        return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+
     @classmethod
     def check_engine_args(cls, engine_args: dict) -> None:
         """Refuse an argument this phase would ignore (`quantization="int4"` on phase 3): the
@@ -88,8 +99,14 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already running")
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.check_fits(len(ids), params)
-        return SequenceGroup(request_id, text, ids, params, self.tokenizer, self.eos_token_ids,
-                             self.max_model_len, self.device, self.rng, arrival_time)
+        structured = params.structured_outputs
+        grammar = self.structured_output_manager.compile(structured) if structured is not None else None
+        group = SequenceGroup(request_id, text, ids, params, self.tokenizer, self.eos_token_ids,
+                              self.max_model_len, self.device, self.rng, arrival_time)
+        if grammar is not None:  # each sequence parses its own output
+            for seq in group.seqs:
+                seq.grammar = self.structured_output_manager.matcher(grammar)
+        return group
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Raise if a request can never run. Phase 1 has no limit beyond max_model_len."""

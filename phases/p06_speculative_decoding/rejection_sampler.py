@@ -110,6 +110,9 @@ class RejectionSampler:
         """logits: (k+1, V) the target's rows for `seq` and its k drafts. Returns the emitted
         tokens (1..k+1) and a logprobs dict for each (None where logprobs were not asked for)."""
         views = [SequenceAhead(seq, draft_token_ids[:j]) for j in range(len(draft_token_ids) + 1)]
+        if seq.grammar is not None:  # structured outputs: position j allows what follows drafts[:j]
+            allowed = seq.grammar.allowed_ahead(draft_token_ids, logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         if seq.params.is_greedy:
             # the target's own choice at every position, exactly as the Sampler makes it
             choices, logprobs = self.sampler(logits, views)

@@ -7,8 +7,8 @@ is the draw: one uniform number from each row's own `torch.Generator` (the same 
 `Sampler.draw`: inverse transform sampling, so a seeded request gives the same tokens in any
 batch, and the same tokens as `Sampler`).
 
-Penalties, min_tokens and logprobs need each row's history: a batch with any of them goes to
-`Sampler` unchanged.
+Penalties, min_tokens, logprobs and structured outputs need each row's history: a batch with any
+of them goes to `Sampler` unchanged.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 class BatchSampler(Sampler):
     """`Sampler` with the vectorized path: given `params`, this step's parameters as tensors
     (temperature, top_k, top_p, min_p, generators: the persistent batch's rows, in the step's
-    order), and when no row needs penalties, min_tokens or logprobs, `sample` does the work;
+    order), and when no row needs penalties, min_tokens, logprobs or a grammar, `sample` does the work;
     otherwise `Sampler` does, unchanged."""
 
     def __init__(self, tokenizer=None):
@@ -79,7 +79,7 @@ class BatchSampler(Sampler):
 
     @torch.inference_mode()
     def __call__(self, logits, seqs, params: tuple | None = None):
-        if params is None or any(s.params.has_penalties or s.min_tokens_pending
+        if params is None or any(s.params.has_penalties or s.min_tokens_pending or s.grammar is not None
                                  or s.params.logprobs is not None for s in seqs):
             return super().__call__(logits, seqs)
         self.num_vectorized += 1

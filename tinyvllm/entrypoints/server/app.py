@@ -142,12 +142,15 @@ def engine_failure(e: Exception) -> APIError:
     return APIError(503, str(e), type="server_error", code="engine_dead")
 
 
-def bad_value(e: Exception, fields: set[str], default_param: str) -> APIError:
+def bad_value(e: Exception, fields: set[str], default_param: str, req=None) -> APIError:
     """A ValueError/TypeError from SamplingParams or the engine -> 400 naming the field. Their
-    messages start with (or mention) the argument's name, e.g. 'max_tokens: ...'."""
+    messages start with (or mention) the argument's name, e.g. 'max_tokens: ...'. A grammar error
+    of a request that sent response_format names response_format."""
     message = str(e)
     words = re.findall(r"[a-z_]+", message)
     param = next((w for w in words if w in fields), default_param)
+    if param == "structured_outputs" and getattr(req, "response_format", None) is not None:
+        param = "response_format"
     return APIError(400, message, param=param)
 
 
@@ -271,7 +274,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                            code="context_length_exceeded")
 
     async def run(request_id: str, prompt: Any, params, fields: set[str], prompt_param: str,
-                  watch: ClientWatch):
+                  watch: ClientWatch, req=None):
         """Start a request; return its output iterator after its first output, so bad input and
         a full queue are answered before any response header is sent. A client that goes away
         before the first output aborts the request."""
@@ -279,7 +282,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             first = await watch.until(gen.__anext__())
         except (ValueError, TypeError) as e:
-            raise bad_value(e, fields, prompt_param) from None
+            raise bad_value(e, fields, prompt_param, req) from None
         except QueueFullError as e:
             raise APIError(503, str(e), type="service_unavailable", code="queue_full",
                            headers={"Retry-After": "1"}) from None
@@ -387,7 +390,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             params = req.sampling_params(req.max_tokens, req.logprobs)
         except (ValueError, TypeError) as e:
-            raise bad_value(e, completion_fields, "prompt") from None
+            raise bad_value(e, completion_fields, "prompt", req) from None
         prompts = _completion_prompts(req.prompt)
         check_request(params, len(prompts))
         for p in prompts:
@@ -398,7 +401,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             try:
                 for i, p in enumerate(prompts):
-                    started.append(await run(f"{rid}-{i}", p, params, completion_fields, "prompt", watch))
+                    started.append(await run(f"{rid}-{i}", p, params, completion_fields, "prompt", watch, req))
             except APIError:
                 for _, gen in started:
                     await gen.aclose()
@@ -443,7 +446,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         try:
             params = req.sampling_params(max_tokens, logprobs)
         except (ValueError, TypeError) as e:
-            raise bad_value(e, chat_fields, "messages") from None
+            raise bad_value(e, chat_fields, "messages", req) from None
         check_request(params)
         check_chars(sum(len(json.dumps(m.content)) for m in req.messages), "messages")
 
@@ -458,7 +461,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         watch = ClientWatch(raw)
         try:
-            first, gen = await run(rid, prompt, params, chat_fields, "messages", watch)
+            first, gen = await run(rid, prompt, params, chat_fields, "messages", watch, req)
             name = req.model or model_name
             if req.stream:  # from here the streaming response listens for a disconnect itself
                 return StreamingResponse(_stream_chat(rid, name, first, gen, req, raw, tokenizer, outputs_of),

@@ -6,7 +6,7 @@ checked once, by `SamplingParams`, whose errors name the field; these models che
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -15,6 +15,25 @@ from tinyvllm.sampling_params import SamplingParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: plain text, any JSON object, or JSON that fits a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# OpenAI fields this server does not implement: a request that sets one is refused (400 naming
+# it) rather than answered as if it had not asked.
+UNSUPPORTED_FIELDS = ("tools", "functions", "logit_bias")
 
 
 class _SamplingRequest(BaseModel):
@@ -40,11 +59,40 @@ class _SamplingRequest(BaseModel):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # structured outputs: OpenAI's response_format, or vLLM's structured_outputs
+    # ({"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true})
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # refused when set (UNSUPPORTED_FIELDS); tool_choice "none"/"auto" with no tools is harmless
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def structured(self) -> dict | None:
+        """What the request constrains its output to, as StructuredOutputsParams' fields."""
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return self.structured_outputs
+        if self.structured_outputs is not None:
+            raise ValueError("response_format: give response_format or structured_outputs, not both")
+        if rf.type == "json_object":
+            return {"json_object": True}
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise ValueError("response_format: type json_schema needs json_schema.schema")
+        return {"json": rf.json_schema.schema_}
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; raises ValueError naming the field on a bad value."""
+        for name in UNSUPPORTED_FIELDS:
+            if getattr(self, name):
+                raise ValueError(f"{name}: not supported by this server (tinyvllm has no "
+                                 f"{'tool calling' if name != 'logit_bias' else 'logit bias'}); "
+                                 f"leave it out")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: not supported by this server (tinyvllm has no tool calling)")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return SamplingParams(
+        return SamplingParams(structured_outputs=self.structured(),
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
