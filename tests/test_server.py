@@ -379,6 +379,15 @@ def test_schemathesis_finds_no_5xx(server):
     assert not failures, failures
 
 
+def test_the_waiting_queue_is_bounded_by_default():
+    import argparse
+
+    from tinyvllm.entrypoints.server.cli import DEFAULT_MAX_NUM_WAITING, add_serve_parser
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve"]).max_num_waiting == DEFAULT_MAX_NUM_WAITING > 0
+
+
 def test_queue_bound_and_sigterm(tiny_model_dir):
     proc, url = start_server(tiny_model_dir, "--max-num-waiting", "1", "--max-num-seqs", "1")
     try:

@@ -8,6 +8,8 @@ import sys
 
 import phases
 
+DEFAULT_MAX_NUM_WAITING = 4096   # sequences waiting for a seat: a burst's bound, far above any batch
+
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to the `tinyvllm` parser: model, host, port, phase, api key, limits, engine args."""
@@ -35,8 +37,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "localhost, 127.0.0.1 and [::1], against DNS rebinding)")
     p.add_argument("--health-step-timeout", type=float, default=60.0, metavar="S",
                    help="/health answers 503 while one engine step has run longer than S seconds (default 60)")
-    p.add_argument("--max-num-waiting", type=int, default=None,
-                   help="answer 503 when this many requests already wait for a seat (default: no bound)")
+    p.add_argument("--max-num-waiting", type=int, default=DEFAULT_MAX_NUM_WAITING,
+                   help="answer 503 (with Retry-After) when this many sequences already wait for a seat "
+                        f"(default {DEFAULT_MAX_NUM_WAITING}: each holds its prompt, so the bound caps "
+                        "the memory a burst can take)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     d = Limits()
     lim = p.add_argument_group("limits of one request (each refused with an OpenAI error object)")
