@@ -79,15 +79,22 @@ def share_gpu(engine_args: dict, n: int) -> list[dict]:
 
 
 def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: list[str],
-                 hf_batch_size: int | None = None) -> list:
-    """An `EngineRunner` per phase (at least one), then the peers asked for (`vs`: 'hf'). The
-    Hugging Face batch size defaults to the engines' max_num_seqs."""
+                 hf_batch_size: int | None = None, gguf: str | None = None,
+                 llamacpp_python: str | None = None, max_len: int = 2048) -> list:
+    """An `EngineRunner` per phase (at least one), then the peers asked for (`vs`: 'hf',
+    'llamacpp'). The Hugging Face batch size defaults to the engines' max_num_seqs; llama.cpp's
+    context holds `max_len` tokens (the workload's longest request)."""
     if not phases_:
         raise ValueError("--phases: at least one phase must run")
     runners: list = [EngineRunner(p, model, args) for p, args in zip(phases_, share_gpu(engine_args, len(phases_)))]
     for peer in dict.fromkeys(vs):  # each peer once
+        if peer == "llamacpp":
+            from .llamacpp import LlamaCppRunner, default_gguf, peer_python
+            path = gguf if gguf is not None else default_gguf(model)
+            runners.append(LlamaCppRunner(path, peer_python(llamacpp_python), max_len))
+            continue
         if peer != "hf":
-            raise ValueError(f"--vs must be 'hf'; got {peer!r}")
+            raise ValueError(f"--vs must be 'hf' or 'llamacpp'; got {peer!r}")
         try:
             from .hf import HFRunner
         except ImportError:
