@@ -197,3 +197,14 @@ def test_the_vllm_worker_drives_the_engine_loop(tiny_model_dir, fake_llama, tmp_
         assert sent == [list(r.prompt_token_ids) for r in wl.requests]
         if not wl.sequential:   # two seats: the last two requests waited for the first two
             assert min(res.ttft_s[2:]) > max(res.ttft_s[:2])
+
+
+def test_the_command_line_runs_the_peer_and_writes_its_report(tiny_model_dir, fake_llama, tmp_path):
+    gguf, _ = fake_llama
+    out = tmp_path / "report.json"
+    assert main(["bench", "latency", "--model", str(tiny_model_dir), "--phases", "3", "--vs", "llamacpp",
+                 "--gguf", str(gguf), "--llamacpp-python", sys.executable, "--input-len", "5",
+                 "--output-len", "4", "--no-progress", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [e["name"] for e in report["engines"]] == ["phase3", "llamacpp"]
+    assert report["engines"][1]["output_tokens"] == 4 and report["engines"][1]["gguf"] == "model.gguf"
