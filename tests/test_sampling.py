@@ -139,3 +139,15 @@ def test_sampler_never_draws_a_zero_probability_token(u, monkeypatch):
     assert probs[0, toks[0]] > 0 and toks[1] == 2
     if u == 0.5:
         assert toks[0] == 3  # 0.5 is past the first quarter
+
+
+def test_greedy_tokens_is_argmax_ties_nan_and_inf_included():
+    from tinyvllm.sampler import greedy_tokens
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        logits = torch.randint(0, 3, (8, 500), generator=g).float()     # many ties
+        special = torch.rand(logits.shape, generator=g)
+        logits[special < 0.01] = float("nan")
+        logits[(special > 0.5) & (special < 0.51)] = float("inf")
+        logits[special > 0.99] = float("-inf")
+        assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))

@@ -33,6 +33,13 @@ def finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit, the first on ties (NaN counting as largest), as
+    `argmax(dim=-1)` gives it: `max(dim=-1).indices` is the same answer, and on a CPU the faster
+    of the two for a batch of vocabulary-wide rows."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     """Picks the next token of each sequence from its logits row."""
 
@@ -48,7 +55,7 @@ class Sampler:
         logits = self.apply_penalties(logits, seqs)
         logits = self.apply_grammars(logits, seqs)
         if all(s.params.is_greedy for s in seqs):
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = greedy_tokens(logits).tolist()
         else:
             tokens = self._sample(logits, seqs)
         logprobs = [self.token_logprobs(raw_logprobs[i], tokens[i], s.params.logprobs)
@@ -96,7 +103,7 @@ class Sampler:
         return mask_logits(logits, rows, masks) if rows else logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        tokens = logits.argmax(dim=-1).tolist()  # greedy rows keep this
+        tokens = greedy_tokens(logits).tolist()  # greedy rows keep this
         full_rows: list[int] = []
         for i, s in enumerate(seqs):
             p = s.params
@@ -134,7 +141,7 @@ class Sampler:
         idx = torch.searchsorted(cdf, x, right=True)[:, 0]                 # (R,)
         empty = ~(total[:, 0] > 0) | ~torch.isfinite(total[:, 0])
         if bool(empty.any()):
-            idx = torch.where(empty, probs.argmax(dim=-1), idx)
+            idx = torch.where(empty, greedy_tokens(probs), idx)
         return idx.clamp_(max=probs.shape[-1] - 1).tolist()
 
     @staticmethod

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyvllm.sampler import Sampler, finite
+from tinyvllm.sampler import Sampler, finite, greedy_tokens
 from tinyvllm.sampling_params import SAMPLING_EPS
 
 
@@ -23,7 +23,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row. logits (B, V) float32; temperature, top_k, top_p, min_p (B,) on the
     logits' device; generators: B entries (None for greedy rows) -> (B,) int64."""
-    tokens = logits.argmax(dim=-1)                               # greedy rows keep this
+    tokens = greedy_tokens(logits)                               # greedy rows keep this
     greedy = temperature < SAMPLING_EPS
     if bool(greedy.all()):
         return tokens

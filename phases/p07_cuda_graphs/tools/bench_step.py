@@ -6,7 +6,8 @@
 
 Each batch: `batch` requests are prefilled in each engine, then `steps` decode steps of each are
 timed, interleaved (median of the per-step times). With --profile, five more steps run under
-torch.profiler and their time is split into the matrix products, attention (the paged gather,
+torch.profiler and their time is split into the matrix products (PyTorch's product operators,
+and phase 5's C kernels timed around each call), attention (the paged gather,
 the cache write and SDPA) and the rest (every other operator and the Python between them: the
 median step minus the first two), with the table of their top CPU ops; --json saves those
 splits with the machine, --plot draws them. --quantization runs the pair once per weight format
@@ -16,6 +17,7 @@ splits with the machine, --plot draws them. --quantization runs the pair once pe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import sys
 import time
@@ -57,6 +59,32 @@ PRODUCT_OPS = ("aten::mm", "aten::addmm", "aten::linear", "mkldnn::_linear_point
                "aten::_weight_int4pack_mm_for_cpu")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "aten::index_select",
                  "aten::index_copy_")
+C_KERNELS = ("cpu_int8", "cpu_int8_vnni", "cpu_int4")   # phase 5's own, called through ctypes
+
+
+@contextlib.contextmanager
+def c_products_timed():
+    """Phase 5's C kernels are calls through ctypes, not PyTorch operators, so the profiler sees
+    them only as time between operators: while this is open each call is timed with a clock
+    (the seconds add up in the list it yields), to be counted as a product."""
+    from phases.p05_quantization import quant
+
+    total = [0.0]
+
+    def timed(fn):
+        def call(layer, x):
+            start = time.perf_counter()
+            y = fn(layer, x)
+            total[0] += time.perf_counter() - start
+            return y
+        return call
+
+    saved = dict(quant.KERNEL_FNS)
+    quant.KERNEL_FNS.update({k: timed(saved[k]) for k in C_KERNELS})
+    try:
+        yield total
+    finally:
+        quant.KERNEL_FNS.update(saved)
 
 
 def step_breakdown(engine, steps: int = 5) -> tuple[float, float, float]:
@@ -64,10 +92,10 @@ def step_breakdown(engine, steps: int = 5) -> tuple[float, float, float]:
     mean per step in ms."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with c_products_timed() as c_seconds, profile(activities=[ProfilerActivity.CPU]) as prof:
         step = elapsed(lambda: [engine.step() for _ in range(steps)]) / steps
     ops = {e.key: e.self_cpu_time_total for e in prof.key_averages()}   # microseconds
-    products = sum(ops.get(k, 0.0) for k in PRODUCT_OPS) / 1e3 / steps
+    products = (sum(ops.get(k, 0.0) for k in PRODUCT_OPS) / 1e3 + c_seconds[0] * 1e3) / steps
     attention = sum(ops.get(k, 0.0) for k in ATTENTION_OPS) / 1e3 / steps
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     return 1e3 * step, products, attention
