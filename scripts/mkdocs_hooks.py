@@ -17,6 +17,8 @@ notebooks and code on the site without copying them into docs/.
   a link to `notebooks/NN_slug.ipynb` once that notebook exists (and disappears while it does not).
 - Solutions: a notebook cell tagged `solution` (an exercise's answer, collapsed in JupyterLab by
   `jupyter.source_hidden`) is rendered inside a closed `<details>`, opened with a click.
+- Lab notes: every `docs/lab/*.md` (a phase's measurements, kernel versions and what did not
+  pay, linked from its lesson) is an entry of the nav's "Lab notes" section, in file-name order.
 - Optional pages: a nav entry in `OPTIONAL_PAGES` (owned by another part of the project and
   written later) is dropped, with a note, while its file does not exist.
 """
@@ -36,6 +38,7 @@ log = logging.getLogger("mkdocs.hooks.tinyvllm")
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS_SECTION = "Notebooks"
+LAB_SECTION = "Lab notes"
 OPTIONAL_PAGES = ("benchmarks.md",)
 SOURCE_GLOBS = ("tinyvllm/*.py", "tinyvllm/entrypoints/*.py", "phases/*.py", "phases/*/*.py", "phases/*/tools/*.py", "phases/*/*.c", "tests/*.py",
                 "conftest.py", "scripts/*.sh", "scripts/*.py", "Makefile", "pyproject.toml", "mkdocs.yml")
@@ -74,6 +77,10 @@ def on_config(config):
             value = [f"notebooks/{nb.name}" for nb in _notebooks()]
             if not value:
                 log.info("no notebooks/*.ipynb yet: the nav has no Notebooks section")
+                continue
+        elif title == LAB_SECTION:
+            value = [f"lab/{p.name}" for p in sorted((docs_dir / "lab").glob("*.md"))]
+            if not value:
                 continue
         elif isinstance(value, str) and value in OPTIONAL_PAGES and not (docs_dir / value).is_file():
             log.info("%s does not exist yet: left out of the nav", value)
