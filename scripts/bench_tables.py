@@ -22,7 +22,9 @@ The marker's fields, separated by `|`:
   displayed tok/s, so every speedup agrees with the numbers beside it);
 - `where:` for a rows report, `key = value` filters (`batch = 1`);
 - `rungs:` instead of a report, the ladder: `phase2/phase1@latency.json, ...`, each phase over the
-  one below on the workload of its own report, with the machine on each row.
+  one below on the workload of its own report, with the machine on each row (`= text` names a
+  rung in the plot); `plot: NAME.png`
+  also draws it, as bars, into docs/assets/bench/ (when the script writes, not under `--check`).
 
 Above each table: the machine (CPU, its kind, cores, measured memory bandwidth), the workload and
 the command that wrote the report, in one line.
@@ -94,7 +96,7 @@ def machine_line(machine: dict | None, limits: dict | None) -> str:
     where = machine.get("gpu") or f"{machine['cores']}-core {cpu}"
     if machine.get("gpu"):
         where += f" with a {machine['cores']}-core {cpu} host"
-    bw = f", {limits['memory_bandwidth'] / 1e9:.0f} GB/s measured" if limits and limits.get("memory_bandwidth") else ""
+    bw = f", {limits['memory_bandwidth'] / 1e9:.0f} GB/s of memory bandwidth" if limits and limits.get("memory_bandwidth") else ""
     return f"{where}{bw}"
 
 
@@ -125,7 +127,7 @@ def parse_spec(spec: str) -> dict:
     for p in parts:
         key, _, value = p.partition(":")
         key = key.strip()
-        if key not in ("engines", "columns", "baseline", "where", "rungs"):
+        if key not in ("engines", "columns", "baseline", "where", "rungs", "plot"):
             raise TableError(f"unknown field {key!r} in bench-table marker {spec!r}")
         out[key] = [v.strip() for v in value.split(",") if v.strip()]
     return out
@@ -187,24 +189,64 @@ def _settings(engine: dict) -> str:
     return ", ".join(out)
 
 
-def render_rungs(spec: dict) -> str:
-    """Each phase on the workload it exists for: `rungs: phase2/phase1@latency.json, ...`, one row
-    per rung, its speedup over the phase below in one report; the machine named on each row, as
-    each rung comes from its own report."""
-    body = []
+def rungs(spec: dict) -> list[dict]:
+    """The rows of a ladder: for `phase2/phase1@latency.json`, both engines and their report."""
+    out = []
     for item in spec["rungs"]:
+        item, _, label = item.partition("=")
         pair, _, src = item.partition("@")
-        new, _, old = pair.partition("/")
+        new, _, old = (x.strip() for x in pair.partition("/"))
         report = load(src.strip())
         by_name = {e["name"]: e for e in report["engines"]}
-        if new.strip() not in by_name or old.strip() not in by_name:
-            raise TableError(f"rung {item!r}: {src} has no {new.strip()!r} or no {old.strip()!r}")
-        a, b = by_name[new.strip()], by_name[old.strip()]
+        if new not in by_name or old not in by_name:
+            raise TableError(f"rung {item!r}: {src} has no {new!r} or no {old!r}")
+        a, b = by_name[new], by_name[old]
         ta, tb = (float(_num(e["output_tok_per_s"]).replace(",", "")) for e in (a, b))
-        body.append([a["label"], _settings(a) or "-", _workload_line(report), b["label"], _num(tb), _num(ta),
-                     f"{ta / tb:.2f}x", short_machine(report["machine"])])
+        out.append({"new": a, "old": b, "tok_s": ta, "old_tok_s": tb, "speedup": round(ta / tb, 2),
+                    "workload": _workload_line(report), "machine": short_machine(report["machine"]),
+                    "label": label.strip()})
+    return out
+
+
+def render_rungs(spec: dict) -> str:
+    """Each phase on the workload it exists for, one row per rung: its speedup over the phase
+    below in one report, the machine named on each row (each rung comes from its own report)."""
+    body = [[r["new"]["label"], _settings(r["new"]) or "-", r["workload"], r["old"]["label"], _num(r["old_tok_s"]),
+             _num(r["tok_s"]), f"{r['speedup']:.2f}x", r["machine"]] for r in rungs(spec)]
     header = ["phase", "with", "workload", "over", "tok/s below", "tok/s", "speedup", "measured on"]
     return _markdown(header, body) + "\n"
+
+
+def plot_rungs(spec: dict, path: Path) -> None:
+    """The ladder as horizontal bars: each rung's speedup over the phase below (log scale)."""
+    import textwrap
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.ticker
+    from matplotlib.figure import Figure
+
+    rows = rungs(spec)
+    fig = Figure(figsize=(9, 0.55 * len(rows) + 1.2), layout="tight")
+    ax = fig.subplots()
+    y = list(range(len(rows)))[::-1]
+    gpu = ["tab:green" if "NVIDIA" in r["machine"] else "tab:purple" for r in rows]
+    ax.barh(y, [r["speedup"] for r in rows], color=gpu)
+    for yi, r in zip(y, rows):
+        ax.annotate(f"{r['speedup']:.2f}x  {r['machine']}", (r["speedup"], yi), xytext=(4, 0),
+                    textcoords="offset points", va="center", fontsize=8)
+    names = [f"{r['new']['label'].split(' (')[0]} over {r['old']['label'].split(' (')[0]}: "
+             + (r["label"] or textwrap.shorten(_settings(r["new"]) or r["workload"].split(",")[0], 34)) for r in rows]
+    ax.set_yticks(y, names, fontsize=8)
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([1, 2, 5, 10]))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.axvline(1, color="gray", lw=0.8)
+    ax.set_xlim(0.8, max(r["speedup"] for r in rows) * 4)
+    ax.set_xlabel("output tokens/s over the phase below (log scale)")
+    ax.set_title("Each phase on the workload it exists for", fontsize=10)
+    fig.savefig(path, dpi=110)
 
 
 def render(spec_text: str) -> str:
@@ -300,8 +342,15 @@ def main(argv=None) -> int:
         for p in bad:
             print(f"{p}: a bench table differs from its report (python scripts/bench_tables.py rewrites it)")
         return 1 if bad else 0
+    drawn = set()
     for p in pages():
         text = p.read_text()
+        for m in BLOCK.finditer(text):
+            spec = parse_spec(m.group("spec"))
+            if spec.get("rungs") and spec.get("plot") and spec["plot"][0] not in drawn:
+                drawn.add(spec["plot"][0])
+                plot_rungs(spec, REPORTS / spec["plot"][0])
+                print(f"drew docs/assets/bench/{spec['plot'][0]}")
         new = rewrite(text)
         if new != text:
             p.write_text(new)
