@@ -132,14 +132,9 @@ class Linear(nn.Linear):
     Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
     it is plain `F.linear`.
 
-    Measured with `python -m tinyvllm.entrypoints.bench.linear --repeat 9` (all 211 weight matrices of the
-    default model, best of 9, torch 2.13.0+cpu, 2 threads):
-
-    - AMD EPYC (AVX-512), F.linear -> Linear: 1 row 44 -> 20 ms, 2 rows 73 -> 19, 4 rows
-      63 -> 21, 8 rows 66 -> 26, 16 rows 79 -> 34, 64 rows 159 -> 99, 512 rows 778 -> 667.
-    - Intel Xeon (avx512_vnni), F.linear / (W x^T)^T / oneDNN: 1 row 20.7 / 51.9 / 26.3 ms,
-      3 rows 22.4 / 49.3 / 28.0, 4 rows 33.8 / 49.9 / 26.4, 64 rows 76.3 / 99.2 / 73.4, 512 rows
-      381 / 501 / 376 (docs/assets/bench/linear-cpu-intel.txt).
+    The row counts where each path takes over were chosen on both kinds of CPU with
+    `python -m tinyvllm.entrypoints.bench.linear --repeat 9` (all 211 weight matrices of the
+    default model, best of 9); its output is kept in docs/assets/bench/linear-cpu-*.txt.
 
     The numbers equal F.linear's up to float rounding (tests/test_model.py).
     """
