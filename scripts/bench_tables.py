@@ -61,6 +61,8 @@ ENGINE_COLUMNS = {
     "total tok/s": ("total tok/s", lambda e: _num(e["total_tok_per_s"])),
     "TTFT ms": ("TTFT ms (median)", lambda e: _num(_median_ms(e, "ttft_s"))),
     "TPOT ms": ("TPOT ms (median)", lambda e: _num(_median_ms(e, "tpot_s"))),
+    "TTFT p99 ms": ("TTFT ms (p99)", lambda e: _num(None if not e.get("ttft_s") else e["ttft_s"]["p99"] * 1e3)),
+    "start-up s": ("start-up s (first token)", lambda e: _num((e.get("startup") or {}).get("first_token_s"), digits=2)),
     "wall s": ("wall s", lambda e: _num(e["wall_s"], digits=2)),
     "TTFT cold ms": ("TTFT cold ms", lambda e: _num(e.get("ttft_cold_s"), 1e3)),
     "TTFT cached ms": ("TTFT cached ms", lambda e: _num(e.get("ttft_cached_s"), 1e3)),
@@ -310,7 +312,7 @@ def render(spec_text: str) -> str:
     commands = [r.get("command") for r in reports.values() if r.get("command")]
     lines = []
     if caption:
-        lines.append(f"*Measured on a {caption}.*")
+        lines.append(f"*Measured on {'an' if caption[0] in 'AEIOUN' and not caption[0].isdigit() else 'a'} {caption}.*")
     if commands:
         lines.append("<small>" + "; ".join(f"`{c}`" for c in commands) + "</small>")
     if lines:
