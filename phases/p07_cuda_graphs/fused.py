@@ -9,8 +9,8 @@ same weight row; what changes is the number of operator calls per layer (5 produ
 a few microseconds of dispatch on a CPU, a kernel launch on a GPU. Done once at engine start, on
 plain `tinyvllm.model.Linear` layers and on phase 5's quantized ones alike: int8 keeps a scale per
 output row and int4 its groups within a row, so stacking the quantized rows (and their scales) is
-the quantization of the stacked float rows, exactly. There it pays most: each int8 call prepares
-its activations and pays fbgemm's fixed cost, whatever the weight's size.
+the quantization of the stacked float rows, exactly. There it pays most: each int8 call quantizes
+its activations and crosses into phase 5's C kernel, a fixed cost whatever the weight's size.
 
 `decode_forward` is the model's forward written with fewer operators around those products
 (vLLM's fused residual add + RMSNorm, one rotation for q and k together), for the decode steps
