@@ -51,7 +51,8 @@ GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode
                   "Grouped-query attention", "Online softmax", "Split-KV", "Quantization",
                   "Speculative decoding", "CUDA graph", "Batch invariance", "VNNI",
                   "Memory-bound and compute-bound", "Roofline", "W8A16 and W8A8", "e4m3", "AMX",
-                  "oneDNN", "fbgemm", "Warp", "Structured outputs")
+                  "oneDNN", "fbgemm", "Warp", "Structured outputs", "Persistent batch",
+                  "Operator dispatch", "torch.compile and inductor", "GGUF")
 SOLUTION_TAG = "solution"
 
 
