@@ -7,7 +7,9 @@
      "num_speculative_tokens": k, "quantization": None}    a smaller model with the same tokenizer
     any of them + "disable_by_batch_size": n               no speculation while more than n run
 
-As in vLLM, an n-gram config with only one of the lookup bounds uses it for both, and one with
+The keys are vLLM's; `disable_by_batch_size` is the name vLLM's V0 engine gave that switch
+(V1 sizes its drafts by batch size with `num_speculative_tokens_per_batch_size` instead). As in
+vLLM, an n-gram config with only one of the lookup bounds uses it for both, and one with
 neither looks for 5-grams.
 """
 
