@@ -22,8 +22,8 @@ __all__ = [
 
 # The gain phase 4 exists for on a CPU: prefill through PyTorch's fused attention (SDPA over the
 # blocks, GQA in place) instead of phase 1's score matrix with repeated heads. Decodes run phase
-# 3's code, so the claim is on the time to first token of long prompts; on a GPU, the kernels'
-# gain (not measured: no GPU was lent).
+# 3's code, so the claim is on the time to first token of long prompts; on a GPU, the Triton
+# kernels' gain (gpu_min_gain, from the H100 run in claim_source).
 THROUGHPUT_CHECKPOINTS = (
     ThroughputCheckpoint(
         name="long prompts' prefill: fused CPU attention over phase 3's",

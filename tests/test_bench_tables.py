@@ -1,0 +1,63 @@
+"""Speeds on the pages come from the committed reports: every table under a `bench-table` marker is
+what `scripts/bench_tables.py` writes from its report, every lesson has one, and no speed table on
+the front pages or in a lesson is typed by hand."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_tables  # noqa: E402
+
+# The pages where a speed may only appear as a rendered table.
+FRONT_PAGES = ["README.md", "docs/index.md", "docs/benchmarks.md",
+               *sorted(str(p.relative_to(REPO)) for p in REPO.glob("phases/p[0-9][0-9]_*/README.md"))]
+SPEED_HEADER = re.compile(r"^\|.*(tok/s|tokens/s|ms/token|speedup|TPOT|TTFT).*\|\s*$", re.I)
+
+
+def test_every_table_matches_its_report():
+    stale = bench_tables.stale()
+    assert not stale, f"tables out of date with their reports (run python scripts/bench_tables.py): {stale}"
+
+
+@pytest.mark.parametrize("readme", sorted(REPO.glob("phases/p[0-9][0-9]_*/README.md")), ids=lambda p: p.parent.name)
+def test_every_lesson_has_a_measured_table(readme):
+    assert "<!-- bench-table:" in readme.read_text(), f"{readme.parent.name}'s lesson has no table rendered from a report"
+
+
+@pytest.mark.parametrize("page", FRONT_PAGES)
+def test_no_speed_table_is_typed_by_hand(page):
+    text = (REPO / page).read_text()
+    outside = bench_tables.BLOCK.sub("", text)
+    outside = re.sub(r"```.*?```", "", outside, flags=re.S)  # code blocks show program output, not tables
+    typed = [line for line in outside.splitlines() if SPEED_HEADER.match(line)]
+    assert not typed, f"{page}: a speed table outside a bench-table marker: {typed[0]}"
+
+
+def test_a_changed_number_is_caught(tmp_path):
+    block = "<!-- bench-table: latency-peers.json | engines: phase7, llamacpp | baseline: llamacpp -->\n"
+    fresh = bench_tables.rewrite(block + "<!-- /bench-table -->")
+    assert "| 1.00x |" in fresh and "llama.cpp" in fresh and "avx512_vnni" in fresh
+    edited = re.sub(r"\| (\d+)\.(\d) \|", lambda m: f"| {int(m.group(1)) + 1}.{m.group(2)} |", fresh, count=1)
+    assert edited != fresh and bench_tables.rewrite(edited) == fresh
+
+
+def test_the_speedup_agrees_with_the_numbers_beside_it():
+    table = bench_tables.render("throughput-ladder.json | engines: phase2, phase3 | baseline: phase2")
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| phase")]
+    (base, _), (new, speedup) = ((float(r[1].replace(",", "")), r[2].strip()) for r in rows)
+    assert speedup == f"{new / base:.2f}x"
+
+
+def test_one_table_one_machine():
+    with pytest.raises(bench_tables.TableError, match="another machine"):
+        bench_tables.render("throughput-ladder.json + throughput-peers.json | engines: phase2@throughput-ladder.json, vllm")
+    with pytest.raises(bench_tables.TableError, match="no report"):
+        bench_tables.render("nothing.json")
+    with pytest.raises(bench_tables.TableError, match="unknown column"):
+        bench_tables.render("throughput-ladder.json | columns: engine, speed")
