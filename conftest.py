@@ -125,6 +125,10 @@ def _model_bytes(model) -> int:
     return sum(f.stat().st_size for f in Path(model).glob("*.safetensors"))
 
 
+# Ranks of a phase with tensor parallelism in the shared suite's engines (make_llm)
+SHARED_SUITE_TP = 2
+
+
 @pytest.fixture(scope="session")
 def make_llm():
     """make_llm(model_dir, phase, **engine_args) -> a cached LLM. Engines of large models are
@@ -143,6 +147,9 @@ def make_llm():
                     del _LLMS[k]
                 gc.collect()
             args = dict(kwargs)
+            if "tensor_parallel_size" in phases.get_engine_class(phase).ENGINE_ARGS:
+                # the shared suite runs tensor parallelism with two ranks, as a user asking for it
+                args.setdefault("tensor_parallel_size", min(SHARED_SUITE_TP, os.cpu_count() or 1))
             if ("kv_cache_memory" in phases.get_engine_class(phase).ENGINE_ARGS
                     and "kv_cache_memory" not in args and "num_kv_blocks" not in args):
                 args["kv_cache_memory"] = TEST_KV_CACHE_MEMORY

@@ -16,6 +16,7 @@ PHASES: dict[int, str] = {
     5: "phases.p05_quantization",
     6: "phases.p06_speculative_decoding",
     7: "phases.p07_cuda_graphs",
+    8: "phases.p08_tensor_parallel",
 }
 
 if os.environ.get("TINYVLLM_WORKSPACE"):  # a learner's copies of phases stand in (phases/workspace.py)

@@ -15,6 +15,7 @@ import phases
 
 # part: the engine hook that makes it
 PARTS: dict[str, str] = {
+    "model": "make_model",
     "sampler": "make_sampler",
     "KV cache": "make_kv_cache",
     "block allocator": "make_allocator",
@@ -22,6 +23,7 @@ PARTS: dict[str, str] = {
     "attention backend": "make_attention",
     "scheduler": "make_scheduler",
     "proposer (drafts)": "make_proposer",
+    "decode runner": "make_decode_runner",
 }
 
 

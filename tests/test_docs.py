@@ -52,8 +52,8 @@ GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode
                   "Speculative decoding", "CUDA graph", "Batch invariance", "VNNI",
                   "Memory-bound and compute-bound", "Roofline", "W8A16 and W8A8", "e4m3", "AMX",
                   "oneDNN", "fbgemm", "Warp", "Structured outputs", "Persistent batch",
-                  "Operator dispatch", "torch.compile and inductor", "GGUF", "Rejection sampling",
-                  "Acceptance rate", "Perplexity")
+                  "Operator dispatch", "Inductor", "GGUF", "Rejection sampling",
+                  "Acceptance rate", "Perplexity", "Tensor parallelism", "All-reduce")
 SOLUTION_TAG = "solution"
 
 

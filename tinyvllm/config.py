@@ -173,6 +173,8 @@ class EngineConfig:
     # phase 7: CUDA graphs (None: 1, 2, 4, 8, then every 8 up to max_num_seqs)
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
+    # phase 8: tensor parallelism (ranks, each with its share of the weights and the KV cache)
+    tensor_parallel_size: int = 1
     # front door
     disable_log_stats: bool = True
 
@@ -191,6 +193,7 @@ class EngineConfig:
                 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "batch_invariant", "enforce_eager",
                      "disable_log_stats"):

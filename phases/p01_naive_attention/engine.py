@@ -53,11 +53,16 @@ class Engine:
         self.max_model_len = min(self.config.max_model_len or limit, limit)
         self.tokenizer = Tokenizer(self.model_path)
         self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config, self.tokenizer)
-        self.model = load_model(self.model_path, self.dtype, self.device, self.max_model_len)
+        self.model = self.make_model()
         self.sampler = self.make_sampler()
         self.rng = torch.Generator().manual_seed(self.config.seed)  # seeds for unseeded requests
         self.groups: dict[str, SequenceGroup] = {}                 # unfinished requests by id
         self.queue: deque[Sequence] = deque()                      # phase 1: one at a time, FIFO
+
+    def make_model(self):
+        """The model with its weights loaded, on the engine's device and dtype (a later phase may
+        keep only its share of them)."""
+        return load_model(self.model_path, self.dtype, self.device, self.max_model_len)
 
     def make_sampler(self) -> Sampler:
         """The part that picks each next token from its logits (`tinyvllm.sampler`)."""

@@ -60,10 +60,14 @@ class Engine(Phase6Engine):
         self.scratch_block = self.kv_cache.num_blocks - 1   # the block make_allocator left out
         self.buffers = StaticDecodeBuffers(self.capture_sizes[-1], max_blocks, self.block_size,
                                            self.scratch_block, self.device)
+        self.runner = self.make_decode_runner()
+
+    def make_decode_runner(self) -> DecodeRunner:
+        """What runs a decode step on the static buffers: a CUDA graph per bucket on a GPU, the
+        same forward eagerly elsewhere."""
         if self.device.type == "cuda":
-            self.runner = CudaGraphDecodeRunner(self.model, self.buffers, self.kv_cache)
-        else:
-            self.runner = DecodeRunner(self.model, self.buffers, self.make_attention)
+            return CudaGraphDecodeRunner(self.model, self.buffers, self.kv_cache)
+        return DecodeRunner(self.model, self.buffers, self.make_attention)
 
     def make_sampler(self):
         """The sampler with a vectorized path for the static steps (`BatchSampler`)."""

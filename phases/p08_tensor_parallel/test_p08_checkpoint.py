@@ -1,0 +1,192 @@
+"""Phase 8's checkpoint: tensor parallelism over two ranks gives one rank's tokens, each rank holds
+its share of the weights and of the KV cache, bad sizes are refused naming the argument, and no
+rank outlives its engine."""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from phases.p08_tensor_parallel.layers import head_ranges
+from phases.p08_tensor_parallel.parallel import shard_range
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.entrypoints.bench.serve import start_builtin_server
+from tinyvllm.testing import make_tiny_llama
+
+PROMPTS = [{"prompt_token_ids": [5, 6, 7, 8]}, {"prompt_token_ids": list(range(20, 57))},
+           {"prompt_token_ids": [3] * 9}]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+def tokens(llm, params, prompts=PROMPTS):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    yield llm
+    llm.llm_engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_model_dir):
+    return LLM(str(tiny_model_dir), phase=8, kv_cache_memory=1 << 22)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, world", [(4, 2, 2), (9, 3, 2), (8, 2, 4), (8, 1, 2),
+                                                            (6, 3, 3), (4, 4, 1), (12, 2, 4)])
+def test_head_ranges_cover_every_head_once(num_heads, num_kv_heads, world):
+    group = num_heads // num_kv_heads
+    q_seen, kv_seen = [], set()
+    for rank in range(world):
+        (q0, q1), (k0, k1) = head_ranges(num_heads, num_kv_heads, rank, world)
+        assert q1 > q0 and k1 > k0
+        q_seen += range(q0, q1)
+        kv_seen |= set(range(k0, k1))
+        # every query head of this rank sits with its own KV head
+        assert all(k0 <= q // group < k1 for q in range(q0, q1))
+    assert sorted(q_seen) == list(range(num_heads)) and kv_seen == set(range(num_kv_heads))
+
+
+def test_shard_ranges_split_evenly():
+    for n, world in [(10, 3), (49152, 2), (1536, 4), (3, 2)]:
+        parts = [shard_range(n, r, world) for r in range(world)]
+        assert parts[0][0] == 0 and parts[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+        assert max(b - a for a, b in parts) - min(b - a for a, b in parts) <= 1
+
+
+def test_two_ranks_give_one_rank_tokens(two_ranks, one_rank):
+    """Greedy and seeded sampling, prompts of several lengths at once: the same tokens."""
+    assert tokens(two_ranks, GREEDY) == tokens(one_rank, GREEDY)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    assert tokens(two_ranks, seeded) == tokens(one_rank, seeded)
+    assert two_ranks.llm_engine.num_static_steps > 0       # decode steps took phase 7's path
+
+
+def test_row_parallel_sums_the_partial_products(two_ranks, one_rank):
+    """The logits of one prompt: the two ranks' sums differ from one rank's by float rounding only."""
+    a, b = one_rank.llm_engine, two_ranks.llm_engine
+    out_a = one_rank.generate(PROMPTS[1], SamplingParams(max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    out_b = two_ranks.generate(PROMPTS[1], SamplingParams(max_tokens=1, logprobs=5), use_tqdm=False)[0]
+    la, lb = out_a.outputs[0].logprobs[0], out_b.outputs[0].logprobs[0]
+    assert list(la) == list(lb)
+    for t in la:
+        assert abs(la[t].logprob - lb[t].logprob) < 1e-4
+    assert a.model_config.vocab_size == b.model_config.vocab_size
+
+
+def test_each_rank_holds_its_share(two_ranks, one_rank, tiny_model_dir):
+    """The driver's weights and KV cache hold half of the heads and MLP columns, so the same KV
+    memory holds twice the blocks (on every rank: the block tables are shared)."""
+    full, shard = one_rank.llm_engine, two_ranks.llm_engine
+    c = full.model_config
+    layer = shard.model.model.layers[0]
+    assert layer.self_attn.num_heads == c.num_attention_heads // 2
+    assert layer.self_attn.num_kv_heads == c.num_key_value_heads // 2
+    assert shard.kv_cache.kv.shape[-2] == c.num_key_value_heads // 2
+    assert shard.kv_cache.num_blocks == 2 * full.kv_cache.num_blocks
+    params = sum(p.numel() for p in shard.model.parameters())
+    assert params < 0.6 * sum(p.numel() for p in full.model.parameters())
+
+
+def test_quantized_and_speculative_over_two_ranks(tiny_model_dir):
+    """int8 weights (each rank quantizes its own share) and n-gram drafts run over two ranks, with
+    one rank's greedy tokens."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    args = dict(quantization="int8", speculative_config=spec, kv_cache_memory=1 << 22)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}, PROMPTS[1]]
+    one = tokens(LLM(str(tiny_model_dir), phase=8, **args), GREEDY, prompts)
+    llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, **args)
+    try:
+        assert tokens(llm, GREEDY, prompts) == one
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_bad_sizes_are_refused(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=64)      # more ranks than cores
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=0)
+    with pytest.raises(TypeError, match="tensor_parallel_size"):
+        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size="2")
+    # 3 query heads and 1 KV head cannot be split over 2 ranks
+    odd = make_tiny_llama(tmp_path / "odd", hidden_size=48, num_heads=3, num_kv_heads=1)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        LLM(str(odd), phase=8, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.*phase 7 does not have"):
+        LLM(str(tiny_model_dir), phase=7, tensor_parallel_size=2)
+
+
+def test_a_port_in_use_is_named(tiny_model_dir, monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+        with pytest.raises(ValueError, match="MASTER_PORT"):
+            LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2)
+
+
+def _tp_processes() -> set[int]:
+    """The pids of every worker rank running on this machine."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines() if "-m phases.p08_tensor_parallel" in line}
+
+
+def test_no_rank_outlives_its_engine(tiny_model_dir):
+    """Shutdown, garbage collection and a worker that dies mid-run: no rank is left running, and
+    a dead worker fails the step with an error instead of hanging."""
+    llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    worker = llm.llm_engine.workers[0]
+    assert worker.poll() is None and worker.pid in _tp_processes()
+    llm.llm_engine.shutdown()
+    assert worker.poll() == 0
+    llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    worker = llm.llm_engine.workers[0]
+    del llm
+    gc.collect()
+    assert worker.poll() is not None
+    llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    worker = llm.llm_engine.workers[0]
+    worker.kill()
+    worker.wait()
+    with pytest.raises(Exception):
+        llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    assert worker.poll() is not None and worker.pid not in _tp_processes()
+
+
+@pytest.mark.server
+def test_serve_with_two_ranks(tiny_model_dir, one_rank):
+    """`tinyvllm serve --tensor-parallel-size 2` answers with one rank's tokens, and its worker
+    stops with it."""
+    root = Path(__file__).resolve().parents[2]
+    before = _tp_processes()
+    proc, url = start_builtin_server([str(tiny_model_dir), "--log-level", "warning", "--served-model-name", "tiny",
+                                      "--tensor-parallel-size", "2"], timeout=120, cwd=root,
+                                     env={**os.environ, "PYTHONPATH": str(root)},
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        started = _tp_processes() - before
+        assert len(started) == 1
+        body = {"model": "tiny", "prompt": PROMPTS[1]["prompt_token_ids"], "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True}
+        text = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        want = one_rank.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                                 use_tqdm=False)[0].outputs[0].text
+        assert text == want
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    deadline = time.monotonic() + 10
+    while started & _tp_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not started & _tp_processes()

@@ -1,0 +1,83 @@
+"""What one all-reduce costs between two ranks of this machine, at the sizes a decode step sends.
+
+A tensor-parallel step of the default model all-reduces a (B, 576) float32 hidden state 61 times
+(twice in each of 30 layers, once after the embedding), B the batch. This starts a second rank
+(the same worker mechanism as the engine: a process, a TCP store on loopback, a gloo group), then
+times all-reduces of (B, hidden) for each B: the best of `--repeat` runs of `--iters` each.
+
+    python -m phases.p08_tensor_parallel.tools.bench_allreduce --batch 1 8 32 64 --json OUT.json
+
+Each row: batch, bytes sent by one all-reduce, microseconds per all-reduce, and milliseconds per
+step (61 of them). The tensor's size barely matters at these sizes: the time is the round trip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from phases.p08_tensor_parallel.parallel import TensorParallelGroup, free_port
+from tinyvllm.entrypoints.bench.machine import machine_info
+
+ALL_REDUCES_PER_STEP = 61   # the default model: 2 in each of 30 layers, 1 after the embedding
+
+
+def run_rank(rank: int, port: int, hidden: int, batches: list[int], iters: int, repeat: int) -> list[dict]:
+    torch.set_num_threads(1)
+    group = TensorParallelGroup(rank, 2)
+    group.connect(group.store(port))
+    rows = []
+    for b in batches:
+        x = torch.randn(b, hidden)
+        best = float("inf")
+        for _ in range(repeat):
+            group.all_reduce(x)              # both ranks start together
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                group.all_reduce(x)
+            best = min(best, (time.perf_counter() - t0) / iters)
+        rows.append({"batch": b, "bytes": x.numel() * x.element_size(), "allreduce_us": round(best * 1e6, 1),
+                     "per_step_ms": round(best * ALL_REDUCES_PER_STEP * 1e3, 2)})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--hidden", type=int, default=576)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.rank == 1:
+        run_rank(1, args.port, args.hidden, args.batch, args.iters, args.repeat)
+        return
+    port = free_port()
+    peer = subprocess.Popen([sys.executable, "-m", "phases.p08_tensor_parallel.tools.bench_allreduce",
+                             "--rank", "1", "--port", str(port), "--hidden", str(args.hidden),
+                             "--iters", str(args.iters), "--repeat", str(args.repeat),
+                             "--batch", *map(str, args.batch)])
+    rows = run_rank(0, port, args.hidden, args.batch, args.iters, args.repeat)
+    peer.wait()
+    for r in rows:
+        print(f"batch {r['batch']:4d}  {r['bytes']:8d} bytes  {r['allreduce_us']:8.1f} us  "
+              f"{r['per_step_ms']:6.2f} ms a step")
+    if args.json:
+        report = {"command": "python -m phases.p08_tensor_parallel.tools.bench_allreduce " + " ".join(argv or sys.argv[1:]),
+                  "date": datetime.date.today().isoformat(), "machine": machine_info(torch.device("cpu")),
+                  "backend": "gloo", "ranks": 2, "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+
+
+if __name__ == "__main__":
+    main()
