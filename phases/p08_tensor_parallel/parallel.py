@@ -25,7 +25,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-TIMEOUT = datetime.timedelta(seconds=120)
+# The rendezvous must finish within this; a collective may wait much longer, as a worker waits
+# for the driver's next step for as long as the engine is idle (a rank that dies closes its
+# sockets, which fails the others' collectives at once).
+COLLECTIVE_TIMEOUT = datetime.timedelta(days=7)
+
+
+def rendezvous_timeout() -> datetime.timedelta:
+    """How long ranks wait for each other to join: TINYVLLM_RENDEZVOUS_TIMEOUT_S, or 120 s."""
+    return datetime.timedelta(seconds=float(os.environ.get("TINYVLLM_RENDEZVOUS_TIMEOUT_S", 120)))
 
 
 def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
@@ -68,12 +76,12 @@ class TensorParallelGroup:
 
     def store(self, port: int) -> dist.TCPStore:
         """The rendezvous: a key-value store on loopback that rank 0 hosts on `port`."""
-        return dist.TCPStore("127.0.0.1", port, self.world, self.rank == 0, timeout=TIMEOUT,
+        return dist.TCPStore("127.0.0.1", port, self.world, self.rank == 0, timeout=rendezvous_timeout(),
                              wait_for_workers=False)
 
     def connect(self, store: dist.TCPStore) -> None:
         """Join the group; returns once every rank has."""
-        self.pg = dist.ProcessGroupGloo(store, self.rank, self.world, TIMEOUT)
+        self.pg = dist.ProcessGroupGloo(store, self.rank, self.world, COLLECTIVE_TIMEOUT)
 
     # -- the collectives --------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,18 @@ def test_quantized_and_speculative_over_two_ranks(tiny_model_dir):
         llm.llm_engine.shutdown()
 
 
+def test_an_idle_engine_outlasts_the_rendezvous_timeout(tiny_model_dir, monkeypatch):
+    """Workers wait for the next step as long as the engine is idle: only joining is timed."""
+    monkeypatch.setenv("TINYVLLM_RENDEZVOUS_TIMEOUT_S", "2")
+    llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    try:
+        first = tokens(llm, GREEDY, PROMPTS[:1])
+        time.sleep(4)
+        assert tokens(llm, GREEDY, PROMPTS[:1]) == first
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_bad_sizes_are_refused(tmp_path, tiny_model_dir):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=64)      # more ranks than cores
