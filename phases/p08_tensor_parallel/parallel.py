@@ -3,7 +3,8 @@
 Rank 0 is the driver: the engine, its scheduler and sampler live there. Ranks 1 .. N-1 are
 workers, each a process started by the driver (`start_workers`), each holding its share of every
 weight and of the KV cache. They meet over `torch.distributed`: a `TCPStore` on loopback for the
-rendezvous, then a gloo process group on a CPU (NCCL on CUDA). The group is an object of its own
+rendezvous, then a gloo process group (CPU tensors; the engine refuses more than one rank on a
+GPU, where NCCL would carry them). The group is an object of its own
 (not the process-wide default group), so a process can hold several engines one after another.
 
 Three collectives are all a tensor-parallel forward needs:
