@@ -111,6 +111,24 @@ def test_quantized_and_speculative_over_two_ranks(tiny_model_dir):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.parametrize("args", [dict(num_kv_blocks=7, max_num_seqs=4), dict(batch_invariant=True),
+                                  dict(kv_cache_dtype="int8", quantization="int4"), dict(enforce_eager=True)],
+                         ids=["preempting", "batch_invariant", "int8_kv_int4", "enforce_eager"])
+def test_features_above_the_model_run_unchanged(tiny_model_dir, args):
+    """Preemption (a pool too small for the batch), batch invariance, quantized KV cache and int4
+    weights, phase 6's eager steps: two ranks give one rank's greedy tokens."""
+    prompts = [{"prompt_token_ids": list(range(30, 30 + n))} for n in (4, 40, 20, 33)]
+    one = LLM(str(tiny_model_dir), phase=8, **args)
+    want = tokens(one, GREEDY, prompts)
+    llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, **args)
+    try:
+        assert tokens(llm, GREEDY, prompts) == want
+        if "num_kv_blocks" in args:
+            assert llm.llm_engine.scheduler.num_preemptions > 0
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_an_idle_engine_outlasts_the_rendezvous_timeout(tiny_model_dir, monkeypatch):
     """Workers wait for the next step as long as the engine is idle: only joining is timed."""
     monkeypatch.setenv("TINYVLLM_RENDEZVOUS_TIMEOUT_S", "2")
