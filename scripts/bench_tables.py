@@ -49,6 +49,11 @@ def _num(value, scale=1.0, digits=1, suffix=""):
     return "-" if value is None else f"{value * scale:,.{digits}f}{suffix}"
 
 
+def _shown_tok_s(e) -> float:
+    """An engine's output tok/s as its table shows it (a speedup divides these, so it agrees)."""
+    return float(_num(e["output_tok_per_s"]).replace(",", ""))
+
+
 def _median_ms(e, key):
     d = e.get(key)
     return None if not d else d["median"] * 1e3
@@ -203,7 +208,7 @@ def rungs(spec: dict) -> list[dict]:
         if new not in by_name or old not in by_name:
             raise TableError(f"rung {item!r}: {src} has no {new!r} or no {old!r}")
         a, b = by_name[new], by_name[old]
-        ta, tb = (float(_num(e["output_tok_per_s"]).replace(",", "")) for e in (a, b))
+        ta, tb = _shown_tok_s(a), _shown_tok_s(b)
         out.append({"new": a, "old": b, "tok_s": ta, "old_tok_s": tb, "speedup": round(ta / tb, 2),
                     "workload": _workload_line(report), "machine": short_machine(report["machine"]),
                     "label": label.strip()})
@@ -280,13 +285,13 @@ def render(spec_text: str) -> str:
             matches = [r for r in rows if r["name"] == bname or r["_label"] == bname]
             if len(matches) != 1:
                 raise TableError(f"baseline {bname!r} is not exactly one row of the table")
-            base = float(_num(matches[0]["output_tok_per_s"]).replace(",", ""))
+            base = _shown_tok_s(matches[0])
         body = []
         for e in rows:
             cells = []
             for c in columns:
                 if c == "speedup":
-                    cells.append(f"{float(_num(e['output_tok_per_s']).replace(',', '')) / base:.2f}x")
+                    cells.append(f"{_shown_tok_s(e) / base:.2f}x")
                 else:
                     cells.append(ENGINE_COLUMNS[c][1](e))
             body.append(cells)

@@ -20,7 +20,6 @@ before running it. `tensor_parallel_size=1` is phase 7 exactly.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -29,7 +28,7 @@ from phases.p07_cuda_graphs import Engine as Phase7Engine
 from phases.p07_cuda_graphs.decode_runner import DecodeRunner
 
 from .layers import TensorParallelLlama, shard_model
-from .parallel import TensorParallelGroup, rendezvous_port
+from .parallel import TensorParallelGroup, available_cores, rendezvous_port
 from .worker import start_workers, stop_workers, threads_per_rank
 
 
@@ -65,8 +64,8 @@ class Engine(Phase7Engine):
             if self.device.type != "cpu":
                 raise ValueError(f"tensor_parallel_size={world}: more than one rank runs on a CPU "
                                  f"(gloo); on {self.device.type} use tensor_parallel_size=1")
-            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-            if world > (cores or 1):
+            cores = available_cores()
+            if world > cores:
                 raise ValueError(f"tensor_parallel_size={world} is more ranks than this machine's "
                                  f"{cores} CPU cores")
         model = super().make_model()

@@ -37,6 +37,12 @@ def rendezvous_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("TINYVLLM_RENDEZVOUS_TIMEOUT_S", 120)))
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cores or 1
+
+
 def shard_range(n: int, rank: int, world: int) -> tuple[int, int]:
     """Rank `rank`'s part of n items split into `world` contiguous parts whose sizes differ by at
     most one (the first n % world parts get one more): (start, stop)."""

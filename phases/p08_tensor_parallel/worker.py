@@ -30,14 +30,15 @@ from pathlib import Path
 
 import torch
 
+from .parallel import available_cores
+
 STARTUP_TIMEOUT_S = 600
 REPO = Path(__file__).resolve().parents[2]
 
 
 def threads_per_rank(world: int) -> int:
     """PyTorch threads for each rank: the machine's cores shared out."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // world)
+    return max(1, available_cores() // world)
 
 
 def _ready_key(rank: int) -> str:
