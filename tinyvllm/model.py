@@ -129,8 +129,9 @@ class Linear(nn.Linear):
       on any other CPU (W @ x^T)^T, which MKL runs with a kernel that streams W fastest there,
       one row alone padded with a row of zeros (its output dropped) to take it too.
 
-    Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
-    it is plain `F.linear`.
+    Elsewhere (a GPU, another dtype, an ARM CPU, when autograd needs the weight's gradient, or
+    inside a graph torch.compile is tracing, where the compiler picks the product) it is plain
+    `F.linear`.
 
     The row counts where each path takes over were chosen on both kinds of CPU with
     `python -m tinyvllm.entrypoints.bench.linear --repeat 9` (all 211 weight matrices of the
@@ -145,7 +146,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] if x.dim() == 2 else 0
-        if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32
+        if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32 or torch.compiler.is_compiling()
                 or (self.weight.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, self.weight, self.bias)
         if n <= self.small_rows:

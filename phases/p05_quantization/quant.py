@@ -269,6 +269,14 @@ class QuantizedLinear(nn.Module):
 
 # -- kernels: each takes (layer, x (N, I) float32) -> (N, O) ----------------------------------
 
+def _c_kernel(name: str):
+    """One of cpu_int8.py's C products: called directly when eager, as its registered operator
+    (`torch.ops.tinyvllm.<name>`) inside a graph torch.compile is tracing."""
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.tinyvllm, name)
+    return getattr(cpu_int8, name)
+
+
 def _pack_fbgemm(layer: QuantizedLinear):
     # torch 2.13 warns that quantized tensors (qint8) are deprecated (pytorch/pytorch#184982);
     # fbgemm's prepack still takes one, once per layer at load. Silenced here, said in the lesson.
@@ -309,19 +317,19 @@ def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _cpu_int8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     rows = layer.qweight if layer.layout == "rows" else layer.packed("cpu_int8")
-    y = cpu_int8.int8_matmul(x if x.dtype == torch.float32 else x.float(), rows, layer.scale)
+    y = _c_kernel("int8_matmul")(x if x.dtype == torch.float32 else x.float(), rows, layer.scale)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _cpu_int8_vnni(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     wp = layer.qweight if layer.layout == "vnni" else layer.packed("cpu_int8_vnni")
-    y = cpu_int8.vnni_int8_matmul(x if x.dtype == torch.float32 else x.float(), wp, layer.scale,
+    y = _c_kernel("vnni_int8_matmul")(x if x.dtype == torch.float32 else x.float(), wp, layer.scale,
                                   layer.out_features)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    y = cpu_int8.int4_matmul(x if x.dtype == torch.float32 else x.float(), layer.qweight, layer.scale,
+    y = _c_kernel("int4_matmul")(x if x.dtype == torch.float32 else x.float(), layer.qweight, layer.scale,
                              layer.zero, layer.group_size)
     return y if layer.bias is None else y.add_(layer.bias)
 

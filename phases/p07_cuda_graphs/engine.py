@@ -34,6 +34,7 @@ from phases.p06_speculative_decoding import Engine as Phase6Engine
 from tinyvllm.sequence import Sequence
 
 from .batch_sampler import BatchSampler
+from .compiled import CompiledDecodeRunner
 from .decode_runner import CudaGraphDecodeRunner, DecodeRunner, StaticDecodeBuffers, default_capture_sizes
 from .fused import fuse_projections
 from .input_batch import InputBatch
@@ -45,7 +46,7 @@ class Engine(Phase6Engine):
     bucketed buffers (CUDA graphs on a GPU)."""
 
     phase = 7
-    ENGINE_ARGS = Phase6Engine.ENGINE_ARGS | {"enforce_eager", "cudagraph_capture_sizes"}
+    ENGINE_ARGS = Phase6Engine.ENGINE_ARGS | {"enforce_eager", "cudagraph_capture_sizes", "compilation_mode"}
 
     def __init__(self, model=None, **engine_args):
         super().__init__(model, **engine_args)
@@ -53,6 +54,9 @@ class Engine(Phase6Engine):
         self.capture_sizes = c.cudagraph_capture_sizes or default_capture_sizes(c.max_num_seqs)
         if c.enforce_eager:
             return
+        if c.compilation_mode and self.device.type != "cpu":
+            raise ValueError("compilation_mode=1 compiles the decode step on a CPU; on a GPU phase 7 "
+                             "captures CUDA graphs (leave compilation_mode at 0)")
         # q/k/v and gate/up as one product each: bit-identical outputs, fewer operator calls
         self.num_fused_modules = fuse_projections(self.model)
         max_blocks = cdiv(self.max_model_len, self.block_size)
@@ -63,10 +67,12 @@ class Engine(Phase6Engine):
         self.runner = self.make_decode_runner()
 
     def make_decode_runner(self) -> DecodeRunner:
-        """What runs a decode step on the static buffers: a CUDA graph per bucket on a GPU, the
-        same forward eagerly elsewhere."""
+        """What runs a decode step on the static buffers: a CUDA graph per bucket on a GPU; on a
+        CPU the same forward compiled by torch.compile (`compilation_mode=1`) or eagerly."""
         if self.device.type == "cuda":
             return CudaGraphDecodeRunner(self.model, self.buffers, self.kv_cache)
+        if self.config.compilation_mode:
+            return CompiledDecodeRunner(self.model, self.buffers, self.make_attention)
         return DecodeRunner(self.model, self.buffers, self.make_attention)
 
     def make_sampler(self):

@@ -42,6 +42,9 @@ ENGINE_ARG_HELP = {
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (phase 6 on)",
     "enforce_eager": "no CUDA graphs or compiled steps (phase 7)",
     "cudagraph_capture_sizes": "batch-size buckets of the captured decode step, e.g. 1 2 4 8 (phase 7)",
+    "compilation_mode": "1: compile the decode step with torch.compile on a CPU (phase 7; the "
+                        "first start compiles for a minute, later ones read $TINYVLLM_CACHE/inductor); "
+                        "0 (default): eager",
 }
 
 
