@@ -129,9 +129,9 @@ class Linear(nn.Linear):
       on any other CPU (W @ x^T)^T, which MKL runs with a kernel that streams W fastest there,
       one row alone padded with a row of zeros (its output dropped) to take it too.
 
-    Elsewhere (a GPU, another dtype, an ARM CPU, when autograd needs the weight's gradient, or
-    inside a graph torch.compile is tracing, where the compiler picks the product) it is plain
-    `F.linear`.
+    Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
+    it is plain `F.linear`. Inside a graph torch.compile traces with a dynamic row count, the
+    oneDNN product is the operator `torch.ops.tinyvllm.onednn_linear` (phase 7's compiled step).
 
     The row counts where each path takes over were chosen on both kinds of CPU with
     `python -m tinyvllm.entrypoints.bench.linear --repeat 9` (all 211 weight matrices of the
@@ -146,10 +146,12 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] if x.dim() == 2 else 0
-        if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32 or torch.compiler.is_compiling()
+        if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32
                 or (self.weight.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, self.weight, self.bias)
-        if n <= self.small_rows:
+        # a graph torch.compile traces for more than one row takes the many-rows path at any
+        # count (its row count is dynamic: `n <= small_rows` would split the graph in two)
+        if (n == 1) if torch.compiler.is_compiling() else (n <= self.small_rows):
             if self.small_rows_mkl or not self.use_onednn:
                 return F.linear(x, self.weight, self.bias)
             if n == 1:
@@ -158,16 +160,36 @@ class Linear(nn.Linear):
             return y if self.bias is None else y + self.bias
         if not self.use_onednn:
             return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():  # the same call, as an operator the compiler leaves alone
+            return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's layout, packed again if the weight was replaced or changed."""
-        w = self.weight
-        key = (w.data_ptr(), w.dtype, w._version if not w.is_inference() else None)
-        if getattr(self, "_packed_key", None) != key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach())
-            self._packed_key = key
-        return self._packed
+        return onednn_packed(self.weight)
+
+
+def onednn_packed(w: torch.Tensor) -> torch.Tensor:
+    """`w` in oneDNN's blocked layout, made at the first call and kept on the tensor itself until
+    `w` changes."""
+    key = (w.data_ptr(), w.dtype, w._version if not w.is_inference() else None)
+    cached = getattr(w, "_onednn_packed", None)
+    if cached is None or cached[0] != key:
+        cached = w._onednn_packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+    return cached[1]
+
+
+# oneDNN's product with a packed weight, for a graph torch.compile builds: inductor cannot lower
+# `mkldnn._linear_pointwise` on a packed weight it did not pack itself, but it calls an operator
+# registered here as it is (phase 7's compiled step)
+@torch.library.custom_op("tinyvllm::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, onednn_packed(weight), bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 class RMSNorm(nn.Module):

@@ -389,3 +389,28 @@ def test_step_parts_times_every_way(tiny_model_dir, capsys):
             + (["cpu_int8_vnni"] if cpu_int8.vnni_available() else []))
     assert [line.split()[0] for line in out.splitlines()[1:]] == ways
     assert quant.QuantizedLinear.choose_kernel is chosen and "_step_parts" not in quant.KERNEL_FNS
+
+
+@pytest.mark.parametrize("name", ["int8_matmul", "int4_matmul", "vnni_int8_matmul"])
+def test_c_products_are_operators_a_compiled_graph_can_call(name):
+    """Each C product is also `torch.ops.tinyvllm.<name>`: the same numbers as the ctypes call,
+    and a fake (shape-only) version that agrees with it (torch.library.opcheck)."""
+    from phases.p05_quantization import cpu_int8
+
+    if not (cpu_int8.vnni_available() if name == "vnni_int8_matmul" else cpu_int8.available()):
+        pytest.skip(f"{name} cannot run on this CPU")
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 64), torch.randn(40, 64) * 0.05
+    if name == "int4_matmul":
+        layer = QuantizedLinear(w, None, "int4", group_size=32, kernel="cpu_int4")
+        args = (x, layer.qweight, layer.scale, layer.zero, 32)
+    elif name == "vnni_int8_matmul":
+        layer = QuantizedLinear(w, None, "int8", kernel="cpu_int8_vnni")
+        args = (x, layer.qweight, layer.scale, 40)
+    else:
+        layer = QuantizedLinear(w, None, "int8", kernel="cpu_int8")
+        args = (x, layer.int8_rows(), layer.scale)
+    op = getattr(torch.ops.tinyvllm, name)
+    assert torch.equal(op(*args), getattr(cpu_int8, name)(*args))
+    assert torch.equal(op(*args), layer(x))
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

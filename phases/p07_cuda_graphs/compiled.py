@@ -21,14 +21,16 @@ Two kinds of call stay opaque inside the graph, each through an operator registe
 Shapes: the graph is compiled twice at most, once for batch 1 (what latency runs) and once for
 every larger bucket (the batch dimension marked dynamic), each on first use. Inductor keeps what
 it compiled under `$TINYVLLM_CACHE/inductor`, so a second start reads it back instead of
-compiling for a minute; TorchDynamo's trace is redone at each start (a few seconds). Once both
-graphs exist, their guards are skipped but for the one that tells them apart (the batch size).
+compiling for a minute; TorchDynamo's trace is redone at each start (a few seconds). Before each
+call TorchDynamo checks the graph's *guards* (that the inputs still have the shapes, dtypes and
+objects the graph was traced with), a fraction of a millisecond.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import types
 
 import torch
 
@@ -68,7 +70,11 @@ class CompiledDecodeRunner(DecodeRunner):
         super().__init__(model, buffers, make_attention)
         use_inductor_cache()
         self.context = next(_context_ids)
-        self.compiled = torch.compile(self.forward, fullgraph=True, options={"cpp_wrapper": True})
+        # TorchDynamo keeps compiled graphs per code object, 8 at most: a copy of `forward`'s
+        # code for each runner keeps every engine of a process within its own graphs
+        code = CompiledDecodeRunner.forward.__code__.replace()
+        forward = types.MethodType(types.FunctionType(code, globals(), "forward"), self)
+        self.compiled = torch.compile(forward, fullgraph=True, options={"cpp_wrapper": True})
         self.shapes_seen: set[bool] = set()   # batch 1 (True), larger (False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -85,12 +91,10 @@ class CompiledDecodeRunner(DecodeRunner):
         if bucket > 1:  # one graph for every bucket above 1
             torch._dynamo.mark_dynamic(ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
-        # both graphs compiled: check only the guard that chooses between them
-        skip_guards = len(self.shapes_seen) == 2
         self.shapes_seen.add(bucket == 1)
         _FORWARD_CONTEXT[self.context] = self.make_attention(self.metadata(bucket))
         try:
-            with torch.no_grad(), torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip_guards):
+            with torch.inference_mode():
                 return self.compiled(ids, positions)
         finally:
             del _FORWARD_CONTEXT[self.context]

@@ -64,6 +64,9 @@ class Engine(Phase7Engine):
             if self.device.type != "cpu":
                 raise ValueError(f"tensor_parallel_size={world}: more than one rank runs on a CPU "
                                  f"(gloo); on {self.device.type} use tensor_parallel_size=1")
+            if self.config.compilation_mode:
+                raise ValueError(f"compilation_mode=1 with tensor_parallel_size={world}: the compiled "
+                                 f"decode step runs on one rank; use compilation_mode=0 with several")
             cores = available_cores()
             if world > cores:
                 raise ValueError(f"tensor_parallel_size={world} is more ranks than this machine's "

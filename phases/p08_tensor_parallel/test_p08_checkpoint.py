@@ -154,6 +154,8 @@ def test_bad_sizes_are_refused(tmp_path, tiny_model_dir):
         LLM(str(odd), phase=8, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size=2.*phase 7 does not have"):
         LLM(str(tiny_model_dir), phase=7, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="compilation_mode=1 with tensor_parallel_size=2"):
+        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, compilation_mode=1)
 
 
 def test_a_port_in_use_is_named(tiny_model_dir, monkeypatch):

@@ -1,0 +1,96 @@
+"""Phase 7 checkpoint, the compiled CPU step (`compilation_mode=1`): torch.compile of the decode
+forward gives the eager step's numbers.
+
+- greedy tokens equal phase 6's (enforce_eager=True) at batch 1 and across buckets, in float32,
+  int8 and int4 (phase 5's C products run inside the graph as operators);
+- the logits of one compiled step equal the eager step's within float rounding;
+- at most two graphs for every bucket (batch 1, and one with a dynamic batch);
+- a request's bad value or a bad compilation_mode is an error naming it, and the engine goes on.
+
+Each engine compiles on its first decode steps (seconds on the tiny model; inductor's cache
+makes a second run faster).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phases.p07_cuda_graphs.compiled import CompiledDecodeRunner
+from phases.p07_cuda_graphs.decode_runner import DecodeRunner
+from tinyvllm import LLM, SamplingParams
+
+PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_compiled_step_gives_eager_tokens(make_llm, tiny_model_dir, quantization):
+    kw = {"quantization": quantization} if quantization else {}
+    compiled = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1, **kw)
+    eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True, **kw)
+    engine = compiled.llm_engine
+    assert isinstance(engine.runner, CompiledDecodeRunner)
+    before = engine.num_static_steps
+    assert tokens(compiled, PROMPTS[:1]) == tokens(eager, PROMPTS[:1])          # batch 1
+    assert tokens(compiled, PROMPTS) == tokens(eager, PROMPTS)                  # buckets 8, 4, 2, 1
+    assert engine.num_static_steps - before >= 2 * (GREEDY.max_tokens - 1)      # the decodes ran compiled
+    assert engine.runner.shapes_seen == {True, False}
+
+
+def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm, tiny_model_dir):
+    from torch._dynamo.utils import counters
+
+    llm = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1, num_kv_blocks=64)
+    engine = llm.llm_engine
+    runner = engine.runner
+    eager = DecodeRunner(runner.model, runner.buf, runner.make_attention)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, params)
+    graphs = counters["stats"]["unique_graphs"]
+    engine.step()                                   # the prefills
+    engine.step()                                   # a decode step: the buffers hold 5 real rows
+    for bucket in (1, 2, 4, 8, 2, 1):
+        kv = engine.kv_cache.kv.clone()
+        want = eager.run(bucket)                    # writes this step's K/V ...
+        kv_eager = engine.kv_cache.kv.clone()
+        engine.kv_cache.kv.copy_(kv)                # ... undone: the compiled step writes them again
+        got = runner.run(bucket)
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] - graphs <= 2
+    engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
+
+
+@pytest.mark.parametrize("value", [2, -1, "1", 1.0, True])
+def test_bad_compilation_mode_names_it(make_llm, tiny_model_dir, value):
+    before = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1)
+    with pytest.raises(ValueError, match="compilation_mode"):
+        LLM(str(tiny_model_dir), phase=7, compilation_mode=value)
+    assert len(tokens(before, PROMPTS[:2])[0]) == GREEDY.max_tokens
+
+
+def test_a_bad_request_leaves_the_compiled_engine_running(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=-1.0))
+    assert len(tokens(llm, PROMPTS[:3])) == 3
+
+
+def test_every_engine_of_a_process_runs_its_own_graphs(tiny_model_dir):
+    """TorchDynamo allows 8 graphs per code object; six engines of two graphs each, one after
+    another, all still run compiled (a runner that fell back to eager would not count frames)."""
+    from torch._dynamo.utils import counters
+
+    for _ in range(6):
+        llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=4, compilation_mode=1)
+        before = counters["stats"]["unique_graphs"]
+        assert len(tokens(llm, PROMPTS[:1])[0]) == GREEDY.max_tokens
+        assert len(tokens(llm, PROMPTS[:3])) == 3
+        assert counters["stats"]["unique_graphs"] - before == 2
