@@ -53,7 +53,8 @@ GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode
                   "Memory-bound and compute-bound", "Roofline", "W8A16 and W8A8", "e4m3", "AMX",
                   "oneDNN", "fbgemm", "Warp", "Structured outputs", "Persistent batch",
                   "Operator dispatch", "Inductor", "GGUF", "Rejection sampling",
-                  "Acceptance rate", "Perplexity", "Tensor parallelism", "All-reduce")
+                  "Acceptance rate", "Perplexity", "Tensor parallelism", "All-reduce",
+                  "Custom operator", "Guard")
 SOLUTION_TAG = "solution"
 
 

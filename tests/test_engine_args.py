@@ -27,7 +27,8 @@ ASKING_VALUES: dict = {
     "max_num_seqs": 4, "max_num_batched_tokens": 512, "batch_invariant": True,
     "attention_backend": "triton", "quantization": "int8", "quantization_group_size": 64,
     "kv_cache_dtype": "int8", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
-    "cudagraph_capture_sizes": [1, 2], "tensor_parallel_size": 2, "disable_log_stats": False,
+    "cudagraph_capture_sizes": [1, 2], "compilation_mode": 1, "tensor_parallel_size": 2,
+    "disable_log_stats": False,
 }
 NO_ASKING_VALUE = {"enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

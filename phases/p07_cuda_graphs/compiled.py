@@ -18,8 +18,8 @@ Two kinds of call stay opaque inside the graph, each through an operator registe
   before the graph runs. The KV cache is not an input of the graph: a compiled graph that
   mutates a tensor it was given copies it back at every call (a cache of hundreds of MB).
 
-Shapes: the graph is compiled twice at most, once for batch 1 (what latency runs) and once for
-every larger bucket (the batch dimension marked dynamic), each on first use. Inductor keeps what
+Shapes: the graph is compiled twice, at engine start (`warm_up`): once for batch 1 (what
+latency runs) and once for every larger bucket (the batch dimension marked dynamic). Inductor keeps what
 it compiled under `$TINYVLLM_CACHE/inductor`, so a second start reads it back instead of
 compiling for a minute; TorchDynamo's trace is redone at each start (a few seconds). Before each
 call TorchDynamo checks the graph's *guards* (that the inputs still have the shapes, dtypes and
@@ -76,6 +76,20 @@ class CompiledDecodeRunner(DecodeRunner):
         forward = types.MethodType(types.FunctionType(code, globals(), "forward"), self)
         self.compiled = torch.compile(forward, fullgraph=True, options={"cpp_wrapper": True})
         self.shapes_seen: set[bool] = set()   # batch 1 (True), larger (False)
+
+    def warm_up(self, buckets: list[int]) -> None:
+        """Compile (or load from the cache) the graphs of these buckets now, at engine start, as
+        vLLM does, instead of at the first steps of a request. Each bucket runs on rows of
+        padding (token 0 in the scratch block, which no request owns): first eagerly, so that
+        what is made at a first call (a C kernel built and loaded, a weight packed) is not
+        traced, as a CUDA graph is captured after a warm-up run; then compiled."""
+        b = self.buf
+        for bucket in buckets:
+            b.fill(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                   torch.full((1, 1), b.scratch_block), torch.ones(1, dtype=torch.int64), bucket)
+            with torch.inference_mode():
+                super().run(bucket)
+            self.run(bucket)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """What is compiled: the decode forward and the LM head, (B,) ids -> (B, V) logits."""

@@ -65,6 +65,8 @@ class Engine(Phase6Engine):
         self.buffers = StaticDecodeBuffers(self.capture_sizes[-1], max_blocks, self.block_size,
                                            self.scratch_block, self.device)
         self.runner = self.make_decode_runner()
+        if isinstance(self.runner, CompiledDecodeRunner):
+            self.runner.warm_up(self.capture_sizes[:2])   # batch 1, and the graph of larger buckets
 
     def make_decode_runner(self) -> DecodeRunner:
         """What runs a decode step on the static buffers: a CUDA graph per bucket on a GPU; on a
