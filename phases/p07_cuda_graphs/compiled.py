@@ -19,11 +19,11 @@ Two kinds of call stay opaque inside the graph, each through an operator registe
   mutates a tensor it was given copies it back at every call (a cache of hundreds of MB).
 
 Shapes: the graph is compiled twice, at engine start (`warm_up`): once for batch 1 (what
-latency runs) and once for every larger bucket (the batch dimension marked dynamic). Inductor keeps what
-it compiled under `$TINYVLLM_CACHE/inductor`, so a second start reads it back instead of
-compiling for a minute; TorchDynamo's trace is redone at each start (a few seconds). Before each
-call TorchDynamo checks the graph's *guards* (that the inputs still have the shapes, dtypes and
-objects the graph was traced with), a fraction of a millisecond.
+latency runs) and once for every larger bucket (the batch dimension marked dynamic). Inductor
+keeps what it compiled under `$TINYVLLM_CACHE/inductor`, so a second start reads it back
+instead of compiling for a minute; TorchDynamo's trace is redone at each start (seconds).
+Before each call TorchDynamo checks the graph's *guards* (that the inputs still have the
+shapes, dtypes and objects the graph was traced with), a fraction of a millisecond.
 """
 
 from __future__ import annotations

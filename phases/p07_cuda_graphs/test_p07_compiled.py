@@ -93,3 +93,18 @@ def test_every_engine_of_a_process_runs_its_own_graphs(tiny_model_dir):
         assert counters["stats"]["unique_graphs"] - before == 2
         assert len(tokens(llm, PROMPTS[:3])) == 3
         assert counters["stats"]["unique_graphs"] - before == 2
+
+
+def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, capsys):
+    from phases.p07_cuda_graphs.tools import compile_time
+
+    out = tmp_path / "compile.json"
+    report = compile_time.main(["--model", str(tiny_model_dir), "--quantization", "int8", "--steps", "3",
+                                "--profile", "--json", str(out)])
+    row = report["rows"][0]
+    assert row["cache"] in ("empty", "filled") and row["weights"] == "int8"
+    assert row["llm_s"] > 0 and row["step_ms_batch1"] > 0 and row["step_ms_batch2"] > 0
+    parts = [row[k] for k in ("products_ms", "attention_ms", "guards_ms", "rest_ms")]
+    assert parts[0] > 0 and parts[1] > 0 and sum(parts) > 0
+    assert report["command"].endswith("--json " + str(out)) and "int8" in capsys.readouterr().out
+    assert out.exists() and report["machine"]["cpu_kind"]
