@@ -58,3 +58,17 @@ def test_greedy_matches_transformers(phase, make_llm, default_model_dir, chat_pr
         assert out.outputs[0].token_ids == ref, f"phase {phase} differs from transformers on {prompt!r}"
     # the references are not trivial: most run the full 32 tokens, some end with EOS
     assert sum(len(r) == MAX_TOKENS for r in hf_greedy) >= 4
+
+
+@pytest.mark.slow
+def test_compiled_phase7_greedy_matches_transformers(make_llm, default_model_dir, chat_prompt_ids, hf_greedy):
+    """Phase 7 with its decode step compiled (`compilation_mode=1`, a CPU): inductor's loops
+    round differently from eager PyTorch (float32 logits within about 1e-5), and the greedy
+    tokens stay transformers' on every prompt, batch 1 and all eight at once."""
+    llm = make_llm(default_model_dir, 7, compilation_mode=1)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    one = llm.generate({"prompt_token_ids": chat_prompt_ids[0]}, params, use_tqdm=False)
+    assert one[0].outputs[0].token_ids == hf_greedy[0]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in chat_prompt_ids], params, use_tqdm=False)
+    for prompt, out, ref in zip(PROMPTS, outs, hf_greedy):
+        assert out.outputs[0].token_ids == ref, f"compiled phase 7 differs from transformers on {prompt!r}"

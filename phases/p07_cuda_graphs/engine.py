@@ -9,7 +9,8 @@ one newest token; no prefill chunk, no speculative tokens):
   batch is padded up to the next bucket of `cudagraph_capture_sizes`; padded rows write to a
   scratch KV block that the allocator never hands out.
 - `DecodeRunner.run(bucket)` runs the forward: on CUDA a graph per bucket, captured once and
-  replayed (`CudaGraphDecodeRunner`); on a CPU the same buffers eagerly.
+  replayed (`CudaGraphDecodeRunner`); on a CPU the same buffers eagerly, or with
+  `compilation_mode=1` compiled by torch.compile, both graphs at start (`CompiledDecodeRunner`).
 - The batch's sampling parameters are tensors, and the sampler is vectorized (`BatchSampler`,
   handed them by `sample`).
 - At start, each layer's q/k/v and gate/up projections are fused into one product each, float or
