@@ -70,3 +70,18 @@ def test_linear_keeps_autograd_working():
     layer = Linear(48, 80)
     layer(torch.randn(16, 48)).sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.shape == (80, 48)
+
+
+def test_onednn_product_as_an_operator_equals_the_eager_one():
+    """`torch.ops.tinyvllm.onednn_linear` (what a compiled graph of many rows calls) gives the
+    eager many-rows product's numbers, and its fake version agrees with it."""
+    from tinyvllm.model import Linear
+
+    if not Linear.use_onednn:
+        pytest.skip("no oneDNN on this CPU")
+    torch.manual_seed(0)
+    layer = Linear(64, 40).requires_grad_(False)
+    x = torch.randn(8, 64)
+    op = torch.ops.tinyvllm.onednn_linear
+    assert torch.equal(op(x, layer.weight, layer.bias), layer(x))
+    torch.library.opcheck(op, (x, layer.weight, layer.bias), test_utils=("test_schema", "test_faketensor"))

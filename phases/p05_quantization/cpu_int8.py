@@ -124,37 +124,17 @@ def vnni_int8_matmul(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, out
 # -- the same three products as PyTorch operators --------------------------------------------------
 # torch.compile cannot look inside a ctypes call: tracing one would cut the graph in two. An
 # operator registered with torch.library is opaque instead: a compiled graph calls it as it calls
-# PyTorch's own, and `register_fake` tells the compiler the output's shape and dtype without
+# PyTorch's own, and its *fake* version tells the compiler the output's shape and dtype without
 # running it. The eager path keeps calling the functions above directly (an operator's dispatch
 # costs a few microseconds a call); `quant.py` takes these only while compiling (phase 7).
 
-@torch.library.custom_op("tinyvllm::int8_matmul", mutates_args=())
-def int8_matmul_op(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return int8_matmul(x, qweight, scale)
+def _register(fn, out_features) -> None:
+    """`fn` as the operator `torch.ops.tinyvllm.<its name>` (its schema from its annotations);
+    `out_features(*args after x)` is the width of its (rows of x, width) float32 output."""
+    op = torch.library.custom_op(f"tinyvllm::{fn.__name__}", fn, mutates_args=())
+    op.register_fake(lambda x, *args: x.new_empty(x.shape[0], out_features(*args)))
 
 
-@torch.library.custom_op("tinyvllm::int4_matmul", mutates_args=())
-def int4_matmul_op(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                   group_size: int) -> torch.Tensor:
-    return int4_matmul(x, packed, scale, zero, group_size)
-
-
-@torch.library.custom_op("tinyvllm::vnni_int8_matmul", mutates_args=())
-def vnni_int8_matmul_op(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor,
-                        out_features: int) -> torch.Tensor:
-    return vnni_int8_matmul(x, wp, scale, out_features)
-
-
-@int8_matmul_op.register_fake
-def _(x, qweight, scale):
-    return x.new_empty(x.shape[0], qweight.shape[0])
-
-
-@int4_matmul_op.register_fake
-def _(x, packed, scale, zero, group_size):
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
-@vnni_int8_matmul_op.register_fake
-def _(x, wp, scale, out_features):
-    return x.new_empty(x.shape[0], out_features)
+_register(int8_matmul, lambda qweight, scale: qweight.shape[0])
+_register(int4_matmul, lambda packed, scale, zero, group_size: packed.shape[0])
+_register(vnni_int8_matmul, lambda wp, scale, out_features: out_features)

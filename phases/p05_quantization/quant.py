@@ -324,13 +324,13 @@ def _cpu_int8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 def _cpu_int8_vnni(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     wp = layer.qweight if layer.layout == "vnni" else layer.packed("cpu_int8_vnni")
     y = _c_kernel("vnni_int8_matmul")(x if x.dtype == torch.float32 else x.float(), wp, layer.scale,
-                                  layer.out_features)
+                                      layer.out_features)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     y = _c_kernel("int4_matmul")(x if x.dtype == torch.float32 else x.float(), layer.qweight, layer.scale,
-                             layer.zero, layer.group_size)
+                                 layer.zero, layer.group_size)
     return y if layer.bias is None else y.add_(layer.bias)
 
 

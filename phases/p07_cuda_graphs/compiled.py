@@ -34,6 +34,8 @@ import types
 
 import torch
 
+from tinyvllm.download import cache_dir
+
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 
 # context id -> the attention backend of the step now running (vLLM's forward context)
@@ -57,25 +59,25 @@ def _(q, k, v, context, layer_idx):
 def use_inductor_cache() -> None:
     """Keep inductor's compiled code under $TINYVLLM_CACHE (unless TORCHINDUCTOR_CACHE_DIR says
     otherwise), beside the model and the C kernels."""
-    from tinyvllm.download import cache_dir
-
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
 class CompiledDecodeRunner(DecodeRunner):
     """`DecodeRunner` with the forward and the LM head compiled by torch.compile (inductor's C++
-    backend): one graph for batch 1, one for larger buckets."""
+    backend): one graph for batch 1, one for larger buckets, both compiled (or read from the
+    cache) at start by running `warm_up` on the first two of `buckets`."""
 
-    def __init__(self, model, buffers: StaticDecodeBuffers, make_attention):
+    def __init__(self, model, buffers: StaticDecodeBuffers, make_attention, buckets: list[int]):
         super().__init__(model, buffers, make_attention)
         use_inductor_cache()
         self.context = next(_context_ids)
         # TorchDynamo keeps compiled graphs per code object, 8 at most: a copy of `forward`'s
         # code for each runner keeps every engine of a process within its own graphs
-        code = CompiledDecodeRunner.forward.__code__.replace()
-        forward = types.MethodType(types.FunctionType(code, globals(), "forward"), self)
-        self.compiled = torch.compile(forward, fullgraph=True, options={"cpp_wrapper": True})
+        forward = types.FunctionType(CompiledDecodeRunner.forward.__code__.replace(), globals())
+        self.compiled = torch.compile(types.MethodType(forward, self), fullgraph=True,
+                                      options={"cpp_wrapper": True})
         self.shapes_seen: set[bool] = set()   # batch 1 (True), larger (False)
+        self.warm_up(buckets[:2])
 
     def warm_up(self, buckets: list[int]) -> None:
         """Compile (or load from the cache) the graphs of these buckets now, at engine start, as

@@ -66,8 +66,6 @@ class Engine(Phase6Engine):
         self.buffers = StaticDecodeBuffers(self.capture_sizes[-1], max_blocks, self.block_size,
                                            self.scratch_block, self.device)
         self.runner = self.make_decode_runner()
-        if isinstance(self.runner, CompiledDecodeRunner):
-            self.runner.warm_up(self.capture_sizes[:2])   # batch 1, and the graph of larger buckets
 
     def make_decode_runner(self) -> DecodeRunner:
         """What runs a decode step on the static buffers: a CUDA graph per bucket on a GPU; on a
@@ -75,7 +73,7 @@ class Engine(Phase6Engine):
         if self.device.type == "cuda":
             return CudaGraphDecodeRunner(self.model, self.buffers, self.kv_cache)
         if self.config.compilation_mode:
-            return CompiledDecodeRunner(self.model, self.buffers, self.make_attention)
+            return CompiledDecodeRunner(self.model, self.buffers, self.make_attention, self.capture_sizes)
         return DecodeRunner(self.model, self.buffers, self.make_attention)
 
     def make_sampler(self):
