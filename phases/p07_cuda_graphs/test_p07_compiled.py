@@ -99,12 +99,13 @@ def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, cap
     from phases.p07_cuda_graphs.tools import compile_time
 
     out = tmp_path / "compile.json"
-    report = compile_time.main(["--model", str(tiny_model_dir), "--quantization", "int8", "--steps", "3",
-                                "--profile", "--json", str(out)])
-    row = report["rows"][0]
-    assert row["cache"] in ("empty", "filled") and row["weights"] == "int8"
-    assert row["llm_s"] > 0 and row["step_ms_batch1"] > 0 and row["step_ms_batch2"] > 0
-    parts = [row[k] for k in ("products_ms", "attention_ms", "guards_ms", "rest_ms")]
-    assert parts[0] > 0 and parts[1] > 0 and sum(parts) > 0
-    assert report["command"].endswith("--json " + str(out)) and "int8" in capsys.readouterr().out
+    report = compile_time.main(["--model", str(tiny_model_dir), "--quantization", "int8", "--batch", "1", "3",
+                                "--steps", "3", "--profile", "--json", str(out)])
+    assert [r["batch"] for r in report["rows"]] == [1, 3]
+    for row in report["rows"]:
+        assert row["cache"] in ("empty", "filled") and row["weights"] == "int8"
+        assert row["llm_s"] > 0 and row["step_ms"] > 0
+        parts = [row[k] for k in ("products_ms", "attention_ms", "guards_ms", "rest_ms")]
+        assert parts[0] > 0 and parts[1] > 0 and sum(parts) > 0
+    assert report["command"].endswith("--json " + str(out)) and '"batch": 3' in capsys.readouterr().out
     assert out.exists() and report["machine"]["cpu_kind"]

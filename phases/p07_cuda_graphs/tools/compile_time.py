@@ -1,12 +1,12 @@
 """What the compiled CPU step (`compilation_mode=1`) costs at start and where its time goes.
 
     python -m phases.p07_cuda_graphs.tools.compile_time [--model DIR] [--quantization int8]
-        [--steps 20] [--profile] [--json FILE]
+        [--batch 1 2] [--steps 20] [--profile] [--json FILE]
 
 In this process (run it twice: the first run with an empty `$TINYVLLM_CACHE/inductor` compiles,
 the second reads the cache): `LLM()`, which compiles or loads both graphs (batch 1, and every
-larger bucket), then at batch 1 and at batch 2 the first request's prefill, the first decode
-step and the median of `--steps` more steps. --profile runs five more batch-1 steps under
+larger bucket), then for each --batch, that many requests: their prefill, the first decode step
+and the median of `--steps` more steps, a row each. --profile runs five more steps under
 torch.profiler and splits their time: the product operators, the attention operator,
 TorchDynamo's guard checks and the rest (the graph's own loops, the engine around it).
 """
@@ -38,7 +38,7 @@ PARTS = {  # profiler event -> part (self CPU time)
 
 
 def profile_split(engine) -> dict[str, float]:
-    """Milliseconds a step in each part, over five batch-1 steps: tinyvllm's operators with the
+    """Milliseconds a step in each part, over five steps: tinyvllm's operators with the
     operators they call, the others their own time; 'rest' is everything else (the graph's
     loops, the engine's Python)."""
     from torch.profiler import profile
@@ -61,32 +61,35 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
     p.add_argument("--quantization", default=None)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     use_inductor_cache()
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    row: dict = {"cache": "filled" if cache.is_dir() and any(cache.iterdir()) else "empty",
-                 "weights": args.quantization or "float32"}
+    cache = "filled" if cache.is_dir() and any(cache.iterdir()) else "empty"
     start = time.perf_counter()
     llm = LLM(args.model, phase=7, compilation_mode=1, quantization=args.quantization)
+    llm_s = round(time.perf_counter() - start, 2)   # loads the weights, compiles or loads both graphs
     engine = llm.llm_engine
-    row["llm_s"] = round(time.perf_counter() - start, 2)   # loads the weights, compiles or loads both graphs
-    params = SamplingParams(max_tokens=4 * args.steps + 16, temperature=0, ignore_eos=True)
-    for batch in (1, 2):
+    params = SamplingParams(max_tokens=args.steps + 16, temperature=0, ignore_eos=True)
+    rows = []
+    for batch in args.batch:
+        row = {"cache": cache, "weights": args.quantization or "float32", "llm_s": llm_s, "batch": batch}
         rids = [f"b{batch}-{i}" for i in range(batch)]
         for rid in rids:
             engine.add_request(rid, PROMPT, params)
-        row[f"prefill_s_batch{batch}"] = round(elapsed(engine.step), 2)
-        row[f"first_decode_s_batch{batch}"] = round(elapsed(engine.step), 2)
-        row[f"step_ms_batch{batch}"] = round(1000 * median([elapsed(engine.step) for _ in range(args.steps)]), 2)
-        if batch == 1 and args.profile:
+        row["prefill_s"] = round(elapsed(engine.step), 2)
+        row["first_decode_s"] = round(elapsed(engine.step), 2)
+        row["step_ms"] = round(1000 * median([elapsed(engine.step) for _ in range(args.steps)]), 2)
+        if args.profile:
             row.update({f"{k}_ms": v for k, v in profile_split(engine).items()})
         engine.abort_request(rids)
+        rows.append(row)
+        print(json.dumps(row))
     report = {"command": "python -m phases.p07_cuda_graphs.tools.compile_time " + shlex.join(argv or sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d"), "machine": machine_info(torch.device("cpu")), "rows": [row]}
-    print(json.dumps(row, indent=1))
+              "date": time.strftime("%Y-%m-%d"), "machine": machine_info(torch.device("cpu")), "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return report
