@@ -109,3 +109,23 @@ def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, cap
         assert parts[0] > 0 and parts[1] > 0 and sum(parts) > 0
     assert report["command"].endswith("--json " + str(out)) and '"batch": 3' in capsys.readouterr().out
     assert out.exists() and report["machine"]["cpu_kind"]
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_compiled_step_with_preemption_seeds_penalties_int8_kv_and_drafts(tiny_model_dir, spec):
+    """The compiled step under what the rest of the engine does: a pool small enough to preempt,
+    seeded and penalized requests with logprobs, an int8 KV cache (its attention backend found
+    through the forward context), n-gram drafts: phase 6's tokens."""
+    kw = dict(max_num_seqs=8, block_size=8, kv_cache_dtype="int8", speculative_config=spec)
+    compiled = LLM(str(tiny_model_dir), phase=7, compilation_mode=1, num_kv_blocks=10, **kw)
+    eager = LLM(str(tiny_model_dir), phase=7, enforce_eager=True, num_kv_blocks=11, **kw)  # + the scratch block
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, top_k=7, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=18, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, presence_penalty=0.5, logprobs=2, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)]
+    got = compiled.generate(PROMPTS, params, use_tqdm=False)
+    want = eager.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    engine = compiled.llm_engine
+    assert engine.num_static_steps > 10 and engine.scheduler.num_preemptions > 0
