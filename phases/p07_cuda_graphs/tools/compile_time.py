@@ -30,7 +30,7 @@ from tinyvllm.entrypoints.bench.machine import machine_info
 from tinyvllm.entrypoints.bench.timing import elapsed, median
 
 PROMPT = "Write a short story about a robot who learns to paint."
-PARTS = {  # profiler event -> part (self CPU time)
+PARTS = {  # profiler event -> part (see profile_split for which time each counts)
     "tinyvllm::vnni_int8_matmul": "products", "tinyvllm::int8_matmul": "products",
     "tinyvllm::int4_matmul": "products", "tinyvllm::onednn_linear": "products",
     "aten::mm": "products", "aten::addmm": "products",
