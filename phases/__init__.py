@@ -1,6 +1,8 @@
-"""The phase registry: phase number -> the module that exports its `Engine`.
+"""The phase registry: phase number -> the package whose `RECIPE` builds that phase's engine.
 
 A new phase joins every shared test and the front door (`LLM(phase=N)`) by adding one line here.
+`make_engine(N, model, **engine_args)` is `Engine(setup, RECIPE.build(setup))`: the one engine
+loop (phase 1's `Engine`) with phase N's parts.
 """
 
 from __future__ import annotations
@@ -24,24 +26,53 @@ if os.environ.get("TINYVLLM_WORKSPACE"):  # a learner's copies of phases stand i
     use_workspace(os.environ["TINYVLLM_WORKSPACE"])
 
 
-def first_phase_with(engine_arg: str) -> int | None:
-    """The first registered phase whose engine acts on `engine_arg` (None: no phase does)."""
-    for phase in sorted(PHASES):
-        if engine_arg in get_engine_class(phase).ENGINE_ARGS:
-            return phase
-    return None
-
-
 def latest_phase() -> int:
     return max(PHASES)
 
 
-def get_engine_class(phase: int | None = None) -> type:
-    """The Engine class of `phase` (None: the newest)."""
+def _check_phase(phase: int | None) -> int:
     if phase is None:
-        phase = latest_phase()
+        return latest_phase()
     if isinstance(phase, bool) or not isinstance(phase, int):
         raise TypeError(f"phase must be an int or None, got {phase!r}")
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {sorted(PHASES)}, got {phase}")
-    return importlib.import_module(PHASES[phase]).Engine
+    return phase
+
+
+def get_recipe(phase: int | None = None):
+    """The `Recipe` of `phase` (None: the newest)."""
+    return importlib.import_module(PHASES[_check_phase(phase)]).RECIPE
+
+
+def first_phase_with(engine_arg: str) -> int | None:
+    """The first registered phase whose recipe acts on `engine_arg` (None: no phase does)."""
+    for phase in sorted(PHASES):
+        if engine_arg in get_recipe(phase).engine_args:
+            return phase
+    return None
+
+
+def check_engine_args(phase: int, engine_args: dict) -> None:
+    """Refuse an argument phase `phase` would ignore (`quantization="int4"` on phase 3): the user
+    asked for a feature, and silently getting something else would mislead them. The error names
+    the first phase that has it."""
+    from tinyvllm.config import EngineConfig, unsupported_engine_args
+
+    EngineConfig.from_kwargs(**engine_args)  # unknown names and bad values first
+    for name in unsupported_engine_args(engine_args, get_recipe(phase).engine_args):
+        first = first_phase_with(name)
+        where = (f"phase {first} is the first that has it: LLM(phase={first}) or later"
+                 if first else "no registered phase has it yet")
+        raise ValueError(f"{name}={engine_args[name]!r}: phase {phase} does not have this "
+                         f"feature ({where}); or leave {name} at its default")
+
+
+def make_engine(phase: int | None = None, model=None, **engine_args):
+    """Phase `phase`'s engine (None: the newest) on `model` (None: the default model)."""
+    from phases.p01_naive_attention import Engine, EngineSetup
+
+    phase = _check_phase(phase)
+    check_engine_args(phase, engine_args)
+    setup = EngineSetup.create(model, engine_args)
+    return Engine(setup, get_recipe(phase).build(setup))

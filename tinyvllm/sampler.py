@@ -1,10 +1,15 @@
-"""The one batched sampler every phase uses.
+"""The one sampler every phase uses, vectorized over the batch.
 
     logits (B, V) --penalties, min_tokens--> --grammar masks--> --temperature, top-k, top-p, min-p--> token per row
 
+- The sampling parameters of the batch are (B,) tensors (`SamplingTensors`): read from each
+  sequence's `SamplingParams` in one pass, or handed over ready by a runner that keeps them so
+  (phase 7's persistent batch). Rows are grouped by masks, and each group is one batched op.
 - Greedy fast path: when every row is greedy, one argmax, no softmax.
-- Top-k-only fast path: a row that uses only top-k samples among its k best tokens, without
+- Top-k-only fast path: rows that use only top-k sample among their k best tokens, without
   sorting or normalizing the whole vocabulary.
+- Penalties, min_tokens and structured outputs need each row's history: they change the logits
+  of the rows that use them, one row at a time, before the batched part.
 - Per-row randomness: each sequence owns a `torch.Generator`. A row draws one uniform number u
   from it and takes the first token whose cumulative probability passes u * (total): inverse
   transform sampling, an exact sample from p. The draw depends only on the row's own generator and
@@ -21,10 +26,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tinyvllm.outputs import Logprob
-from tinyvllm.sequence import Sequence
+from tinyvllm.sampling_params import SAMPLING_EPS
+from tinyvllm.step import ModelRunnerOutput, SamplerOutput
 from tinyvllm.structured_output import mask_logits
 
 
@@ -40,16 +48,51 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
+@dataclass
+class SamplingTensors:
+    """A batch's sampling parameters as (B,) tensors, row i for sequence i, and each row's random
+    stream (None for a greedy row). top_k is 0 where off, and never above the vocabulary."""
+
+    temperature: torch.Tensor   # (B,) float32; 0 = greedy
+    top_k: torch.Tensor         # (B,) int64
+    top_p: torch.Tensor         # (B,) float32
+    min_p: torch.Tensor         # (B,) float32
+    generators: list[torch.Generator | None]
+
+    @classmethod
+    def from_seqs(cls, seqs: list, vocab_size: int) -> "SamplingTensors":
+        """Read each sequence's `SamplingParams` once."""
+        params = [s.params for s in seqs]
+        return cls(torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                   torch.tensor([min(max(p.top_k, 0), vocab_size) for p in params], dtype=torch.int64),
+                   torch.tensor([p.top_p for p in params], dtype=torch.float32),
+                   torch.tensor([p.min_p for p in params], dtype=torch.float32),
+                   [s.generator for s in seqs])
+
+    def to(self, device: torch.device) -> "SamplingTensors":
+        return SamplingTensors(self.temperature.to(device), self.top_k.to(device), self.top_p.to(device),
+                               self.min_p.to(device), self.generators)
+
+
 class Sampler:
-    """Picks the next token of each sequence from its logits row."""
+    """Picks the next token of each sequence from its logits row (see the module docstring)."""
 
     def __init__(self, tokenizer=None):
         self.tokenizer = tokenizer  # for Logprob.decoded_token
 
+    def sample(self, out: ModelRunnerOutput) -> SamplerOutput:
+        """The sampler's part of a step: one token for each sequence of `out`, from its row, and
+        the prompt logprobs the step computed."""
+        tokens, logprobs = self(out.logits, out.seqs, out.sampling)
+        prompt = [(group, self.prompt_logprobs(logits, targets, group.params.prompt_logprobs))
+                  for group, logits, targets in out.prompt_logits]
+        return SamplerOutput(out.seqs, [[t] for t in tokens], [[lp] for lp in logprobs], prompt)
+
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]
+    def __call__(self, logits: torch.Tensor, seqs: list, tensors: SamplingTensors | None = None
                  ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """logits: (B, V) float32, one row per sequence -> (token ids, logprobs per row)."""
+        """logits: (B, V) float32, one row per sequence -> (token ids, logprobs per row).
+        `tensors`: the batch's parameters when the caller has them as tensors already."""
         raw_logprobs = (torch.log_softmax(logits, dim=-1)
                         if any(s.params.logprobs is not None for s in seqs) else None)
         logits = self.apply_penalties(logits, seqs)
@@ -57,14 +100,16 @@ class Sampler:
         if all(s.params.is_greedy for s in seqs):
             tokens = greedy_tokens(logits).tolist()
         else:
-            tokens = self._sample(logits, seqs)
+            if tensors is None:
+                tensors = SamplingTensors.from_seqs(seqs, logits.shape[-1])
+            tokens = sample(logits, tensors.to(logits.device)).tolist()
         logprobs = [self.token_logprobs(raw_logprobs[i], tokens[i], s.params.logprobs)
                     if raw_logprobs is not None and s.params.logprobs is not None else None
                     for i, s in enumerate(seqs)]
         return tokens, logprobs
 
     # -- logits processing ---------------------------------------------------------------------
-    def apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, seqs: list) -> torch.Tensor:
         """Each row's repetition, frequency and presence penalties, and min_tokens' ban on its stop
         tokens: a processed copy of logits (B, V), or logits itself when no row has any."""
         rows = [i for i, s in enumerate(seqs) if s.params.has_penalties or s.min_tokens_pending]
@@ -90,7 +135,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def apply_grammars(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def apply_grammars(logits: torch.Tensor, seqs: list) -> torch.Tensor:
         """Structured outputs: each constrained row's logits outside the tokens its grammar allows
         next set to -inf (a copy; logits itself when no row is constrained)."""
         rows, masks = [], []
@@ -101,30 +146,6 @@ class Sampler:
                 rows.append(i)
                 masks.append(mask)
         return mask_logits(logits, rows, masks) if rows else logits
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        tokens = greedy_tokens(logits).tolist()  # greedy rows keep this
-        full_rows: list[int] = []
-        for i, s in enumerate(seqs):
-            p = s.params
-            if p.is_greedy:
-                continue
-            if p.top_k > 0 and p.top_p >= 1.0 and p.min_p == 0.0:
-                # top-k only: sample among the k best, no full-vocabulary sort
-                vals, idx = finite(logits[i] / p.temperature).topk(min(p.top_k, logits.shape[-1]))
-                probs = torch.softmax(vals, dim=-1)
-                tokens[i] = int(idx[self.draw(probs[None], [s.generator])[0]])
-            else:
-                full_rows.append(i)
-        if full_rows:
-            sub = logits[full_rows]
-            temps = torch.tensor([seqs[i].params.temperature for i in full_rows],
-                                 dtype=sub.dtype, device=sub.device)
-            probs = torch.softmax(finite(sub / temps[:, None]), dim=-1)
-            probs = self.filter_probs(probs, [seqs[i] for i in full_rows])
-            for r, tok in zip(full_rows, self.draw(probs, [seqs[i].generator for i in full_rows])):
-                tokens[r] = tok
-        return tokens
 
     @staticmethod
     def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
@@ -144,28 +165,7 @@ class Sampler:
             idx = torch.where(empty, greedy_tokens(probs), idx)
         return idx.clamp_(max=probs.shape[-1] - 1).tolist()
 
-    @staticmethod
-    def filter_probs(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Zero out tokens that top-k, top-p or min-p exclude. probs: (R, V)."""
-        top_k = [s.params.top_k for s in seqs]
-        top_p = [s.params.top_p for s in seqs]
-        min_p = [s.params.min_p for s in seqs]
-        if any(p > 0 for p in min_p):
-            thresh = torch.tensor(min_p, dtype=probs.dtype, device=probs.device)[:, None]
-            probs = probs.masked_fill(probs < thresh * probs.max(dim=-1, keepdim=True).values, 0.0)
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
-            k = torch.tensor([k if k > 0 else probs.shape[-1] for k in top_k], device=probs.device)
-            drop = rank >= k[:, None]
-            # top-p: drop a token if the tokens ranked above it already reach top_p
-            p = torch.tensor(top_p, dtype=probs.dtype, device=probs.device)[:, None]
-            mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-            drop |= mass_before > p * sorted_p.sum(dim=-1, keepdim=True)
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        return probs
-
+    # -- logprobs ------------------------------------------------------------------------------
     def prompt_logprobs(self, logits: torch.Tensor, tokens: list[int], k: int) -> list[dict[int, Logprob]]:
         """logits (P, V) at P prompt positions, tokens: the P prompt tokens that follow them ->
         each token's logprob and rank, plus the k most likely tokens' (no sampling rules apply:
@@ -188,3 +188,50 @@ class Sampler:
 
     def _decode(self, token: int) -> str | None:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else None
+
+
+def sample(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """One token per row. logits (B, V) float32; `t` on the logits' device -> (B,) int64."""
+    tokens = greedy_tokens(logits)                               # greedy rows keep this
+    greedy = t.temperature < SAMPLING_EPS
+    if bool(greedy.all()):
+        return tokens
+    vocab = logits.shape[-1]
+    rand = ~greedy
+    topk_only = rand & (t.top_k > 0) & (t.top_p >= 1.0) & (t.min_p == 0.0)
+    full = rand & ~topk_only
+    if bool(topk_only.any()):  # sample among each row's k best: no full-vocabulary sort
+        r = topk_only.nonzero()[:, 0]
+        k = t.top_k[r].clamp(max=vocab)                                                  # (R,)
+        vals, idx = finite(logits[r] / t.temperature[r, None]).topk(int(k.max()))       # (R, kmax)
+        vals = vals.masked_fill(torch.arange(vals.shape[1], device=vals.device)[None, :] >= k[:, None],
+                                float("-inf"))
+        pick = Sampler.draw(torch.softmax(vals, dim=-1), [t.generators[i] for i in r.tolist()])
+        tokens[r] = idx.gather(1, torch.tensor(pick, device=idx.device)[:, None])[:, 0]
+    if bool(full.any()):
+        r = full.nonzero()[:, 0]
+        probs = torch.softmax(finite(logits[r] / t.temperature[r, None]), dim=-1)      # (R, V)
+        probs = filter_probs(probs, t.top_k[r], t.top_p[r], t.min_p[r])
+        pick = Sampler.draw(probs, [t.generators[i] for i in r.tolist()])
+        tokens[r] = torch.tensor(pick, device=tokens.device)
+    return tokens
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """Zero out the tokens that top-k, top-p and min-p exclude. probs: (R, V); top_k, top_p,
+    min_p: (R,) (top_k 0: off)."""
+    if bool((min_p > 0).any()):
+        thresh = min_p.to(probs.dtype)[:, None]
+        probs = probs.masked_fill(probs < thresh * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[-1], device=probs.device)[None, :]
+        k = torch.where(top_k > 0, top_k, probs.shape[-1])
+        drop = rank >= k[:, None]
+        # top-p: drop a token if the tokens ranked above it already reach top_p
+        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop |= mass_before > top_p.to(probs.dtype)[:, None] * sorted_p.sum(dim=-1, keepdim=True)
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs

@@ -146,3 +146,13 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.devi
     model.model.rotary_emb.reset_tables()
     load_weights(model, folder)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights as stored (a tied tensor counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() not in seen and t.device.type != "meta":
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total

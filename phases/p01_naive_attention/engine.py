@@ -1,94 +1,66 @@
-"""Phase 1 engine: correct and simple, and slow on purpose.
+"""The engine: one loop that every phase runs, written once. A phase changes what runs by giving
+it other parts (its recipe), never by changing this file.
 
-Requests run one at a time. To produce each new token the engine runs the model over the
-*whole* sequence (prompt plus everything generated so far) and keeps only the last row of
-logits. Nothing is remembered between steps, so generating n tokens after a prompt of p tokens
-costs about sum_{t=p}^{p+n} t token-passes through the model, and attention over each pass builds
-a t x t score matrix: the work grows with the square of the length.
+    step():  plan    = scheduler.schedule()           who runs, and how many tokens each
+             out     = runner.execute(plan)           the model over the flat batch -> logits rows
+             sampled = sampler.sample(out)            a token per row (drafts: the verified ones)
+             scheduler.update(plan, sampled)          append the tokens; free, roll back, cache
+             return the outputs of the requests that got tokens
 
-The parts every later phase keeps live here too: loading the model and tokenizer, validating
-requests (`add_request`), the `step()` loop, and turning sampled tokens into outputs. Later
-phases subclass `Engine` and replace `step` (what runs) and the attention backend (how).
+It is vLLM V1's `EngineCore.step` (schedule, execute_model, sample, update_from_output) and
+nano-vllm's five-line `LLMEngine.step`. Around the loop: requests come in (`add_request`, which
+checks them first), leave (`abort_request`), and are counted (`get_stats`).
+
+The loop lives in phase 1 because it is the first thing to build: with phase 1's parts (one
+request at a time, the whole sequence recomputed at every step) it is already a working engine,
+and every later phase runs the same loop with better parts.
 """
 
 from __future__ import annotations
 
 import functools
-import time
-from collections import deque
-from pathlib import Path
 
 import torch
 
-from tinyvllm.config import EngineConfig, ModelConfig, unsupported_engine_args
-from tinyvllm.download import resolve_model
+from tinyvllm.errors import StepError
 from tinyvllm.inputs import PromptType, parse_prompt
 from tinyvllm.outputs import RequestOutput
-from tinyvllm.sampler import Sampler
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.sequence import Sequence, SequenceGroup
+from tinyvllm.sequence import SequenceGroup
+from tinyvllm.step import SamplerOutput
 from tinyvllm.structured_output import StructuredOutputManager
-from tinyvllm.tokenizer import Tokenizer
-from tinyvllm.weights import load_model, resolve_device, resolve_dtype
+from tinyvllm.weights import weight_bytes
 
-from .attention import NaiveAttention
+from .parts import EngineSetup, Parts
 
 
 class Engine:
-    """The phase 1 engine: full recompute, one request at a time."""
+    """Runs requests through the parts a recipe built (`phases.make_engine(N)` builds phase N's).
 
-    phase = 1
-    # The engine arguments this phase acts on. Each later phase adds the ones of its features;
-    # any other argument set to a value that asks for something is refused (check_engine_args).
-    ENGINE_ARGS = frozenset({"dtype", "device", "seed", "max_model_len", "disable_log_stats"})
+    Args:
+        setup: the resolved engine arguments, model and tokenizer.
+        parts: the model, scheduler, runner, sampler and the rest (`Parts`).
+    """
 
-    def __init__(self, model: str | Path | None = None, **engine_args):
-        self.config = EngineConfig.from_kwargs(**engine_args)
-        self.check_engine_args(engine_args)
-        self.model_path = resolve_model(model)
-        self.device = resolve_device(self.config.device)
-        self.dtype = resolve_dtype(self.config.dtype, self.device)
-        self.model_config = ModelConfig.from_pretrained(self.model_path)
-        limit = self.model_config.max_position_embeddings
-        self.max_model_len = min(self.config.max_model_len or limit, limit)
-        self.tokenizer = Tokenizer(self.model_path)
-        self.eos_token_ids = _eos_token_ids(self.model_path, self.model_config, self.tokenizer)
-        self.model = self.make_model()
-        self.sampler = self.make_sampler()
+    def __init__(self, setup: EngineSetup, parts: Parts):
+        self.setup, self.parts = setup, parts
+        self.phase = parts.phase
+        self.config, self.tokenizer, self.device = setup.config, setup.tokenizer, setup.device
+        self.model_config, self.max_model_len = setup.model_config, setup.max_model_len
+        self.eos_token_ids = setup.eos_token_ids
+        self.scheduler, self.runner, self.sampler = parts.scheduler, parts.runner, parts.sampler
         self.rng = torch.Generator().manual_seed(self.config.seed)  # seeds for unseeded requests
         self.groups: dict[str, SequenceGroup] = {}                 # unfinished requests by id
-        self.queue: deque[Sequence] = deque()                      # phase 1: one at a time, FIFO
 
-    def make_model(self):
-        """The model with its weights loaded, on the engine's device and dtype (a later phase may
-        keep only its share of them)."""
-        return load_model(self.model_path, self.dtype, self.device, self.max_model_len)
-
-    def make_sampler(self) -> Sampler:
-        """The part that picks each next token from its logits (`tinyvllm.sampler`)."""
-        return Sampler(self.tokenizer)
+    # the parts a reader (or a test) looks at most, by name
+    model = property(lambda self: self.parts.model)
+    kv_cache = property(lambda self: self.parts.kv_cache)
+    allocator = property(lambda self: self.parts.allocator)
 
     @functools.cached_property
     def structured_output_manager(self) -> StructuredOutputManager:
         """Compiles requests' structured_outputs into grammars (made on first use)."""
-        return self.make_structured_output_manager()
-
-    def make_structured_output_manager(self) -> StructuredOutputManager:
-        """The part behind structured outputs (`tinyvllm.structured_output`)."""
         return StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-
-    @classmethod
-    def check_engine_args(cls, engine_args: dict) -> None:
-        """Refuse an argument this phase would ignore (`quantization="int4"` on phase 3): the
-        user asked for a feature, and silently getting something else would mislead them."""
-        import phases  # the registry: which phase has the feature
-
-        for name in unsupported_engine_args(engine_args, cls.ENGINE_ARGS):
-            first = phases.first_phase_with(name)
-            where = (f"phase {first} is the first that has it: LLM(phase={first}) or later"
-                     if first else "no registered phase has it yet")
-            raise ValueError(f"{name}={engine_args[name]!r}: phase {cls.phase} does not have this "
-                             f"feature ({where}); or leave {name} at its default")
 
     # -- requests in ---------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
@@ -103,7 +75,7 @@ class Engine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already running")
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
-        self.check_fits(len(ids), params)
+        self.scheduler.check_fits(len(ids), params)
         structured = params.structured_outputs
         grammar = self.structured_output_manager.compile(structured) if structured is not None else None
         group = SequenceGroup(request_id, text, ids, params, self.tokenizer, self.eos_token_ids,
@@ -113,17 +85,16 @@ class Engine:
                 seq.grammar = self.structured_output_manager.matcher(grammar)
         return group
 
-    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Raise if a request can never run. Phase 1 has no limit beyond max_model_len."""
-
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         """Queue a request; it runs in later calls to `step`."""
         self.add_group(self.make_request(request_id, prompt, params, arrival_time))
 
     def add_group(self, group: SequenceGroup) -> None:
+        """Queue a request `make_request` built."""
         self.groups[group.request_id] = group
-        self.queue.extend(group.seqs)
+        for seq in group.seqs:
+            self.scheduler.add(seq)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -132,107 +103,99 @@ class Engine:
         return list(self.groups)
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Stop a request (or several) now; later phases free its blocks at once. Unknown ids
-        are ignored."""
+        """Stop a request (or several) now: its sequences leave the scheduler and give their KV
+        blocks back at once. Unknown ids are ignored."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             group = self.groups.pop(rid, None)
             if group is None:
                 continue
             for seq in group.seqs:
                 seq.abort()
-                self.release(seq)
-
-    def release(self, seq: Sequence) -> None:
-        """Forget an aborted sequence: phase 1 only queues it (later phases free its blocks)."""
-        if seq in self.queue:
-            self.queue.remove(seq)
-
-    def get_stats(self) -> dict[str, float]:
-        """Counters for `tinyvllm bench`. Phase 1 keeps no cache, so it has none. Later phases add
-        num_kv_blocks, block_size, peak_kv_blocks_used, peak_kv_tokens_reserved,
-        peak_kv_tokens_used, contiguous_kv_tokens_reserved, prefix_cache_queries,
-        prefix_cache_hits and num_preemptions."""
-        return {}
-
-    def reset_stats(self) -> None:
-        """Zero the counters and peaks of `get_stats` (between benchmark runs)."""
+                self.scheduler.finish(seq)
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Generate one token for the sequence at the head of the queue."""
-        # >>> exercise recompute_step (1 star): One step of phase 1: run the model over the whole sequence of the queue's first request, and sample its next token from the last row.
-        # hint: torch.arange gives the positions; NaiveAttention() is the backend; compute_logits on hidden[-1:]; append_tokens samples; pop the request once it is finished.
-        # checked by: test_every_step_recomputes_the_whole_sequence, test_greedy_matches_transformers
-        if not self.queue:
+        """Schedule, run the model, sample, update the requests; the outputs of those that got
+        tokens. If running or sampling fails, the step's requests are aborted (their blocks freed)
+        and a `StepError` names them; the engine stays consistent and the others go on."""
+        # >>> exercise engine_step (2 stars): The engine's step: the scheduler's plan, the runner on it, the sampler on the runner's rows, the scheduler's update, and the outputs of the requests that got tokens.
+        # hint: an empty plan (nothing scheduled) gives []; if execute or sample raises, abort plan.request_ids() and raise StepError(ids, e) from e; self.outputs(sampled) builds the outputs.
+        # checked by: test_greedy_matches_transformers, test_every_step_recomputes_the_whole_sequence, test_a_failed_step_aborts_its_requests_and_the_engine_goes_on
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
             return []
-        seq = self.queue[0]
-        if seq.group.metrics.first_scheduled_time is None:
-            seq.group.metrics.first_scheduled_time = time.perf_counter()
-        ids = torch.tensor(seq.token_ids, device=self.device)             # (T,)
-        positions = torch.arange(len(ids), device=self.device)             # (T,)
-        hidden = self.model(ids, positions, NaiveAttention())              # (T, D): all of it again
-        self.record_prompt_logprobs(hidden, [(seq, 0, len(ids), 0)])
-        logits = self.model.compute_logits(hidden[-1:])                   # (1, V): only the last row
-        self.append_tokens([seq], logits)
-        if seq.is_finished:
-            self.queue.popleft()
-        return self.collect_outputs([seq.group])
-        # <<< exercise recompute_step
+        try:
+            out = self.runner.execute(plan)
+            sampled = self.sampler.sample(out)
+        except Exception as e:
+            failed = plan.request_ids()
+            self.abort_request(failed)
+            raise StepError(failed, e) from e
+        self.scheduler.update(plan, sampled)
+        return self.outputs(sampled)
+        # <<< exercise engine_step
 
-    def record_prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
-        record_prompt_logprobs(self.model, self.sampler, hidden, spans)
-
-    def append_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Sample one token per sequence from its row of logits and record it."""
-        tokens, logprobs = self.sample(logits, seqs)
-        now = time.perf_counter()
-        for seq, token, lp in zip(seqs, tokens, logprobs):
-            seq.append_token(token, lp)
-            seq.group.record_token_time(now)
-
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
-        """The sampler's token (and logprobs) for each row: an extension point, for an engine
-        that samples a batch another way."""
-        return self.sampler(logits, seqs)
-
-    def collect_outputs(self, groups: list[SequenceGroup]) -> list[RequestOutput]:
-        """The outputs of the groups that changed this step; forget the finished ones."""
+    def outputs(self, sampled: SamplerOutput) -> list[RequestOutput]:
+        """A `RequestOutput` for each request that got tokens this step; the finished ones leave."""
         outputs = []
-        for group in dict.fromkeys(groups):  # unique, in order
+        for group in dict.fromkeys(seq.group for seq in sampled.seqs):  # unique, in order
             outputs.append(group.to_output())
             if group.is_finished:
                 self.groups.pop(group.request_id, None)
         return outputs
 
+    # -- numbers, for the bench and a server ---------------------------------------------------
+    def get_stats(self) -> dict[str, float]:
+        """The weights' bytes as stored, and the parts' counters (`stats()` of each part that keeps
+        some): the KV pool's peak use, preemptions and prefix-cache hits (phases 2-3), drafts
+        accepted (phase 6)."""
+        stats: dict[str, float] = {"weight_bytes": weight_bytes(self.model)}
+        for part in self._counting_parts():
+            stats.update(part.stats())
+        return stats
 
-def record_prompt_logprobs(model, sampler, hidden: torch.Tensor, spans: list[tuple[Sequence, int, int, int]]) -> None:
-    """For requests with `prompt_logprobs`: the logits of the prompt rows this step computed,
-    and only those (a prompt's rows are otherwise never turned into logits). `spans`: (seq,
-    first position, positions computed, its first row in `hidden` (N, D))."""
-    for seq, start, num_new, row in spans:
-        group = seq.group
-        if group is None:  # a sequence that belongs to no request (an engine's own)
-            continue
-        positions = group.prompt_rows_wanted(start, num_new)
-        if positions:
-            rows = torch.tensor([row + p - start for p in positions], device=hidden.device)
-            logits = model.compute_logits(hidden[rows])                      # (P, V)
-            targets = [group.prompt_token_ids[p + 1] for p in positions]
-            group.record_prompt_logprobs(sampler.prompt_logprobs(logits, targets, group.params.prompt_logprobs))
+    def reset_stats(self) -> None:
+        """Zero the counters and peaks of `get_stats` (between benchmark runs)."""
+        for part in self._counting_parts():
+            part.reset_stats()
 
+    def _counting_parts(self) -> list:
+        parts = (self.parts.allocator, self.parts.scheduler, self.parts.sampler, self.parts.runner)
+        return [p for p in dict.fromkeys(parts) if callable(getattr(p, "stats", None))]
 
-def _eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:
-    """End-of-sequence ids: generation_config.json's (what transformers' generate uses), else
-    config.json's, plus the tokenizer's eos token."""
-    import json
+    def snapshot(self) -> dict:
+        """The engine's state as plain data: every running and waiting sequence with its KV blocks
+        (those shared through the prefix cache apart), the pool, and the counters. A server's live
+        page and metrics read this, never the parts themselves."""
+        sched, alloc = self.scheduler, self.parts.allocator
+        ref_counts = alloc.ref_counts if alloc is not None else []
 
-    ids = set(config.eos_token_id)
-    gen = folder / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            ids = set([eos] if isinstance(eos, int) else eos)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
+        def describe(seq) -> dict:
+            blocks = list(seq.block_table.block_ids) if seq.block_table is not None else []
+            return {"request_id": seq.group.request_id, "index": seq.index,
+                    "num_prompt_tokens": len(seq.group.prompt_token_ids),
+                    "num_output_tokens": seq.num_output_tokens, "blocks": blocks,
+                    "shared_blocks": [b for b in blocks if ref_counts[b] > 1]}
+
+        stats = self.get_stats()
+        num_blocks = alloc.num_blocks if alloc is not None else 0
+        num_free = alloc.num_free_blocks if alloc is not None else 0
+        return {
+            "phase": self.phase,
+            "running": [describe(s) for s in list(sched.running)],
+            "waiting": [describe(s) for s in list(sched.waiting)],
+            "num_running": len(sched.running), "num_waiting": len(sched.waiting),
+            "num_blocks": num_blocks, "num_free_blocks": num_free,
+            "block_size": self.config.block_size,
+            "kv_cache_usage_perc": 1.0 - num_free / max(num_blocks, 1) if num_blocks else 0.0,
+            "num_preemptions": int(stats.get("num_preemptions", 0)),
+            "prefix_cache_queries": int(stats.get("prefix_cache_queries", 0)),
+            "prefix_cache_hits": int(stats.get("prefix_cache_hits", 0)),
+        }
+
+    def shutdown(self) -> None:
+        """Let go of what the parts hold outside this process (phase 8's ranks); also done when
+        the engine is garbage-collected."""
+        self.parts.close()
+

@@ -1,10 +1,6 @@
 """Phase 2: a KV cache in fixed-size blocks: block allocator, block tables, paged attention."""
 
-from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
-from tinyvllm.testing import ThroughputCheckpoint
-
 from .block_allocator import BlockAllocator, BlockTable
-from .engine import Engine
 from .kv_cache import KVCache
 from .model_runner import ModelInputs, ModelRunner
 from .paged_attention import (
@@ -14,23 +10,9 @@ from .paged_attention import (
            decode_gather,
            paged_attention,
 )
+from .recipe import RECIPE
+from .scheduler import KVUsage, StaticBatchScheduler, check_fits_pool
 
-__all__ = ["Engine", "BlockAllocator", "BlockTable", "KVCache", "ModelRunner", "ModelInputs",
-           "AttentionMetadata", "PagedAttention",
+__all__ = ["RECIPE", "BlockAllocator", "BlockTable", "KVCache", "KVUsage", "ModelRunner", "ModelInputs",
+           "AttentionMetadata", "PagedAttention", "StaticBatchScheduler", "check_fits_pool",
            "paged_attention", "decode_attention", "decode_gather"]
-
-
-# The gain phase 2 exists for: one request's long generation, each decode step running the model
-# on one new token instead of the whole sequence (tests/test_throughput.py checks it).
-THROUGHPUT_CHECKPOINTS = (
-    ThroughputCheckpoint(
-        name="one request's long generation: cached decode over recomputing the sequence",
-        baseline=1, workload="latency", model="wide-tiny", engine_args={},
-        workload_args=dict(num_prompts=1, dataset="random", input_len=32, output_len=128, seed=0),
-        claimed_gain=9.0,
-        claim_source="docs/assets/bench/latency.json (SmolLM2-135M, 128 + 128 tokens, 2-core EPYC): "
-                     "9.0x; latency-256.json (256 new tokens): 12.5x",
-        min_gain=3.0,
-        bench_command=(WIDE_CMD + "tinyvllm bench latency --model /tmp/wide-tiny --phases 1-2 "
-                       "--input-len 32 --output-len 128 --repeat 3")),
-)

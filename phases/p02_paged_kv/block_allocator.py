@@ -75,6 +75,17 @@ class BlockAllocator:
         if self.ref_counts[block_id] == 0:
             self.free_block_ids.append(block_id)
 
+    def reserve_last_block(self) -> int:
+        """Take the pool's last block out of circulation for good, before any block is handed
+        out, and return its id: a block that no sequence will ever own. The pool is one smaller."""
+        last = self.num_blocks - 1
+        if self.num_free_blocks != self.num_blocks or last < 1:
+            raise RuntimeError("reserve_last_block: the pool must be untouched and hold 2 blocks or more")
+        self.free_block_ids.remove(last)
+        del self.ref_counts[last]
+        self.num_blocks = last
+        return last
+
     # -- a sequence's table --------------------------------------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
         """Are there free blocks for `num_tokens` tokens?"""

@@ -33,7 +33,9 @@ from .kv_cache import KVCache
 @dataclass
 class AttentionMetadata:
     """How the flat tokens of one step map to sequences and cache slots. Built once per step
-    (`build`), read by every layer."""
+    (`build`), read by every layer. The same numbers come as host lists (for loops in Python)
+    and as tensors on the device (for kernels, and for a captured graph, which reads them from
+    fixed addresses: phase 7 builds this from its static buffers)."""
 
     slot_mapping: torch.Tensor     # (N,) int64
     query_start_loc: list[int]     # (B+1,) sequence b's queries: [query_start_loc[b], query_start_loc[b+1])
@@ -44,6 +46,11 @@ class AttentionMetadata:
     decode_token_idx: torch.Tensor     # (Bd,) their query's index in the flat batch
     decode_block_tables: torch.Tensor  # (Bd, M)
     decode_seq_lens: torch.Tensor      # (Bd,)
+    query_start_loc_tensor: torch.Tensor   # (B+1,) int64, on the device
+    seq_lens_tensor: torch.Tensor          # (B,) int64, on the device
+    max_query_len: int
+    max_seq_len: int               # at least the longest sequence (a captured step: the most it may hold)
+    max_decode_seq_len: int        # the same, over the decode rows (what their padded gather spans)
     _decode_inputs: tuple | None = None  # decode_inputs' result, made by the first layer
 
     @classmethod
@@ -55,13 +62,32 @@ class AttentionMetadata:
         for n in query_lens:
             starts.append(starts[-1] + n)
         decode = [b for b, n in enumerate(query_lens) if n == 1]
+        lens = torch.tensor(seq_lens, device=device)
         return cls(
             slot_mapping=torch.tensor(slot_mapping, device=device), query_start_loc=starts,
             seq_lens=seq_lens, block_tables=tables,
             prefill_rows=[b for b, n in enumerate(query_lens) if n != 1],
             decode_token_idx=torch.tensor([starts[b] for b in decode], device=device),
-            decode_block_tables=tables[decode],
-            decode_seq_lens=torch.tensor([seq_lens[b] for b in decode], device=device))
+            decode_block_tables=tables if len(decode) == len(query_lens) else tables[decode],
+            decode_seq_lens=lens if len(decode) == len(query_lens) else lens[decode],
+            query_start_loc_tensor=torch.tensor(starts, device=device), seq_lens_tensor=lens,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            max_decode_seq_len=max((seq_lens[b] for b in decode), default=0))
+
+    @classmethod
+    def decode_only(cls, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, max_seq_len: int) -> "AttentionMetadata":
+        """A step of B decodes (one query each) from tensors that are already on the device:
+        slot_mapping, seq_lens (B,), block_tables (B, M), query_start_loc (B+1,) = 0..B. No host
+        copy of a length is made (a captured graph could not make one): the host lists are only
+        the batch's shape."""
+        b = seq_lens.shape[0]
+        idx = query_start_loc[:b]
+        return cls(slot_mapping=slot_mapping, query_start_loc=list(range(b + 1)), seq_lens=[],
+                   block_tables=block_tables, prefill_rows=[], decode_token_idx=idx,
+                   decode_block_tables=block_tables, decode_seq_lens=seq_lens,
+                   query_start_loc_tensor=query_start_loc, seq_lens_tensor=seq_lens,
+                   max_query_len=1, max_seq_len=max_seq_len, max_decode_seq_len=max_seq_len)
 
     def with_block_ids(self, renumber: torch.Tensor) -> "AttentionMetadata":
         """The same step with every block id b read as renumber[b] (an attention backend that
@@ -75,7 +101,7 @@ class AttentionMetadata:
         layer, so made once, by the first layer, and reused by the others."""
         if self._decode_inputs is None:
             self._decode_inputs = decode_gather(self.decode_block_tables, self.decode_seq_lens,
-                                                block_size, dtype)
+                                                block_size, dtype, self.max_decode_seq_len)
         return self._decode_inputs
 
 
@@ -100,18 +126,19 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
-                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                  dtype: torch.dtype, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What `decode_attention` needs to gather B sequences into one padded batch of T slots, T
-    the longest sequence's blocks times block_size. block_tables: (B, M); seq_lens: (B,) ->
+    the blocks of `max_seq_len` tokens times block_size. block_tables: (B, M); seq_lens: (B,);
+    max_seq_len: at least the longest of seq_lens (a host int: the shapes depend on it) ->
 
         block_ids (B * T / block_size,)  each sequence's blocks, one sequence after another
         mask      (B, 1, 1, T)           added to the scores: 0 on a sequence's tokens, -inf on
                                          the slots past its length (rest of its last block, padding)
     """
     # >>> exercise decode_gather (2 stars): For B decoding sequences: the block ids to gather (each sequence padded to the longest's blocks) and the additive mask (0 on real tokens, -inf past each length).
-    # hint: max_blocks = ceil(max(seq_lens) / block_size); block_tables[:, :max_blocks].flatten(); a slot t of row b is past the end when t >= seq_lens[b].
+    # hint: max_blocks = ceil(max_seq_len / block_size); block_tables[:, :max_blocks].flatten(); a slot t of row b is past the end when t >= seq_lens[b].
     # checked by: test_paged_attention_equals_naive, test_greedy_equals_phase1
-    max_blocks = -(-int(seq_lens.max()) // block_size)
+    max_blocks = -(-max_seq_len // block_size)
     block_ids = block_tables[:, :max_blocks].flatten()
     past_end = torch.arange(max_blocks * block_size, device=seq_lens.device)[None, :] >= seq_lens[:, None]
     mask = torch.zeros(past_end.shape, dtype=dtype, device=seq_lens.device).masked_fill_(past_end, float("-inf"))

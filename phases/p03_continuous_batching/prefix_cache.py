@@ -48,6 +48,11 @@ class PrefixCachingBlockAllocator(BlockAllocator):
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids) + len(self.evictable)
 
+    def reserve_last_block(self) -> int:
+        block_id = super().reserve_last_block()
+        del self.block_key[block_id]
+        return block_id
+
     def _take_block(self) -> int:
         if not self.free_block_ids and self.evictable:
             block_id, _ = self.evictable.popitem(last=False)  # evict the least recently used

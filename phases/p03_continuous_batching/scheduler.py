@@ -14,17 +14,20 @@ Rules, in order (close to vLLM's V1 scheduler):
    longest cached prefix are shared and only the rest is prefilled.
 
 The result is one flat batch that mixes prefills (or chunks of them) and decodes, with no padding.
+After the step, `update` moves each sequence's `num_computed_tokens` on, appends the sampled
+tokens, keys the blocks that are now full (prefix caching), and frees the finished at once.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass, field
 from enum import IntEnum
 
-from phases.p02_paged_kv import BlockAllocator
+from phases.p01_naive_attention import mark_scheduled
+from phases.p02_paged_kv import BlockAllocator, KVUsage, check_fits_pool
+from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import Sequence
+from tinyvllm.step import SamplerOutput, SchedulerOutput, append_sampled
 
 from .prefix_cache import PrefixBlockTable, PrefixCachingBlockAllocator
 
@@ -45,35 +48,33 @@ class SequenceStatus(IntEnum):
                 "abort": SequenceStatus.FINISHED_ABORTED}[reason]
 
 
-@dataclass
-class SchedulerOutput:
-    """What runs this step: (sequence, number of its tokens to compute) in batch order."""
-
-    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    num_batched_tokens: int = 0
-
-
 class Scheduler:
     """Waiting and running queues, a token budget, a seat limit, and the block allocator."""
 
     def __init__(self, allocator: BlockAllocator, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool):
+                 enable_chunked_prefill: bool, max_model_len: int):
         self.allocator = allocator
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_model_len = max_model_len
         self.prefix_caching = isinstance(allocator, PrefixCachingBlockAllocator)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.kv_usage = KVUsage(allocator, max_model_len)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """A request must fit max_model_len, and its worst case the whole pool of blocks."""
+        if params.max_tokens is not None and num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens: the prompt ({num_prompt_tokens} tokens) plus max_tokens "
+                f"({params.max_tokens}) is more than max_model_len ({self.max_model_len})")
+        check_fits_pool(self.allocator, num_prompt_tokens, params, self.max_model_len)
 
     # -- the policy ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -126,13 +127,12 @@ class Scheduler:
             seq.block_table = table
             seq.num_computed_tokens = num_cached
             seq.group.num_cached_tokens = max(seq.group.num_cached_tokens, num_cached)
-            if seq.group.metrics.first_scheduled_time is None:
-                seq.group.metrics.first_scheduled_time = time.perf_counter()
+            mark_scheduled(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, num_new))
             budget -= num_new
-        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        self.kv_usage.record(self.running)
         return out
         # <<< exercise schedule
 
@@ -142,7 +142,6 @@ class Scheduler:
             return remaining
         return budget if self.enable_chunked_prefill else 0
 
-    # -- extension points: a later phase's scheduler may override these two --------------------
     def num_new_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens a running sequence computes this step, within `budget`: all it has left, a
         chunk, or none."""
@@ -150,8 +149,8 @@ class Scheduler:
 
     def can_grow(self, seq: Sequence, num_new: int) -> bool:
         """The free blocks can hold `num_new` more tokens of `seq`."""
-        table = seq.block_table
-        return self.allocator.blocks_needed(table.num_tokens + num_new) - len(table) <= self.allocator.num_free_blocks
+        free, table = self.allocator.num_free_blocks, seq.block_table
+        return self.allocator.blocks_needed(table.num_tokens + num_new) - len(table) <= free
 
     def _evictable_in(self, blocks: list[int]) -> int:
         """Cached blocks about to be shared stop being free: don't count them twice."""
@@ -172,7 +171,20 @@ class Scheduler:
         self.num_preemptions += 1
         # <<< exercise preempt
 
-    # -- the end of a sequence -----------------------------------------------------------------
+    # -- after the step ------------------------------------------------------------------------
+    def update(self, plan: SchedulerOutput, sampled: SamplerOutput) -> None:
+        """The scheduled tokens are in the cache now: count them, append the sampled tokens, key
+        the blocks that are full (prefix caching), and free the finished sequences at once."""
+        for seq, n in plan.scheduled:
+            seq.num_computed_tokens += n
+        append_sampled(sampled)
+        if self.prefix_caching:
+            for seq, _ in plan.scheduled:
+                self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        for seq in sampled.seqs:
+            if seq.is_finished:
+                self.finish(seq)
+
     def finish(self, seq: Sequence) -> None:
         """Free a finished (or aborted) sequence's blocks and seat at once."""
         if seq in self.running:
@@ -182,3 +194,16 @@ class Scheduler:
         if seq.block_table is not None:
             self.allocator.free(seq.block_table)
         seq.status = SequenceStatus.finished(seq.finish_reason or "abort")
+
+    # -- numbers for the bench -----------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        stats = {**self.kv_usage.stats(), "num_preemptions": self.num_preemptions}
+        if self.prefix_caching:
+            stats.update(prefix_cache_queries=self.allocator.num_queries, prefix_cache_hits=self.allocator.num_hits)
+        return stats
+
+    def reset_stats(self) -> None:
+        self.kv_usage.reset_stats()
+        self.num_preemptions = 0
+        if self.prefix_caching:
+            self.allocator.num_queries = self.allocator.num_hits = 0

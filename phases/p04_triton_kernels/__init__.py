@@ -4,37 +4,16 @@ The kernels live in `triton_attention` (imported on use: importing it imports Tr
 Triton interprets or compiles is decided then); the CPU path in `cpu_attention`.
 """
 
-from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
-from tinyvllm.testing import ThroughputCheckpoint
-
 from .cpu_attention import CpuPagedAttention, cpu_paged_attention, prefill_attention
-from .engine import Engine, TritonPagedAttention, resolve_attention_backend
+from .recipe import RECIPE, attention_backend, resolve_attention_backend
+from .triton_backend import TritonPagedAttention
 
 __all__ = [
+           "RECIPE",
            "CpuPagedAttention",
-           "Engine",
            "TritonPagedAttention",
+           "attention_backend",
            "cpu_paged_attention",
            "prefill_attention",
            "resolve_attention_backend",
 ]
-
-
-# The gain phase 4 exists for on a CPU: prefill through PyTorch's fused attention (SDPA over the
-# blocks, GQA in place) instead of phase 1's score matrix with repeated heads. Decodes run phase
-# 3's code, so the claim is on the time to first token of long prompts; on a GPU, the Triton
-# kernels' gain (gpu_min_gain, from the H100 run in claim_source).
-THROUGHPUT_CHECKPOINTS = (
-    ThroughputCheckpoint(
-        name="long prompts' prefill: fused CPU attention over phase 3's",
-        baseline=3, workload="latency", model="wide-tiny", engine_args={},
-        workload_args=dict(num_prompts=2, dataset="random", input_len=448, output_len=2, seed=0),
-        claimed_gain=1.21,
-        claim_source="tests/test_throughput.py -m phase04 on an idle 2-core EPYC (AVX2), 2026-11-23: "
-                     "14.4 vs 11.9 tok/s, 1.21x; on SmolLM2-135M with a 512-token prompt, TTFT "
-                     "2,884 -> 2,220 ms (1.30x, measured while the machine was shared); on one H100 (torch 2.11+cu130, bfloat16), 2026-11-23: "
-                     "290.5 vs 270.7 tok/s, 1.07x (the Triton kernels)",
-        min_gain=0.9, gpu_min_gain=0.85,
-        bench_command=(WIDE_CMD + "tinyvllm bench latency --model /tmp/wide-tiny --phases 3-4 "
-                       "--num-prompts 2 --input-len 448 --output-len 2 --repeat 3")),
-)

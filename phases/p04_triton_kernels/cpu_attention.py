@@ -78,9 +78,12 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
 
 
 class CpuPagedAttention(PagedAttention):
-    """Phase 2's backend (same cache write) with `cpu_paged_attention` for the attending."""
+    """Phase 2's backend (same cache write) with `cpu_paged_attention` for the attending; a step
+    of decodes only is phase 2's, whole."""
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.meta.prefill_rows:
+            return super().__call__(layer_idx, q, k, v)
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer_idx)
         return cpu_paged_attention(q, k, v, k_cache, v_cache, self.meta)

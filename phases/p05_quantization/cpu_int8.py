@@ -119,22 +119,3 @@ def vnni_int8_matmul(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, out
                          _scratch.get("xsum8", 2 * m, torch.int32).data_ptr(),
                          _scratch.get("xs", m, torch.float32).data_ptr(), m, out_features, i)
     return y
-
-
-# -- the same three products as PyTorch operators --------------------------------------------------
-# torch.compile cannot look inside a ctypes call: tracing one would cut the graph in two. An
-# operator registered with torch.library is opaque instead: a compiled graph calls it as it calls
-# PyTorch's own, and its *fake* version tells the compiler the output's shape and dtype without
-# running it. The eager path keeps calling the functions above directly (an operator's dispatch
-# costs a few microseconds a call); `quant.py` takes these only while compiling (phase 7).
-
-def _register(fn, out_features) -> None:
-    """`fn` as the operator `torch.ops.tinyvllm.<its name>` (its schema from its annotations);
-    `out_features(*args after x)` is the width of its (rows of x, width) float32 output."""
-    op = torch.library.custom_op(f"tinyvllm::{fn.__name__}", fn, mutates_args=())
-    op.register_fake(lambda x, *args: x.new_empty(x.shape[0], out_features(*args)))
-
-
-_register(int8_matmul, lambda qweight, scale: qweight.shape[0])
-_register(int4_matmul, lambda packed, scale, zero, group_size: packed.shape[0])
-_register(vnni_int8_matmul, lambda wp, scale, out_features: out_features)

@@ -178,7 +178,9 @@ class QuantizedLinear(nn.Module):
                        bias: torch.Tensor | None, method: str, group_size: int = 128,
                        kernel: str | None = None, dtype: torch.dtype = torch.float32) -> "QuantizedLinear":
         """A layer from weights already quantized: int8 rows (O, I) and scale (O,), or int4 packed
-        (O, I/2), scale and zero (O, G). (Phase 7 stacks layers' rows into one.)"""
+        (O, I/2), scale and zero (O, G), as a checkpoint stored quantized gives them. Each output
+        row keeps its own scales, so the rows of several layers stacked make a layer whose output
+        is theirs side by side, exactly."""
         in_features = qweight.shape[1] * (2 if method == "int4" else 1)
         layer = cls(torch.zeros(1, in_features, dtype=dtype, device=qweight.device), None, method,
                     group_size, kernel)
@@ -269,14 +271,6 @@ class QuantizedLinear(nn.Module):
 
 # -- kernels: each takes (layer, x (N, I) float32) -> (N, O) ----------------------------------
 
-def _c_kernel(name: str):
-    """One of cpu_int8.py's C products: called directly when eager, as its registered operator
-    (`torch.ops.tinyvllm.<name>`) inside a graph torch.compile is tracing."""
-    if torch.compiler.is_compiling():
-        return getattr(torch.ops.tinyvllm, name)
-    return getattr(cpu_int8, name)
-
-
 def _pack_fbgemm(layer: QuantizedLinear):
     # torch 2.13 warns that quantized tensors (qint8) are deprecated (pytorch/pytorch#184982);
     # fbgemm's prepack still takes one, once per layer at load. Silenced here, said in the lesson.
@@ -317,19 +311,19 @@ def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _cpu_int8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     rows = layer.qweight if layer.layout == "rows" else layer.packed("cpu_int8")
-    y = _c_kernel("int8_matmul")(x if x.dtype == torch.float32 else x.float(), rows, layer.scale)
+    y = cpu_int8.int8_matmul(x if x.dtype == torch.float32 else x.float(), rows, layer.scale)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _cpu_int8_vnni(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     wp = layer.qweight if layer.layout == "vnni" else layer.packed("cpu_int8_vnni")
-    y = _c_kernel("vnni_int8_matmul")(x if x.dtype == torch.float32 else x.float(), wp, layer.scale,
+    y = cpu_int8.vnni_int8_matmul(x if x.dtype == torch.float32 else x.float(), wp, layer.scale,
                                       layer.out_features)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    y = _c_kernel("int4_matmul")(x if x.dtype == torch.float32 else x.float(), layer.qweight, layer.scale,
+    y = cpu_int8.int4_matmul(x if x.dtype == torch.float32 else x.float(), layer.qweight, layer.scale,
                                  layer.zero, layer.group_size)
     return y if layer.bias is None else y.add_(layer.bias)
 

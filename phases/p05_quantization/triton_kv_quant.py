@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from phases.p04_triton_kernels.engine import TritonPagedAttention
+from phases.p04_triton_kernels.triton_backend import TritonPagedAttention
 from phases.p04_triton_kernels.triton_attention import read_kv_block, reshape_and_cache, unified_attention
 
 from .kv_quant import KV_CACHE_DTYPES

@@ -1,54 +1,34 @@
-"""Phase 2's model runner with each decoding sequence's drafts in the batch (the verify pass).
+"""Phase 2's model runner, scoring each decoding sequence's drafts in the same pass.
 
-A sequence the scheduler gave 1 + k tokens (its last sampled token and k drafts,
-`SpecScheduler.spec_token_ids`) has its drafts appended to its tokens for the pass only, so the
-pass computes their K/V like a prefill chunk's, and it gets k + 1 rows of logits: the target's
-distribution after its last real token and after each draft. `verifying` tells the engine whose
-rows those are (`take_verifying`).
+A sequence the scheduler gave 1 + k tokens (its last sampled token and k drafts, which
+`SchedulerOutput.new_token_ids` puts after its tokens) runs like a prefill chunk: the pass
+computes the drafts' K/V too, and the sequence gets k + 1 rows of logits, the target's
+distribution after its last real token and after each draft. The output says which drafts
+those rows verify.
 """
 
 from __future__ import annotations
 
-import torch
-
 from phases.p02_paged_kv import ModelRunner
-from tinyvllm.sequence import Sequence
+from tinyvllm.step import ModelRunnerOutput, SchedulerOutput
 
 
 class SpecModelRunner(ModelRunner):
     """`ModelRunner` whose batch may carry draft tokens, scored in the same pass."""
 
-    def __init__(self, *args, spec_token_ids: dict[Sequence, list[int]], **kwargs):
-        super().__init__(*args, **kwargs)
-        self.spec_token_ids = spec_token_ids                       # the scheduler's, this step's drafts
-        self.verifying: dict[Sequence, list[int]] = {}             # the drafts the last pass scored
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        out = super().execute(plan)
+        verifying = [seq for seq in out.seqs if seq in plan.spec_token_ids]
+        out.spec_token_ids = {seq: plan.spec_token_ids[seq] for seq in verifying}
+        out.spec_draft_probs = {seq: plan.spec_draft_probs.get(seq) for seq in verifying}
+        return out
 
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """k + 1 logits rows for a sequence with k drafts in the batch, 1 for the others."""
-        self.verifying = {}
-        for seq, n in batch:
-            tokens = self.spec_token_ids.get(seq)
-            if tokens and n > 1 and seq.num_computed_tokens + 1 == seq.num_tokens:
-                self.verifying[seq] = tokens[: n - 1]
-        for seq, tokens in self.verifying.items():
-            seq.token_ids.extend(tokens)
-        try:
-            return super().run(batch)
-        finally:
-            for seq, tokens in self.verifying.items():
-                del seq.token_ids[-len(tokens):]
-
-    def take_verifying(self) -> dict[Sequence, list[int]]:
-        """The drafts the last pass scored, by sequence, once (then empty)."""
-        verifying, self.verifying = self.verifying, {}
-        return verifying
-
-    def logits_rows(self, batch, query_start_loc):
-        rows, sampled = super().logits_rows(batch, query_start_loc)
-        if not self.verifying:
-            return rows, sampled
+    def logits_rows(self, plan: SchedulerOutput, query_start_loc: list[int]) -> tuple[list[int], list]:
+        """k + 1 rows for a sequence with k drafts (its last real token's, then one per draft),
+        one for the others."""
+        rows, seqs = super().logits_rows(plan, query_start_loc)
         out = []
-        for row, seq in zip(rows, sampled):
-            k = len(self.verifying.get(seq, ()))
-            out.extend(range(row - k, row + 1))  # the last real token's row, then one per draft
-        return out, sampled
+        for row, seq in zip(rows, seqs):
+            k = len(plan.spec_token_ids.get(seq, ()))
+            out.extend(range(row - k, row + 1))
+        return out, seqs

@@ -22,11 +22,14 @@ top-p, min-p.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tinyvllm.outputs import Logprob
-from tinyvllm.sampler import Sampler
+from tinyvllm.sampler import Sampler, SamplingTensors, filter_probs
 from tinyvllm.sequence import Sequence
+from tinyvllm.step import ModelRunnerOutput, SamplerOutput
 
 
 class SequenceAhead:
@@ -92,21 +95,50 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: list[int],
 
 
 class RejectionSampler:
-    """Turns the target's logits over a run of drafts into the tokens to emit, and their logprobs."""
+    """Phase 6's sampler part: the target's rows of a step -> the tokens to emit.
+
+    A sequence without drafts is sampled by the one `Sampler`, as in every phase; a sequence
+    verifying k drafts gets its accepted drafts and one token of the target's (`verify`), 1 to
+    k + 1 tokens. It also counts, with vLLM's names, how many drafts were proposed and accepted
+    (`stats`).
+    """
 
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
+        self.reset_stats()
+
+    def sample(self, out: ModelRunnerOutput) -> SamplerOutput:
+        if not out.spec_token_ids:
+            return self.sampler.sample(out)
+        plain, plain_rows, runs, r = [], [], {}, 0
+        for seq in out.seqs:
+            k = len(out.spec_token_ids.get(seq, ()))
+            if k:
+                runs[seq] = out.logits[r: r + k + 1]
+            else:
+                plain.append(seq)
+                plain_rows.append(r)
+            r += k + 1
+        rest = self.sampler.sample(dataclasses.replace(out, logits=out.logits[plain_rows], seqs=plain))
+        emitted = dict(zip(plain, zip(rest.token_ids, rest.logprobs)))
+        for seq, rows in runs.items():
+            drafts = out.spec_token_ids[seq]
+            emitted[seq] = self.verify(rows, seq, drafts, out.spec_draft_probs.get(seq))
+            self.record_verification(seq, drafts, emitted[seq][0])
+        return SamplerOutput(out.seqs, [emitted[s][0] for s in out.seqs], [emitted[s][1] for s in out.seqs],
+                             rest.prompt_logprobs)
 
     def target_probs(self, logits: torch.Tensor, views: list[SequenceAhead]) -> torch.Tensor:
         """(R, V) logits -> (R, V) the probabilities the Sampler would sample from, row by row."""
         logits = self.sampler.apply_penalties(logits, views)
         probs = torch.softmax(logits / views[0].params.temperature, dim=-1)
-        probs = Sampler.filter_probs(probs, views)
+        t = SamplingTensors.from_seqs(views, logits.shape[-1])
+        probs = filter_probs(probs, t.top_k.to(probs.device), t.top_p.to(probs.device), t.min_p.to(probs.device))
         return probs / probs.sum(dim=-1, keepdim=True)
 
-    def __call__(self, logits: torch.Tensor, seq: Sequence, draft_token_ids: list[int],
-                 draft_probs: torch.Tensor | None = None
-                 ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    def verify(self, logits: torch.Tensor, seq: Sequence, draft_token_ids: list[int],
+               draft_probs: torch.Tensor | None = None
+               ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
         """logits: (k+1, V) the target's rows for `seq` and its k drafts. Returns the emitted
         tokens (1..k+1) and a logprobs dict for each (None where logprobs were not asked for)."""
         views = [SequenceAhead(seq, draft_token_ids[:j]) for j in range(len(draft_token_ids) + 1)]
@@ -127,3 +159,33 @@ class RejectionSampler:
             return tokens, [None] * len(tokens)
         raw = torch.log_softmax(logits[: len(tokens)], dim=-1)  # reported as the Sampler does: raw
         return tokens, [self.sampler.token_logprobs(raw[j], t, k) for j, t in enumerate(tokens)]
+
+    # -- numbers -------------------------------------------------------------------------------
+    def record_verification(self, seq: Sequence, drafts: list[int], tokens: list[int]) -> None:
+        s, accepted = self.counts, len(tokens) - 1
+        s["spec_num_drafts"] += 1
+        s["spec_num_draft_tokens"] += len(drafts)
+        s["spec_num_accepted_tokens"] += accepted
+        metrics = seq.group.metrics  # the same counts per request, in RequestOutput.metrics
+        metrics.spec_num_draft_tokens += len(drafts)
+        metrics.spec_num_accepted_tokens += accepted
+        per_pos = s["spec_num_accepted_tokens_per_pos"]
+        per_pos.extend([0] * (len(drafts) - len(per_pos)))
+        for j in range(accepted):
+            per_pos[j] += 1
+
+    def reset_stats(self) -> None:
+        self.counts = dict(spec_num_drafts=0, spec_num_draft_tokens=0, spec_num_accepted_tokens=0,
+                           spec_num_accepted_tokens_per_pos=[])
+
+    def stats(self) -> dict:
+        """Speculation's counters (vLLM's names): spec_num_drafts (verified runs),
+        spec_num_draft_tokens, spec_num_accepted_tokens, spec_num_accepted_tokens_per_pos,
+        spec_acceptance_rate (accepted / proposed) and spec_mean_accepted_length (tokens emitted
+        per verified run, the target's own token included: 1 + accepted / runs)."""
+        s = self.counts
+        return dict(s, spec_num_accepted_tokens_per_pos=list(s["spec_num_accepted_tokens_per_pos"]),
+                    spec_acceptance_rate=(s["spec_num_accepted_tokens"] / s["spec_num_draft_tokens"]
+                                          if s["spec_num_draft_tokens"] else 0.0),
+                    spec_mean_accepted_length=(1 + s["spec_num_accepted_tokens"] / s["spec_num_drafts"]
+                                               if s["spec_num_drafts"] else 1.0))

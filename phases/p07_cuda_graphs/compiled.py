@@ -9,14 +9,18 @@ RoPE, SiLU-times-up each become one loop), compiled once and called from generat
 (`cpp_wrapper`), with no Python between the operators.
 
 Two kinds of call stay opaque inside the graph, each through an operator registered with
-`torch.library`, as vLLM's are:
+`torch.library`, as vLLM's are (TorchDynamo cannot trace into a ctypes call: it would cut the
+graph in two; an operator is called by the compiled graph as PyTorch's own are, and its *fake*
+version tells the compiler the output's shape without running it):
 
-- phase 5's C products (`torch.ops.tinyvllm.int8_matmul` and the others, `cpu_int8.py`);
+- phase 5's quantized layers (`torch.ops.tinyvllm.opaque_linear(x, handle, out_features)`):
+  `make_opaque` wraps each `QuantizedLinear` so that, while compiling, it becomes this operator,
+  which runs the layer as it runs eagerly (its C product) on the rows it is given;
 - attention, `torch.ops.tinyvllm.unified_attention(q, k, v, context, layer_idx)`: it writes the
-  step's K/V into the cache and attends through the engine's own attention backend for this
-  step (any phase's: paged, int8 KV, batch-invariant), found in a *forward context* set
-  before the graph runs. The KV cache is not an input of the graph: a compiled graph that
-  mutates a tensor it was given copies it back at every call (a cache of hundreds of MB).
+  step's K/V into the cache and attends through the recipe's attention part for this step (any
+  phase's: paged, int8 KV, batch-invariant), found in a *forward context* set before the graph
+  runs. The KV cache is not an input of the graph: a compiled graph that mutates a tensor it
+  was given copies it back at every call (a cache of hundreds of MB).
 
 Shapes: the graph is compiled twice, at engine start (`warm_up`): once for batch 1 (what
 latency runs) and once for every larger bucket (the batch dimension marked dynamic). Inductor
@@ -31,16 +35,60 @@ from __future__ import annotations
 import itertools
 import os
 import types
+import weakref
 
 import torch
+from torch import nn
 
+from phases.p05_quantization import QuantizedLinear
 from tinyvllm.download import cache_dir
 
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 
-# context id -> the attention backend of the step now running (vLLM's forward context)
+# context id -> the attention of the step now running (vLLM's forward context)
 _FORWARD_CONTEXT: dict[int, object] = {}
 _context_ids = itertools.count()
+# handle -> a layer that a compiled graph runs as one operator (registries, not state)
+_OPAQUE_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_layer_ids = itertools.count()
+
+
+@torch.library.custom_op("tinyvllm::opaque_linear", mutates_args=())
+def opaque_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """The layer `handle` names, run eagerly on x (N, I) -> (N, out_features)."""
+    return _OPAQUE_LAYERS[handle](x)
+
+
+@opaque_linear.register_fake
+def _(x, handle, out_features):
+    return x.new_empty(x.shape[0], out_features)
+
+
+class OpaqueLinear(nn.Module):
+    """A layer the compiler does not look into: eagerly, the layer itself; while compiling, the
+    operator `opaque_linear`, which calls it."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer, self.handle = layer, next(_layer_ids)
+        self.out_features = layer.out_features
+        _OPAQUE_LAYERS[self.handle] = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.tinyvllm.opaque_linear(x, self.handle, self.out_features)
+        return self.layer(x)
+
+
+def make_opaque(model: nn.Module) -> int:
+    """Wrap every `QuantizedLinear` of `model` in an `OpaqueLinear`, in place; returns how many."""
+    count = 0
+    for name, m in list(model.named_modules()):
+        if type(m) is QuantizedLinear:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m))
+            count += 1
+    return count
 
 
 @torch.library.custom_op("tinyvllm::unified_attention", mutates_args=())
@@ -67,8 +115,8 @@ class CompiledDecodeRunner(DecodeRunner):
     backend): one graph for batch 1, one for larger buckets, both compiled (or read from the
     cache) at start by running `warm_up` on the first two of `buckets`."""
 
-    def __init__(self, model, buffers: StaticDecodeBuffers, make_attention, buckets: list[int]):
-        super().__init__(model, buffers, make_attention)
+    def __init__(self, model, buffers: StaticDecodeBuffers, attention, buckets: list[int]):
+        super().__init__(model, buffers, attention)
         use_inductor_cache()
         self.context = next(_context_ids)
         # TorchDynamo keeps compiled graphs per code object, 8 at most: a copy of `forward`'s
@@ -108,7 +156,7 @@ class CompiledDecodeRunner(DecodeRunner):
             torch._dynamo.mark_dynamic(ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
         self.shapes_seen.add(bucket == 1)
-        _FORWARD_CONTEXT[self.context] = self.make_attention(self.metadata(bucket))
+        _FORWARD_CONTEXT[self.context] = self.attention(self.metadata(bucket))
         try:
             with torch.inference_mode():
                 return self.compiled(ids, positions)

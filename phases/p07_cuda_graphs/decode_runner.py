@@ -11,7 +11,11 @@ block no request owns, and their logits are dropped before sampling.
 
 `DecodeRunner.run(bucket)` is the one interface: `DecodeRunner` (any device) runs the model
 eagerly on the buffers; `CudaGraphDecodeRunner` captures a graph per bucket on its first use
-(after one warm-up run) and replays it.
+(after one warm-up run) and replays it. Both attend through the attention part the recipe
+chose (phase 2's, phase 4's Triton kernels, phase 5's quantized cache), handed metadata made of
+the static buffers (`AttentionMetadata.decode_only`). For a capture that metadata has every
+shape fixed: all the block-table columns, and `max_seq_len` the most a sequence may hold, so
+the kernels read each row's length from `seq_lens` at every replay.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from functools import partial
 import torch
 
 from phases.p02_paged_kv import AttentionMetadata
-from phases.p02_paged_kv.paged_attention import decode_attention
 
 from .fused import decode_forward, fused_model
 
@@ -58,7 +61,9 @@ class StaticDecodeBuffers:
         self.slot_mapping = torch.zeros(max_rows, **z)               # (B,)
         self.seq_lens = torch.ones(max_rows, **z)                    # (B,) after this step's write
         self.block_tables = torch.zeros(max_rows, max_blocks, **z)   # (B, M)
+        self.query_start_loc = torch.arange(max_rows + 1, **z)       # (B+1,): one query a row
         self.num_blocks_used = 1  # block-table columns the real rows use (eager runs read only these)
+        self.max_seq_len = 1      # the longest real row, after this step
 
     def fill(self, token_ids: torch.Tensor, num_computed: torch.Tensor, block_table: torch.Tensor,
              num_blocks: torch.Tensor, bucket: int) -> None:
@@ -85,83 +90,63 @@ class StaticDecodeBuffers:
         self.seq_lens[n:bucket] = 1
         self.block_tables[n:bucket, 0] = self.scratch_block
         self.num_blocks_used = m
+        self.max_seq_len = int(pos.max()) + 1
         # <<< exercise fill_buffers
 
 
 class DecodeRunner:
     """Runs the decode forward on the first `bucket` rows of the static buffers, eagerly, through
-    the engine's own attention backend (`make_attention`). Returns the logits (bucket, V).
+    the recipe's attention part (`attention`: metadata -> the step's attention). Returns the
+    logits (bucket, V).
 
     A fused model (`fuse_projections`) runs `decode_forward`, the same numbers with fewer
     operator calls (float or quantized); any other (a layer it could not fuse) runs its own forward."""
 
-    def __init__(self, model, buffers: StaticDecodeBuffers, make_attention):
-        self.model, self.buf, self.make_attention = model, buffers, make_attention
+    def __init__(self, model, buffers: StaticDecodeBuffers, attention):
+        self.model, self.buf, self.attention = model, buffers, attention
         self.model_forward = partial(decode_forward, model) if fused_model(model) else model
 
     def metadata(self, bucket: int) -> AttentionMetadata:
-        b, m = self.buf, self.buf.num_blocks_used
-        tables = b.block_tables[:bucket, :m]
-        idx = torch.arange(bucket, device=tables.device)
-        return AttentionMetadata(
-            slot_mapping=b.slot_mapping[:bucket], query_start_loc=list(range(bucket + 1)),
-            seq_lens=b.seq_lens[:bucket].tolist(), block_tables=tables, prefill_rows=[],
-            decode_token_idx=idx, decode_block_tables=tables, decode_seq_lens=b.seq_lens[:bucket])
+        """The step's metadata: the block-table columns the real rows use, their longest length."""
+        b = self.buf
+        return AttentionMetadata.decode_only(b.slot_mapping[:bucket], b.seq_lens[:bucket],
+                                             b.block_tables[:bucket, :b.num_blocks_used],
+                                             b.query_start_loc[:bucket + 1], b.max_seq_len)
 
     def run(self, bucket: int) -> torch.Tensor:
         b = self.buf
         hidden = self.model_forward(b.input_ids[:bucket], b.positions[:bucket],
-                                    self.make_attention(self.metadata(bucket)))     # (bucket, D)
+                                    self.attention(self.metadata(bucket)))          # (bucket, D)
         return self.model.compute_logits(hidden)                                     # (bucket, V)
-
-
-class StaticDecodeAttention:
-    """A decode-only attention backend whose every shape is fixed by the bucket, so it can be
-    captured: it reads all M block-table columns (the mask hides what is past each row's length)
-    instead of the longest row's, which would be a shape known only at run time."""
-
-    def __init__(self, cache, buf: StaticDecodeBuffers, bucket: int):
-        self.cache, self.buf, self.bucket = cache, buf, bucket
-        self._inputs = None
-
-    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b, n = self.buf, self.bucket
-        self.cache.write(layer_idx, b.slot_mapping[:n], k, v)
-        if self._inputs is None:  # once per step, shared by the layers
-            t = b.block_tables.shape[1] * b.block_size
-            past_end = torch.arange(t, device=q.device)[None, :] >= b.seq_lens[:n, None]     # (n, T)
-            mask = torch.zeros(past_end.shape, dtype=q.dtype, device=q.device).masked_fill_(past_end, float("-inf"))
-            self._inputs = (b.block_tables[:n].flatten(), mask[:, None, None, :])
-        return decode_attention(q, *self.cache.layer(layer_idx), *self._inputs)
 
 
 class CudaGraphDecodeRunner(DecodeRunner):
     """One CUDA graph per bucket, captured at its first use after a warm-up run, all sharing one
     memory pool; a replay reads the static buffers and writes `outputs[bucket]`."""
 
-    def __init__(self, model, buffers: StaticDecodeBuffers, cache):
-        super().__init__(model, buffers, make_attention=None)
-        self.cache = cache
+    def __init__(self, model, buffers: StaticDecodeBuffers, attention):
+        super().__init__(model, buffers, attention)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.num_captures = 0
 
-    def forward(self, bucket: int) -> torch.Tensor:
+    def metadata(self, bucket: int) -> AttentionMetadata:
+        """Every shape fixed: all the block-table columns, and the longest a sequence may be."""
         b = self.buf
-        hidden = self.model(b.input_ids[:bucket], b.positions[:bucket],
-                            StaticDecodeAttention(self.cache, b, bucket))
-        return self.model.compute_logits(hidden)
+        return AttentionMetadata.decode_only(b.slot_mapping[:bucket], b.seq_lens[:bucket], b.block_tables[:bucket],
+                                             b.query_start_loc[:bucket + 1],
+                                             b.block_tables.shape[1] * b.block_size)
 
     def capture(self, bucket: int) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(bucket)  # warm-up: lazy inits and allocator growth stay out of the graph
+            super().run(bucket)  # warm-up: lazy inits and allocator growth stay out of the graph
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[bucket] = self.forward(bucket)
+            self.outputs[bucket] = super().run(bucket)
         self.pool = self.pool or graph.pool()
         self.graphs[bucket] = graph
         self.num_captures += 1

@@ -33,10 +33,12 @@ class InputBatch:
         max_num_reqs: rows (max_num_seqs).
         max_model_len: token columns of a row.
         max_blocks: block-table columns of a row (max_model_len / block_size, rounded up).
+        vocab_size: the most top_k can keep (a larger top_k keeps them all).
     """
 
-    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int):
+    def __init__(self, max_num_reqs: int, max_model_len: int, max_blocks: int, vocab_size: int):
         self.max_num_reqs, self.max_model_len, self.max_blocks = max_num_reqs, max_model_len, max_blocks
+        self.vocab_size = vocab_size
         r = max_num_reqs
         # CPU tensors: the engine copies the few it needs into the device's static buffers
         self.token_ids = torch.zeros(r, max_model_len, dtype=torch.int64)   # (R, L)
@@ -72,7 +74,7 @@ class InputBatch:
         self._tables[r] = None
         self.update(seq)
         p = seq.params
-        self.temperature[r], self.top_k[r] = p.temperature, p.top_k
+        self.temperature[r], self.top_k[r] = p.temperature, min(max(p.top_k, 0), self.vocab_size)
         self.top_p[r], self.min_p[r] = p.top_p, p.min_p
         self.generators[r] = seq.generator
         return r

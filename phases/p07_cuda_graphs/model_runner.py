@@ -4,18 +4,20 @@ A step in which every scheduled request computes exactly its newest token (no pr
 draft, no more requests than the largest bucket) runs here: the persistent `InputBatch` takes
 what changed since the last step, its rows are copied into the `StaticDecodeBuffers` of the
 bucket just above their number (padded rows write to the scratch block), and the decode runner
-(`DecodeRunner`, or `CudaGraphDecodeRunner` replaying a captured graph) runs the forward. Every
-other step goes to the runner this one wraps, phase 6's, unchanged.
+(`DecodeRunner`, a captured graph on a GPU, a compiled forward on a CPU) runs the forward.
+Every other step goes to the runner this one wraps, the phase before's, unchanged.
 
-It also keeps that step's sampling parameters as tensors, in the step's row order, for the
-vectorized sampler (`take_batch_params`).
+Its output carries the batch's sampling parameters as tensors, in the step's row order, read
+from the persistent batch (`ModelRunnerOutput.sampling`): the sampler does not read them again
+from every sequence.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tinyvllm.sequence import Sequence
+from tinyvllm.sampler import SamplingTensors
+from tinyvllm.step import ModelRunnerOutput, SchedulerOutput
 
 from .decode_runner import StaticDecodeBuffers, bucket_for
 from .input_batch import InputBatch
@@ -29,41 +31,27 @@ class StaticModelRunner:
         self.inner, self.input_batch, self.buffers = inner, input_batch, buffers
         self.decode_runner, self.capture_sizes = decode_runner, capture_sizes
         self.num_static_steps = 0              # steps run on the static buffers (for tests)
-        self._batch_params: tuple | None = None
 
-    def is_static_decode(self, batch: list[tuple[Sequence, int]]) -> bool:
+    def is_static_decode(self, plan: SchedulerOutput) -> bool:
         """True for a step the static path runs: every request computes just its newest token."""
-        return (len(batch) <= self.capture_sizes[-1]
-                and all(n == 1 and seq.num_computed_tokens == seq.num_tokens - 1 for seq, n in batch))
+        return (len(plan.scheduled) <= self.capture_sizes[-1]
+                and all(n == 1 and seq.num_computed_tokens == seq.num_tokens - 1 for seq, n in plan.scheduled))
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, list[Sequence]]:
-        """`ModelRunner.run`'s contract: the logits of the sequences whose last token was computed."""
-        self._batch_params = None
-        if not self.is_static_decode(batch):
-            return self.inner.run(batch)
-        seqs = [seq for seq, _ in batch]
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        """`ModelRunner.execute`'s contract: the logits of the sequences whose last token was computed."""
+        if not self.is_static_decode(plan):
+            return self.inner.execute(plan)
+        seqs = [seq for seq, _ in plan.scheduled]
         ib = self.input_batch
-        rows = ib.sync(seqs)                      # rows 0..n-1, in the batch's own order
+        rows = ib.sync(seqs)                      # each sequence's row, in the plan's order
         n = ib.num_reqs
         bucket = bucket_for(n, self.capture_sizes)
-        self.buffers.fill(ib.token_ids[:n], ib.num_computed[:n], ib.block_table[:n], ib.num_blocks[:n], bucket)
-        logits = self.decode_runner.run(bucket)[:n]     # (n, V): the padded rows dropped
-        for seq in seqs:
-            seq.num_computed_tokens += 1
-        ib.num_computed[:n] += 1
         order = torch.tensor(rows)
-        self._batch_params = (ib.temperature[:n][order], ib.top_k[:n][order], ib.top_p[:n][order],
-                              ib.min_p[:n][order], [ib.generators[r] for r in rows])
+        sampling = SamplingTensors(ib.temperature[:n][order], ib.top_k[:n][order], ib.top_p[:n][order],
+                                   ib.min_p[:n][order], [ib.generators[r] for r in rows])
+        self.buffers.fill(ib.token_ids[:n], ib.num_computed[:n], ib.block_table[:n], ib.num_blocks[:n], bucket)
+        ib.num_computed[:n] += 1
         self.num_static_steps += 1
-        return logits[order.to(logits.device)], seqs
-
-    def take_verifying(self) -> dict:
-        """The inner runner's verified drafts (a static step has none)."""
-        return self.inner.take_verifying()
-
-    def take_batch_params(self) -> tuple | None:
-        """The last static step's sampling parameters (temperature, top_k, top_p, min_p,
-        generators), once; None after any other step."""
-        params, self._batch_params = self._batch_params, None
-        return params
+        logits = self.decode_runner.run(bucket)[:n]     # (n, V): the padded rows dropped
+        return ModelRunnerOutput(logits[order.to(logits.device)], seqs, sampling=sampling)

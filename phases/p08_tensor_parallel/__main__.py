@@ -1,11 +1,15 @@
 """`python -m phases.p08_tensor_parallel RANK WORLD PORT MODEL ENGINE_ARGS_JSON`: one worker rank,
-as the driver starts it (worker.start_workers)."""
+as the driver starts it (worker.start_workers): it builds phase 8's parts with its rank."""
 
 import json
 import sys
 
+from phases.p01_naive_attention import EngineSetup
+
+from .recipe import RECIPE
 from .worker import worker_main
 
 if __name__ == "__main__":
     rank, world, port = (int(a) for a in sys.argv[1:4])
-    sys.exit(worker_main(rank, world, port, sys.argv[4], json.loads(sys.argv[5])))
+    model, engine_args = sys.argv[4], json.loads(sys.argv[5])
+    sys.exit(worker_main(rank, world, port, lambda: RECIPE.build(EngineSetup.create(model, engine_args, rank))))

@@ -3,10 +3,11 @@ driver sends, step after step.
 
 The driver (rank 0) starts one process per worker (`start_workers`: `python -m
 phases.p08_tensor_parallel`, as vLLM's multiprocessing executor starts its workers). Each
-builds the same engine as the driver with its own rank, so its weights are cut, quantized and
-fused exactly as the driver's are, and its KV cache has the driver's number of blocks (the block
-tables are the driver's, shared by every rank); it says "ready" through the rendezvous store and
-joins the group. From there it loops, receiving a message and running it, until "stop":
+builds the same parts as the driver, from phase 8's recipe with its own rank (`build`, handed in
+by `__main__`), so its weights are cut, quantized and fused exactly as the driver's are, and its
+KV cache has the driver's number of blocks (the block tables are the driver's, shared by every
+rank); it says "ready" through the rendezvous store and joins the group. From there it loops,
+receiving a message and running it, until "stop":
 
     ("forward", input_ids, positions, meta)          the model's forward on this shard
     ("decode_forward", input_ids, positions, meta)   phase 7's decode forward on this shard
@@ -30,7 +31,9 @@ from pathlib import Path
 
 import torch
 
-from .parallel import available_cores
+from phases.p07_cuda_graphs import decode_forward
+
+from .parallel import TensorParallelGroup, available_cores
 
 STARTUP_TIMEOUT_S = 600
 REPO = Path(__file__).resolve().parents[2]
@@ -45,31 +48,27 @@ def _ready_key(rank: int) -> str:
     return f"tinyvllm/rank{rank}/ready"
 
 
-def worker_main(rank: int, world: int, port: int, model_path: str, engine_args: dict) -> int:
-    """The body of worker process `rank`: build the shard, report ("ready" or the error), serve."""
-    from phases.p08_tensor_parallel.engine import Engine
-    from phases.p08_tensor_parallel.parallel import TensorParallelGroup
-
+def worker_main(rank: int, world: int, port: int, build) -> int:
+    """The body of worker process `rank`: build its parts (`build()`: phase 8's recipe with this
+    rank), report ("ready" or the error), serve."""
     torch.set_num_threads(threads_per_rank(world))
     store = TensorParallelGroup(rank, world).store(port)
     try:
-        engine = Engine(model_path, _tensor_parallel_rank=rank, **engine_args)
+        parts = build()
     except BaseException:
         store.set(_ready_key(rank), traceback.format_exc())
         return 1
     store.set(_ready_key(rank), "ready")
-    engine.group.connect(store)
-    serve(engine)
+    parts.model_loader.group.connect(store)
+    serve(parts)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)  # at once: the process group's threads would abort an ordinary exit
 
 
 @torch.inference_mode()
-def serve(engine) -> None:
+def serve(parts) -> None:
     """Run the driver's messages on this rank's shard until it says "stop"."""
-    from phases.p07_cuda_graphs.fused import decode_forward
-
-    group, model = engine.group, engine.model
+    group, model, attention = parts.model_loader.group, parts.model, parts.attention
     while True:
         try:
             kind, *args = group.broadcast_object()
@@ -79,10 +78,10 @@ def serve(engine) -> None:
             return
         if kind == "forward":
             input_ids, positions, meta = args
-            model.model(input_ids, positions, engine.make_attention(meta))
+            model.model(input_ids, positions, attention(meta))
         elif kind == "decode_forward":
             input_ids, positions, meta = args
-            decode_forward(model, input_ids, positions, engine.make_attention(meta))
+            decode_forward(model, input_ids, positions, attention(meta))
         elif kind == "logits":
             model.compute_logits(args[0])
         else:

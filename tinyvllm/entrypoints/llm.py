@@ -34,14 +34,14 @@ class LLM:
             (SmolLM2-135M-Instruct), downloaded and converted on first use.
         phase: which phase's engine runs it, 1 to the newest; None: the newest.
         **engine_args: engine arguments with vLLM's names (`dtype`, `device`, `max_model_len`,
-            `block_size`, `enable_prefix_caching`, ...); see `EngineConfig`. A phase ignores
-            the ones for features it does not have yet.
+            `block_size`, `enable_prefix_caching`, ...); see `EngineConfig`. An argument that
+            asks a phase for a feature it does not have yet is refused, naming the first phase
+            that has it.
     """
 
     def __init__(self, model: str | None = None, phase: int | None = None, **engine_args: Any):
         self.phase = phase if phase is not None else phases.latest_phase()
-        engine_cls = phases.get_engine_class(phase)
-        self.llm_engine = engine_cls(model, **engine_args)
+        self.llm_engine = phases.make_engine(phase, model, **engine_args)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -1,0 +1,149 @@
+"""What an engine is built from: the setup, the parts, and a recipe that says which part is whose.
+
+    EngineSetup     the resolved engine arguments: the model's folder and shape, device, dtype,
+                    the tokenizer, the longest sequence; read once, before any part is built
+    Recipe          one factory per part: setup, the parts built so far -> the part
+    Parts           what a recipe builds, in this order:
+
+        model_loader    setup -> the model with its weights (phase 8: this rank's share of them)
+        model       the network that runs: the loaded `tinyvllm.model.LlamaForCausalLM`, or a
+                    phase's change of it (quantized, fused)
+        kv_cache    the pool of K/V blocks (phase 2 on)
+        allocator   hands out its blocks (phase 2 on)
+        attention   meta -> the attention of one step (phase 2 on; phase 1 attends in its runner)
+        sampler     sample(runner output) -> the tokens (`tinyvllm.sampler.Sampler`)
+        runner      execute(plan) -> the logits rows to sample (`tinyvllm.step.ModelRunnerOutput`)
+        proposer    guesses draft tokens (phase 6 on)
+        scheduler   schedule() -> the plan of a step; update(plan, sampled) -> the requests move on
+
+A phase's recipe is the recipe of the phase before with the factories it replaces
+(`Recipe.extend`). A switch (`enforce_eager`, `quantization`, `speculative_config`, ...) is read
+by a factory once, when it builds its part: a part never tests a flag another part decided.
+Parts are built lazily from factories, not made and then replaced, so a phase that brings its
+own KV pool never allocates the one before it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+
+from tinyvllm.config import EngineConfig, ModelConfig
+from tinyvllm.download import resolve_model
+from tinyvllm.tokenizer import Tokenizer
+from tinyvllm.weights import resolve_device, resolve_dtype
+
+
+@dataclass
+class EngineSetup:
+    """Everything the parts are built from, resolved once from the engine arguments."""
+
+    config: EngineConfig            # every engine argument, checked
+    engine_args: dict               # as given (a worker rank rebuilds the same engine from them)
+    model_path: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int              # the longest sequence: max_model_len, within the model's
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    tensor_parallel_rank: int = 0   # which rank this process is (phase 8's workers: 1, 2, ...)
+
+    @classmethod
+    def create(cls, model: str | Path | None, engine_args: dict, tensor_parallel_rank: int = 0) -> "EngineSetup":
+        """Check the arguments, find the model (None: the default one) and read its config and
+        tokenizer."""
+        config = EngineConfig.from_kwargs(**engine_args)
+        model_path = resolve_model(model)
+        device = resolve_device(config.device)
+        model_config = ModelConfig.from_pretrained(model_path)
+        limit = model_config.max_position_embeddings
+        tokenizer = Tokenizer(model_path)
+        return cls(config, dict(engine_args), model_path, model_config, device,
+                   resolve_dtype(config.dtype, device), min(config.max_model_len or limit, limit), tokenizer,
+                   eos_token_ids(model_path, model_config, tokenizer), tensor_parallel_rank)
+
+
+def eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: generation_config.json's (what transformers' generate uses), else
+    config.json's, plus the tokenizer's eos token."""
+    ids = set(config.eos_token_id)
+    gen = folder / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids = set([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+@dataclass
+class Parts:
+    """The parts of one engine (see the module docstring); None where a phase has no such part."""
+
+    phase: int
+    model_loader: Callable | None = None
+    model: torch.nn.Module | None = None
+    kv_cache: object = None
+    allocator: object = None
+    attention: Callable | None = None
+    sampler: object = None
+    runner: object = None
+    proposer: object = None
+    scheduler: object = None
+
+    def close(self) -> None:
+        """Let go of what a part holds outside this process (phase 8's worker ranks)."""
+        for f in fields(self):
+            close = getattr(getattr(self, f.name), "close", None)
+            if callable(close):
+                close()
+
+
+# A factory: (the setup, the parts built so far) -> the part
+Factory = Callable[[EngineSetup, Parts], object]
+PART_ORDER = ("model_loader", "model", "kv_cache", "allocator", "attention", "sampler", "runner", "proposer", "scheduler")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Which factory builds each part of a phase's engine, the engine arguments the phase acts
+    on, and the checks its arguments must pass before anything is built."""
+
+    phase: int
+    engine_args: frozenset[str]
+    model_loader: Factory
+    model: Factory
+    sampler: Factory
+    runner: Factory
+    scheduler: Factory
+    kv_cache: Factory | None = None
+    allocator: Factory | None = None
+    attention: Factory | None = None
+    proposer: Factory | None = None
+    checks: tuple[Callable[[EngineSetup], None], ...] = ()
+
+    def extend(self, phase: int, engine_args=(), checks=(), **factories: Factory) -> "Recipe":
+        """The recipe of the next phase: this one with the factories it replaces, the engine
+        arguments it adds, and its checks after these."""
+        unknown = set(factories) - set(PART_ORDER)
+        if unknown:
+            raise TypeError(f"no such part(s): {sorted(unknown)}; the parts are {PART_ORDER}")
+        return replace(self, phase=phase, engine_args=self.engine_args | frozenset(engine_args),
+                       checks=self.checks + tuple(checks), **factories)
+
+    def build(self, setup: EngineSetup) -> Parts:
+        """Run the checks, then each factory in PART_ORDER."""
+        for check in self.checks:
+            check(setup)
+        parts = Parts(self.phase)
+        for name in PART_ORDER:
+            factory = getattr(self, name)
+            if factory is not None:
+                setattr(parts, name, factory(setup, parts))
+        return parts

@@ -1,0 +1,82 @@
+"""Phase 8's recipe: phase 7's, over `tensor_parallel_size` ranks (`torch.distributed`, gloo on a
+CPU). With one rank (the default) every part is phase 7's.
+
+    model_loader    `ShardedLoader`: loads the checkpoint and keeps this rank's share of every
+                    weight (`layers.shard_model`: heads, MLP columns, vocabulary), as a
+                    `TensorParallelLlama` whose forward and logits the driver sends to the workers
+                    first; phase 5 quantizes it and phase 7 fuses it as they do a whole model
+    kv_cache        phase 7's pool, for this rank's KV heads only
+    runner          on the driver, `TensorParallelExecutor`: phase 7's runner, with the worker
+                    ranks it starts (`worker.py`), each decode forward broadcast to them first
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from phases.p01_naive_attention import EngineSetup, Parts
+from phases.p07_cuda_graphs import RECIPE as PHASE7
+from tinyvllm.weights import load_model
+
+from .executor import TensorParallelExecutor, broadcast_decode_forward
+from .layers import TensorParallelLlama, shard_model
+from .parallel import TensorParallelGroup, available_cores
+
+
+class ShardedLoader:
+    """Loads the whole checkpoint, then keeps this rank's share of it (`shard_model`)."""
+
+    def __init__(self, group: TensorParallelGroup):
+        self.group = group
+        self.shard_config = None  # the shard's shape (its heads, MLP columns, vocabulary), once loaded
+
+    def __call__(self, setup: EngineSetup) -> TensorParallelLlama:
+        model = load_model(setup.model_path, setup.dtype, setup.device, setup.max_model_len)
+        self.shard_config = shard_model(model, self.group)
+        return TensorParallelLlama(model, setup.model_config, self.group)
+
+
+def check_ranks(setup: EngineSetup) -> None:
+    world = setup.config.tensor_parallel_size
+    if world == 1:
+        return
+    if setup.device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size={world}: more than one rank runs on a CPU "
+                         f"(gloo); on {setup.device.type} use tensor_parallel_size=1")
+    if setup.config.compilation_mode:
+        raise ValueError(f"compilation_mode=1 with tensor_parallel_size={world}: the compiled "
+                         f"decode step runs on one rank; use compilation_mode=0 with several")
+    cores = available_cores()
+    if world > cores:
+        raise ValueError(f"tensor_parallel_size={world} is more ranks than this machine's {cores} CPU cores")
+
+
+def make_model_loader(setup: EngineSetup, parts: Parts):
+    world = setup.config.tensor_parallel_size
+    if world == 1:
+        return PHASE7.model_loader(setup, parts)
+    return ShardedLoader(TensorParallelGroup(setup.tensor_parallel_rank, world))
+
+
+def make_kv_cache(setup: EngineSetup, parts: Parts):
+    """This rank's share of the KV cache: phase 7's pool (float or quantized), for its KV heads."""
+    if setup.config.tensor_parallel_size == 1:
+        return PHASE7.kv_cache(setup, parts)
+    return PHASE7.kv_cache(dataclasses.replace(setup, model_config=parts.model_loader.shard_config), parts)
+
+
+def make_runner(setup: EngineSetup, parts: Parts):
+    inner = PHASE7.runner(setup, parts)
+    if setup.config.tensor_parallel_size == 1 or setup.tensor_parallel_rank != 0:
+        return inner   # a worker's runner is never called: the worker runs what the driver sends
+    group = parts.model_loader.group
+    decode_runner = getattr(inner, "decode_runner", None)
+    if decode_runner is not None and decode_runner.model_forward is not parts.model:
+        broadcast_decode_forward(decode_runner, group)
+    return TensorParallelExecutor(inner, group, str(setup.model_path), setup.engine_args, parts.kv_cache.num_blocks)
+
+
+RECIPE = PHASE7.extend(
+    phase=8, engine_args={"tensor_parallel_size"}, checks=(check_ranks,),
+    model_loader=make_model_loader, kv_cache=make_kv_cache, runner=make_runner,
+)
