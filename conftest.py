@@ -147,10 +147,10 @@ def make_llm():
                     del _LLMS[k]
                 gc.collect()
             args = dict(kwargs)
-            if "tensor_parallel_size" in phases.get_engine_class(phase).ENGINE_ARGS:
+            if "tensor_parallel_size" in phases.get_recipe(phase).engine_args:
                 # the shared suite runs tensor parallelism with two ranks, as a user asking for it
                 args.setdefault("tensor_parallel_size", min(SHARED_SUITE_TP, os.cpu_count() or 1))
-            if ("kv_cache_memory" in phases.get_engine_class(phase).ENGINE_ARGS
+            if ("kv_cache_memory" in phases.get_recipe(phase).engine_args
                     and "kv_cache_memory" not in args and "num_kv_blocks" not in args):
                 args["kv_cache_memory"] = TEST_KV_CACHE_MEMORY
             _LLMS[key] = LLM(str(model), phase=phase, **args)

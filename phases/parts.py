@@ -1,10 +1,11 @@
-"""Which phase provides which part of the engine, read from the code.
+"""Which phase provides which part of the engine, read from the recipes.
 
-An engine is a fixed loop (phase 3's `step`: schedule, run the model, sample, update the
-requests, outputs), and each part it calls is made by a factory hook on the engine. A phase
-changes the engine by overriding hooks; `parts_table()` finds, for every registered phase, the
-phase whose class defines each hook (the first in its method resolution order), so the table in
-docs/architecture.md cannot drift from the code (tests/test_architecture.py compares them).
+There is one engine loop (phase 1's `Engine.step`: schedule, run the model, sample, update the
+requests, outputs), and each part it calls is built by a factory of the phase's recipe
+(`Recipe`, phases/p01_naive_attention/parts.py). A phase's recipe is the one before with the
+factories it replaces; `parts_table()` finds, for every registered phase, the phase whose module
+defines each factory, so the table in docs/architecture.md cannot drift from the code
+(tests/test_architecture.py compares them).
 
     python -m phases.parts      # print the table
 """
@@ -13,39 +14,41 @@ from __future__ import annotations
 
 import phases
 
-# part: the engine hook that makes it
+# part: what it does (the order a recipe builds them in)
 PARTS: dict[str, str] = {
-    "model": "make_model",
-    "sampler": "make_sampler",
-    "KV cache": "make_kv_cache",
-    "block allocator": "make_allocator",
-    "model runner": "make_model_runner",
-    "attention backend": "make_attention",
-    "scheduler": "make_scheduler",
-    "proposer (drafts)": "make_proposer",
-    "decode runner": "make_decode_runner",
+    "model_loader": "reads the checkpoint: all of it, or a rank's share",
+    "model": "the network that runs (quantized, fused)",
+    "kv_cache": "the pool of K/V blocks",
+    "allocator": "hands out the pool's blocks",
+    "attention": "the attention of one step, over the cache",
+    "sampler": "the tokens, from the logits rows",
+    "runner": "the plan as tensors, the model on them, the logits rows",
+    "proposer": "draft tokens",
+    "scheduler": "who runs each step; the requests after it",
 }
 
 
-def provider(phase: int, hook: str) -> int | None:
-    """The phase whose engine class defines `hook` for phase `phase`'s engine (None: none)."""
-    for cls in phases.get_engine_class(phase).__mro__:
-        if hook in vars(cls):
-            return getattr(cls, "phase", None)
-    return None
+def provider(phase: int, part: str) -> int | None:
+    """The phase whose recipe module defines the factory of `part` for phase `phase` (None: that
+    phase's engine has no such part)."""
+    factory = getattr(phases.get_recipe(phase), part)
+    if factory is None:
+        return None
+    module = factory.__module__.split(".")
+    return int(module[1][1:3]) if len(module) > 1 and module[1][:1] == "p" else None
 
 
 def parts_table() -> str:
     """A markdown table: a row per part, a column per phase, each cell the phase providing it."""
     numbers = sorted(phases.PHASES)
-    lines = ["| part | hook | " + " | ".join(f"phase {p}" for p in numbers) + " |",
+    lines = ["| part | what it does | " + " | ".join(f"phase {p}" for p in numbers) + " |",
              "| --- | --- | " + " | ".join("---" for _ in numbers) + " |"]
-    for part, hook in PARTS.items():
+    for part, what in PARTS.items():
         cells = []
         for p in numbers:
-            q = provider(p, hook)
+            q = provider(p, part)
             cells.append("" if q is None else (f"**{q}**" if q == p else str(q)))
-        lines.append(f"| {part} | `{hook}` | " + " | ".join(cells) + " |")
+        lines.append(f"| `{part}` | {what} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

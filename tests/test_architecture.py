@@ -6,7 +6,11 @@
 - phase N imports only phases before it, never the front door (its measurement tools, in
   `phases/pNN_*/tools/`, may use the bench's helpers), and never a private name (one that starts
   with "_") of another phase;
-- no two modules import each other, directly or through others (no cycles).
+- no two modules import each other, directly or through others (no cycles), counting the imports
+  inside functions too;
+- there is one engine: phase 1's `Engine` and its `step`, written once; every phase is a recipe
+  of parts (`RECIPE`), and one decode step of the newest single-process phase reads as a short
+  path through them (scripts/trace_step.py).
 """
 
 from __future__ import annotations
@@ -101,20 +105,14 @@ def test_a_phase_imports_only_earlier_phases_and_no_private_name(name):
 
 
 def test_no_import_cycles():
-    """Module-level imports only (an import inside a function runs later, and cannot deadlock
-    the loading of a module), between our own modules."""
+    """Between our own modules, counting the imports inside functions as well as the module-level
+    ones: an import inside a function hides a circle, it does not remove it."""
     graph: dict[str, set[str]] = {}
     for name, path in MODULES.items():
-        tree = ast.parse(path.read_text())
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         deps = set()
-        for node in tree.body:
-            if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                module = _from_module(node, package)
-                deps.add(module)
-                deps |= {f"{module}.{a.name}" for a in node.names}
+        for module, names in _imports(name, path):
+            deps.add(module)
+            deps |= {f"{module}.{n}" for n in names}
         graph[name] = {d for d in deps if d in MODULES and d != name}
     # a package's __init__ importing its own submodules is how packages work: not a cycle
     for name in graph:
@@ -141,15 +139,56 @@ def test_no_import_cycles():
 
 def test_the_parts_table_of_the_architecture_page_is_the_code_s():
     """docs/architecture.md's table of which phase provides which part is `python -m
-    phases.parts`'s output, so it cannot drift from the hooks the engines define."""
+    phases.parts`'s output, so it cannot drift from the recipes."""
     from phases.parts import PARTS, parts_table, provider
 
     page = (REPO / "docs" / "architecture.md").read_text()
     start = page.index("<!-- parts-table")
     table = page[page.index("\n", start) + 1: page.index("<!-- /parts-table -->")].strip()
     assert table == parts_table(), "regenerate docs/architecture.md's table with `python -m phases.parts`"
-    assert provider(7, "make_model_runner") == 7 and provider(3, "make_scheduler") == 3
-    assert all(provider(1, hook) in (None, 1) for hook in PARTS.values())
+    assert provider(7, "runner") == 7 and provider(3, "scheduler") == 3 and provider(8, "model_loader") == 8
+    assert all(provider(1, part) in (None, 1) for part in PARTS)
+
+
+def _classes_and_functions(path: Path) -> tuple[list[ast.ClassDef], list[tuple[str, str]]]:
+    tree = ast.parse(path.read_text())
+    classes = [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]
+    methods = [(c.name, f.name) for c in classes for f in c.body if isinstance(f, ast.FunctionDef)]
+    return classes, methods
+
+
+def test_one_engine_class_and_one_step():
+    """The engine is one class, phase 1's, never subclassed, and `step` is written once: in it.
+    Every phase is its recipe (`RECIPE`, built by the registry), not an engine of its own."""
+    import phases
+
+    engines, steps = [], []
+    for name, path in MODULES.items():
+        classes, methods = _classes_and_functions(path)
+        engines += [f"{name}.{c.name}" for c in classes if c.name.endswith("Engine") and not name.startswith("tinyvllm")]
+        engines += [f"{name}.{c.name}({b.id})" for c in classes for b in c.bases
+                    if isinstance(b, ast.Name) and b.id.endswith("Engine") and not name.startswith("tinyvllm")]
+        steps += [f"{name}.{cls}.step" for cls, fn in methods if fn == "step" and _phase_of(name) is not None]
+    assert engines == ["phases.p01_naive_attention.engine.Engine"], engines
+    assert steps == ["phases.p01_naive_attention.engine.Engine.step"], steps
+    for phase in phases.PHASES:
+        assert phases.get_recipe(phase).phase == phase
+
+
+def test_one_decode_step_reads_as_a_short_path():
+    """One decode step of the newest single-process phase (phase 7's parts; a tiny model, greedy)
+    enters at most 18 project files, and its functions' phase packages, in the order each is
+    first called, change at most 10 times (scripts/trace_step.py)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import trace_step
+    finally:
+        sys.path.pop(0)
+    result = trace_step.measure(7, {})
+    assert result["num_files"] <= 18, result["files"]
+    assert result["phase_changes_of_functions"] <= 10, result["phase_order_of_functions"]
 
 
 def _code_lines(path: Path) -> int:
@@ -166,11 +205,15 @@ def _code_lines(path: Path) -> int:
                if line.strip() and not line.strip().startswith("#") and i not in docstrings)
 
 
-def test_a_phase_engine_file_is_short_and_its_code_within_budget():
-    """A phase's engine.py says which parts it changes (under 250 lines); the phase's engine code
-    (tools, tests and C excluded; lines of code, not comments or docstrings) stays within 600."""
+def test_a_recipe_file_is_short_and_a_phase_s_code_within_budget():
+    """A phase's recipe.py says which parts it replaces (under 250 lines, as phase 1's engine.py,
+    the loop); the phase's engine code (tools, tests and C excluded; lines of code, not comments
+    or docstrings) stays within 600."""
     for folder in sorted((REPO / "phases").glob("p0*")):
-        engine = folder / "engine.py"
-        assert len(engine.read_text().splitlines()) < 250, f"{engine} is long: move a part out of it"
+        for short in ("recipe.py", "engine.py"):
+            path = folder / short
+            if path.exists():
+                assert len(path.read_text().splitlines()) < 250, f"{path} is long: move a part out of it"
+        assert (folder / "recipe.py").exists(), f"{folder.name} has no recipe.py"
         code = sum(_code_lines(p) for p in folder.glob("*.py") if not p.name.startswith("test_"))
         assert code <= 600, f"phases.{folder.name}: {code} lines of engine code"

@@ -60,9 +60,8 @@ def before(tiny_model_dir):
 @pytest.mark.parametrize("phase", phase_params())
 def test_engine_argument_accepted_or_refused(phase, name, tiny_model_dir, before):
     value = ASKING_VALUES[name]
-    engine_cls = phases.get_engine_class(phase)
-    if name in engine_cls.ENGINE_ARGS:
-        engine_cls.check_engine_args({name: value})  # the phase acts on it: not refused
+    if name in phases.get_recipe(phase).engine_args:
+        phases.check_engine_args(phase, {name: value})  # the phase acts on it: not refused
         return
     first = phases.first_phase_with(name)
     where = f"phase {first} is the first that has it" if first else "no registered phase has it yet"
@@ -70,7 +69,7 @@ def test_engine_argument_accepted_or_refused(phase, name, tiny_model_dir, before
     with pytest.raises(ValueError, match=rf"^{re.escape(name)}=.*phase {phase} does not have.*{where}"):
         LLM(str(tiny_model_dir), phase=phase, **{name: value})
     if first is not None:
-        assert first > phase and name in phases.get_engine_class(first).ENGINE_ARGS
+        assert first > phase and name in phases.get_recipe(first).engine_args
     llm, tokens = before
     assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == tokens
 
@@ -79,7 +78,7 @@ def test_engine_argument_accepted_or_refused(phase, name, tiny_model_dir, before
 def test_neutral_values_accepted(phase, tiny_model_dir):
     """Values that change nothing on a phase without the feature are accepted, and it generates."""
     neutral = {name: values[0] for name, values in NEUTRAL_ENGINE_ARG_VALUES.items()}
-    honoured = phases.get_engine_class(phase).ENGINE_ARGS
+    honoured = phases.get_recipe(phase).engine_args
     lacking = {k: v for k, v in neutral.items() if k not in honoured}
     llm = LLM(str(tiny_model_dir), phase=phase, **lacking)
     out = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
@@ -91,7 +90,7 @@ def test_honoured_values_build_an_engine(phase, tiny_model_dir):
     """The cheap arguments a phase acts on, all at once: the engine builds and generates."""
     cheap = ("dtype", "device", "seed", "max_model_len", "block_size", "num_kv_blocks", "max_num_seqs",
              "max_num_batched_tokens")
-    honoured = phases.get_engine_class(phase).ENGINE_ARGS
+    honoured = phases.get_recipe(phase).engine_args
     args = {k: ASKING_VALUES[k] for k in cheap if k in honoured}
     llm = LLM(str(tiny_model_dir), phase=phase, **args)
     assert len(llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == GREEDY.max_tokens

@@ -31,21 +31,21 @@ class _Fatal(BaseException):  # not an Exception: nothing may swallow it
 
 
 def _failing(engine, names: set[str], error=_Boom):
-    """Make the engine's run_model fail whenever a request whose id contains one of `names` is
-    in the batch."""
-    run_model = engine.run_model
+    """Make the engine's runner fail whenever a request whose id contains one of `names` is in
+    the plan."""
+    execute = engine.runner.execute
 
-    def run(batch):
-        if any(name in seq.group.request_id for seq, _ in batch for name in names):
+    def run(plan):
+        if any(name in rid for rid in plan.request_ids() for name in names):
             raise error("injected failure")
-        return run_model(batch)
+        return execute(plan)
 
-    engine.run_model = run
+    engine.runner.execute = run
 
 
 @pytest.fixture
 def engine(tiny_model_dir):
-    return phases.get_engine_class(phases.latest_phase())(str(tiny_model_dir), max_num_seqs=1)
+    return phases.make_engine(phases.latest_phase(), str(tiny_model_dir), max_num_seqs=1)
 
 
 async def _collect(ae: AsyncEngine, rid: str, prompt=None):
@@ -134,15 +134,15 @@ def test_the_server_answers_a_failed_step_with_an_error_and_goes_on(engine):
 def test_a_stream_cut_by_a_failed_step_ends_with_an_error_event_and_done(engine):
     """The failure comes after the first tokens were streamed: an error event, then [DONE]."""
     engine_steps = {"n": 0}
-    run_model = engine.run_model
+    execute = engine.runner.execute
 
-    def fails_later(batch):
+    def fails_later(plan):
         engine_steps["n"] += 1
         if engine_steps["n"] == 3:
             raise _Boom("injected failure")
-        return run_model(batch)
+        return execute(plan)
 
-    engine.run_model = fails_later
+    engine.runner.execute = fails_later
     ae = AsyncEngine(engine)
     app = build_app(ae, "tiny")
 
@@ -165,13 +165,13 @@ def test_a_stream_cut_by_a_failed_step_ends_with_an_error_event_and_done(engine)
 
 def test_health_reports_a_stuck_step(engine):
     """/health answers 503 while one step runs longer than health_step_timeout, 200 again after."""
-    run_model = engine.run_model
+    execute = engine.runner.execute
 
-    def slow(batch):
+    def slow(plan):
         time.sleep(1.5)
-        return run_model(batch)
+        return execute(plan)
 
-    engine.run_model = slow
+    engine.runner.execute = slow
     ae = AsyncEngine(engine)
     app = build_app(ae, "tiny", health_step_timeout=0.5)
 

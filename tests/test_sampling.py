@@ -151,3 +151,36 @@ def test_greedy_tokens_is_argmax_ties_nan_and_inf_included():
         logits[(special > 0.5) & (special < 0.51)] = float("inf")
         logits[special > 0.99] = float("-inf")
         assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+
+
+_MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5),
+          SamplingParams(temperature=1.2, top_k=1), SamplingParams(temperature=0.7, top_p=0.9),
+          SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=0.5),
+          SamplingParams(temperature=0.9, top_k=40, top_p=0.8, min_p=0.02),
+          SamplingParams(temperature=1.5, top_k=300)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("mix", ["all", "greedy", "topk", "full"])
+def test_vectorized_sampling_equals_row_by_row(seed, mix):
+    """The sampler groups a batch's rows by their rules (greedy, top-k only, the rest) and samples
+    each group at once; each row still gets the token it would get alone, from its own generator,
+    and the parameters given as tensors (what a persistent batch hands over) give the same."""
+    from types import SimpleNamespace
+
+    from tinyvllm.sampler import SamplingTensors
+
+    g = torch.Generator().manual_seed(seed)
+    pick = {"all": _MIXED, "greedy": _MIXED[:1] * 3, "topk": _MIXED[1:3] + _MIXED[7:], "full": _MIXED[3:7]}[mix]
+    params = [pick[int(i)] for i in torch.randint(0, len(pick), (9,), generator=g)]
+    logits = torch.randn(9, 257, generator=g) * 3
+
+    def rows():
+        return [SimpleNamespace(params=p, min_tokens_pending=False, grammar=None,
+                                generator=None if p.is_greedy else torch.Generator().manual_seed(100 * seed + i))
+                for i, p in enumerate(params)]
+
+    alone = [Sampler()(logits[i: i + 1], [r])[0][0] for i, r in enumerate(rows())]
+    assert Sampler()(logits, rows())[0] == alone
+    batch = rows()
+    assert Sampler()(logits, batch, SamplingTensors.from_seqs(batch, logits.shape[-1]))[0] == alone

@@ -16,13 +16,13 @@ from tinyvllm.entrypoints.server.async_engine import AsyncEngine, _Mailbox
 
 
 def _slowed(engine, seconds: float):
-    run_model = engine.run_model
+    execute = engine.runner.execute
 
-    def slow(batch):
+    def slow(plan):
         time.sleep(seconds)
-        return run_model(batch)
+        return execute(plan)
 
-    engine.run_model = slow
+    engine.runner.execute = slow
 
 
 async def _post(app, path: str, body: dict, gone: asyncio.Event) -> list[dict]:
@@ -50,7 +50,7 @@ async def _post(app, path: str, body: dict, gone: asyncio.Event) -> list[dict]:
 
 
 def test_a_client_gone_before_its_first_token_is_aborted_while_it_waits(tiny_model_dir):
-    engine = phases.get_engine_class(phases.latest_phase())(str(tiny_model_dir), max_num_seqs=1)
+    engine = phases.make_engine(phases.latest_phase(), str(tiny_model_dir), max_num_seqs=1)
     _slowed(engine, 0.05)
     ae = AsyncEngine(engine)
     app = build_app(ae, "tiny")

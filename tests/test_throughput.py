@@ -1,6 +1,6 @@
 """Throughput checkpoints: each phase keeps the speed-up it exists for.
 
-Every phase declares, in its package, `THROUGHPUT_CHECKPOINTS`: the workload it exists for, its
+Every phase declares, in its `throughput.py`, `THROUGHPUT_CHECKPOINTS`: the workload it exists for, its
 baseline (the phase before, or transformers) and the gain it claims there (`ThroughputCheckpoint`
 in tinyvllm/testing.py). This file runs both engines on that workload in one process: a warm-up
 each (not measured), then rounds interleaved (A B, B A, A B, ...), and asserts the ratio of each
@@ -29,8 +29,12 @@ pytestmark = pytest.mark.throughput
 
 
 def declared_checkpoints(phase: int) -> tuple[ThroughputCheckpoint, ...] | None:
-    """The phase package's `THROUGHPUT_CHECKPOINTS` (None: it declares none)."""
-    return getattr(importlib.import_module(phases.PHASES[phase]), "THROUGHPUT_CHECKPOINTS", None)
+    """The phase's `THROUGHPUT_CHECKPOINTS`, from its `throughput.py` (None: it declares none)."""
+    try:
+        module = importlib.import_module(phases.PHASES[phase] + ".throughput")
+    except ModuleNotFoundError:
+        return None
+    return getattr(module, "THROUGHPUT_CHECKPOINTS", None)
 
 
 def checkpoint_params():
@@ -165,7 +169,7 @@ def test_every_phase_declares_a_checkpoint(phase):
     cps = declared_checkpoints(phase)
     module = phases.PHASES[phase]
     assert cps is not None, (
-        f"phase {phase} ({module}) declares no THROUGHPUT_CHECKPOINTS in its __init__.py: every phase "
+        f"phase {phase} ({module}) declares no THROUGHPUT_CHECKPOINTS in its throughput.py: every phase "
         f"states the workload it exists for and its gain over phase {phase - 1} there "
         f"(a ThroughputCheckpoint, see tinyvllm/testing.py and docs/architecture.md)")
     assert all(isinstance(cp, ThroughputCheckpoint) for cp in cps)
@@ -178,17 +182,25 @@ def test_every_phase_declares_a_checkpoint(phase):
 
 # -- the checkpoints can fail ------------------------------------------------------------------
 
-class _RecomputingEngine(phases.get_engine_class(2)):
-    """Phase 2 with its gain removed: every step also runs the model over each running
-    sequence's whole context, as phase 1 does (the result is thrown away)."""
+def _recomputing_engine(model: str, engine_args: dict):
+    """Phase 2 with its gain removed: its runner also runs the model over each scheduled
+    sequence's whole context at every step, as phase 1 does (the result is thrown away)."""
+    from phases.p01_naive_attention import Engine, EngineSetup, NaiveAttention
+    from phases.p02_paged_kv import RECIPE, ModelRunner
 
-    @torch.no_grad()
-    def step(self):
-        from phases.p01_naive_attention import NaiveAttention
-        for seq in self.running:
-            ids = torch.tensor(seq.token_ids, device=self.device)                  # (T,)
-            self.model(ids, torch.arange(len(ids), device=self.device), NaiveAttention())  # (T, D)
-        return super().step()
+    class RecomputingRunner(ModelRunner):
+        @torch.no_grad()
+        def execute(self, plan):
+            for seq, _ in plan.scheduled:
+                ids = torch.tensor(seq.token_ids, device=self.device)                      # (T,)
+                self.model(ids, torch.arange(len(ids), device=self.device), NaiveAttention())  # (T, D)
+            return super().execute(plan)
+
+    def runner(setup, parts):
+        return RecomputingRunner(parts.model, parts.attention, setup.config.block_size, setup.device)
+
+    setup = EngineSetup.create(model, engine_args)
+    return Engine(setup, RECIPE.extend(phase=2, runner=runner).build(setup))
 
 
 @pytest.mark.phase02
@@ -200,7 +212,7 @@ def test_checkpoint_fails_when_the_gain_is_removed(wide_tiny_dir):
     cp = replace(cp, workload_args={**cp.workload_args, "output_len": 48}, rounds=1)
     model = model_path(cp, wide_tiny_dir)
     slowed = EngineRunner(2, model, cp.engine_args)
-    slowed.engine = _RecomputingEngine(model, **cp.engine_args)
+    slowed.engine = _recomputing_engine(model, cp.engine_args)
     cand, base = measure(build_workload(cp, model), slowed, engine_runner(1, model, {}), cp.rounds)
     verdict = judge(cp, 2, cand, base)
     assert not verdict.passed, f"the checkpoint did not notice the lost gain: {verdict.message}"

@@ -7,7 +7,7 @@ checkpoints write them (`rope_theta` + `rope_scaling`) and the way transformers 
 
 `EngineConfig` holds every engine argument any phase understands, with vLLM's names and
 defaults, and validates each one with an error that names it. Each phase declares the arguments
-it acts on (`Engine.ENGINE_ARGS`); a value that asks a phase for a feature it does not have yet
+it acts on (its recipe's `engine_args`); a value that asks a phase for a feature it does not have yet
 (`quantization="int4"` on phase 3) is an error naming the argument and the first phase that has
 it, never silently ignored (`unsupported_engine_args`).
 """

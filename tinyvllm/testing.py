@@ -160,8 +160,8 @@ class ThroughputCheckpoint:
     """A phase's speed claim, checked by tests/test_throughput.py: the workload the phase exists
     for, and the gain in output tokens per second it claims over `baseline` there.
 
-    Each phase declares its checkpoints in its package (`THROUGHPUT_CHECKPOINTS` in
-    `phases/pNN_*/__init__.py`). The test runs this phase and the baseline on the workload in one
+    Each phase declares its checkpoints in a file of their own (`THROUGHPUT_CHECKPOINTS` in
+    `phases/pNN_*/throughput.py`). The test runs this phase and the baseline on the workload in one
     process, rounds interleaved, warm-up excluded, and asserts the ratio of their best rounds >=
     `min_gain`.
 

@@ -45,7 +45,8 @@ class Engine:
     def __init__(self, setup: EngineSetup, parts: Parts):
         self.setup, self.parts = setup, parts
         self.phase = parts.phase
-        self.config, self.tokenizer, self.device = setup.config, setup.tokenizer, setup.device
+        self.config, self.tokenizer = setup.config, setup.tokenizer
+        self.device, self.dtype, self.model_path = setup.device, setup.dtype, setup.model_path
         self.model_config, self.max_model_len = setup.model_config, setup.max_model_len
         self.eos_token_ids = setup.eos_token_ids
         self.scheduler, self.runner, self.sampler = parts.scheduler, parts.runner, parts.sampler

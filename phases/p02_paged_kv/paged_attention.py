@@ -39,7 +39,7 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor     # (N,) int64
     query_start_loc: list[int]     # (B+1,) sequence b's queries: [query_start_loc[b], query_start_loc[b+1])
-    seq_lens: list[int]            # (B,) cached tokens of each sequence after this step
+    seq_lens: list[int]            # (B,) cached tokens of each sequence after this step (host)
     block_tables: torch.Tensor     # (B, M) int64, padded with 0
     prefill_rows: list[int]        # sequences with several queries (prompts, or chunks of them)
     # the decode rows (one query each), ready for decode_attention
@@ -76,14 +76,15 @@ class AttentionMetadata:
 
     @classmethod
     def decode_only(cls, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, max_seq_len: int) -> "AttentionMetadata":
+                    query_start_loc: torch.Tensor, max_seq_len: int,
+                    seq_lens_host: list[int] | None = None) -> "AttentionMetadata":
         """A step of B decodes (one query each) from tensors that are already on the device:
-        slot_mapping, seq_lens (B,), block_tables (B, M), query_start_loc (B+1,) = 0..B. No host
-        copy of a length is made (a captured graph could not make one): the host lists are only
-        the batch's shape."""
+        slot_mapping, seq_lens (B,), block_tables (B, M), query_start_loc (B+1,) = 0..B. The
+        lengths on the host (`seq_lens_host`) only where the caller has them: a captured graph
+        cannot copy them there, and gives none (`seq_lens` is then empty)."""
         b = seq_lens.shape[0]
         idx = query_start_loc[:b]
-        return cls(slot_mapping=slot_mapping, query_start_loc=list(range(b + 1)), seq_lens=[],
+        return cls(slot_mapping=slot_mapping, query_start_loc=list(range(b + 1)), seq_lens=seq_lens_host or [],
                    block_tables=block_tables, prefill_rows=[], decode_token_idx=idx,
                    decode_block_tables=block_tables, decode_seq_lens=seq_lens,
                    query_start_loc_tensor=query_start_loc, seq_lens_tensor=seq_lens,

@@ -121,7 +121,7 @@ def test_small_pool_runs_batches_one_after_another(tiny_model_dir):
         engine.add_request(str(i), p, params)
     while engine.has_unfinished_requests():
         engine.step()
-        batches.append(sorted(s.group.request_id for s in engine.running))
+        batches.append(sorted(s.group.request_id for s in engine.scheduler.running))
         assert len(batches) < 200, (
             "4 requests of 24 tokens did not finish in 200 steps: the second pair waits for blocks "
             "the first pair should give back when it finishes")

@@ -206,7 +206,7 @@ class _Seq:
 
 def _sched(blocks=100, block_size=4, max_seqs=8, budget=32, chunked=True, prefix=False):
     alloc = (PrefixCachingBlockAllocator if prefix else BlockAllocator)(blocks, block_size)
-    return Scheduler(alloc, max_seqs, budget, chunked)
+    return Scheduler(alloc, max_seqs, budget, chunked, max_model_len=512)
 
 
 def _step(s):

@@ -45,13 +45,15 @@ def test_cpu_path_equals_phase3_attention(batch, bs, d, group, kvh):
 
 
 def test_backend_choice_on_cpu(tiny_model_dir, make_llm):
+    from phases.p04_triton_kernels import attention_backend
+
     auto = make_llm(tiny_model_dir, 4).llm_engine
-    assert auto.attention_backend == "cpu"
+    assert attention_backend(auto.setup) == "cpu"
     torch_ = make_llm(tiny_model_dir, 4, attention_backend="torch").llm_engine
-    assert torch_.attention_backend == "torch"
+    assert attention_backend(torch_.setup) == "torch"
     meta = _one_step_meta(auto)
-    assert type(auto.make_attention(meta)) is CpuPagedAttention
-    assert type(torch_.make_attention(meta)).__name__ == "PagedAttention"  # phase 3's, exactly
+    assert type(auto.parts.attention(meta)) is CpuPagedAttention
+    assert type(torch_.parts.attention(meta)).__name__ == "PagedAttention"  # phase 3's, exactly
 
 
 def _one_step_meta(engine):

@@ -354,11 +354,11 @@ def test_default_model_ngram_greedy_same_tokens(default_model_dir):
 def test_draft_quantization_is_phase5s(tiny_model_dir):
     """A draft's own `quantization` is phase 5's feature: refused, naming it, while phase 5 lacks
     it; once phase 5 has it, a quantized copy of the target drafts and greedy output is unchanged."""
-    from phases.p05_quantization import Engine as Phase5Engine
+    from phases.p05_quantization import RECIPE as PHASE5
 
     config = {"method": "draft_model", "model": str(tiny_model_dir), "num_speculative_tokens": 2,
               "quantization": "int8"}
-    if "quantization" not in Phase5Engine.ENGINE_ARGS:
+    if "quantization" not in PHASE5.engine_args:
         with pytest.raises(ValueError, match="quantization"):
             LLM(str(tiny_model_dir), phase=6, speculative_config=config)
         return

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from phases.p06_speculative_decoding.rejection_sampler import rejection_sample
-from tinyvllm.sampler import Sampler
+from tinyvllm.sampler import Sampler, filter_probs
 
 V = 6
 N = 6000
@@ -42,12 +42,8 @@ def dist(*vals: float) -> torch.Tensor:
 
 def truncated(logits: list[float], top_k=0, top_p=1.0) -> torch.Tensor:
     """A target as the Sampler makes it: softmax, then top-k / top-p cut, renormalized."""
-    class _S:  # what Sampler.filter_probs reads of a sequence
-        class params:
-            pass
-    s = _S()
-    s.params.top_k, s.params.top_p, s.params.min_p = top_k, top_p, 0.0
-    probs = Sampler.filter_probs(torch.softmax(torch.tensor([logits], dtype=torch.float64), -1), [s])[0]
+    probs = filter_probs(torch.softmax(torch.tensor([logits], dtype=torch.float64), -1), torch.tensor([top_k]),
+                         torch.tensor([top_p]), torch.tensor([0.0]))[0]
     return probs / probs.sum()
 
 

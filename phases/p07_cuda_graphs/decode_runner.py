@@ -111,7 +111,8 @@ class DecodeRunner:
         b = self.buf
         return AttentionMetadata.decode_only(b.slot_mapping[:bucket], b.seq_lens[:bucket],
                                              b.block_tables[:bucket, :b.num_blocks_used],
-                                             b.query_start_loc[:bucket + 1], b.max_seq_len)
+                                             b.query_start_loc[:bucket + 1], b.max_seq_len,
+                                             b.seq_lens[:bucket].tolist())
 
     def run(self, bucket: int) -> torch.Tensor:
         b = self.buf

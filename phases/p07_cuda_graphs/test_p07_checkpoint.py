@@ -53,21 +53,22 @@ def test_every_bucket_gives_eager_tokens(make_llm, tiny_model_dir, n):
 
     fast = make_llm(tiny_model_dir, 7, max_num_seqs=8)
     eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True)
-    assert fast.llm_engine.runner.model_forward.func is decode_forward  # the leaner forward runs
-    before = fast.llm_engine.num_static_steps
+    assert fast.llm_engine.runner.decode_runner.model_forward.func is decode_forward  # the leaner forward runs
+    before = fast.llm_engine.runner.num_static_steps
     assert tokens(fast, PROMPTS[:n], GREEDY) == tokens(eager, PROMPTS[:n], GREEDY)
-    assert fast.llm_engine.num_static_steps - before >= GREEDY.max_tokens - 1  # the decodes ran static
+    assert fast.llm_engine.runner.num_static_steps - before >= GREEDY.max_tokens - 1  # the decodes ran static
 
 
 def test_quantized_model_runs_the_lean_forward(make_llm, tiny_model_dir):
     """int8 weights (phase 5): the projections are fused as quantized layers, the decode steps run
     `decode_forward`, and the tokens are enforce_eager's."""
-    from phases.p07_cuda_graphs.fused import decode_forward
+    from phases.p07_cuda_graphs.fused import FusedLlamaAttention, FusedLlamaMLP, decode_forward
 
     fast = make_llm(tiny_model_dir, 7, max_num_seqs=4, quantization="int8")
     eager = make_llm(tiny_model_dir, 7, max_num_seqs=4, quantization="int8", enforce_eager=True)
-    assert fast.llm_engine.runner.model_forward.func is decode_forward
-    assert fast.llm_engine.num_fused_modules == 2 * len(fast.llm_engine.model.model.layers)
+    assert fast.llm_engine.runner.decode_runner.model_forward.func is decode_forward
+    fused = [m for m in fast.llm_engine.model.modules() if isinstance(m, (FusedLlamaAttention, FusedLlamaMLP))]
+    assert len(fused) == 2 * len(fast.llm_engine.model.model.layers)
     assert tokens(fast, PROMPTS[:3], GREEDY) == tokens(eager, PROMPTS[:3], GREEDY)
 
 
@@ -80,13 +81,15 @@ def test_padding_writes_only_the_scratch_block(make_llm, tiny_model_dir):
     kv = engine.kv_cache.kv
     before = kv.clone()
     seqs = list(engine.scheduler.running)
-    steps = engine.num_static_steps
+    steps = engine.runner.num_static_steps
     engine.step()  # one decode step: 3 real rows padded to 8
-    assert engine.num_static_steps == steps + 1
-    bs = engine.block_size
+    assert engine.runner.num_static_steps == steps + 1
+    bs = engine.config.block_size
     changed = (kv != before).flatten(4).any(-1).any(0).any(0).flatten().nonzero()[:, 0].tolist()  # slots
     real = {s.block_table.slot(s.num_computed_tokens - 1, bs) for s in seqs}
-    scratch = set(range(engine.scratch_block * bs, (engine.scratch_block + 1) * bs))
+    scratch_block = engine.runner.buffers.scratch_block
+    assert scratch_block == engine.kv_cache.num_blocks - 1 == engine.allocator.num_blocks  # never handed out
+    scratch = set(range(scratch_block * bs, (scratch_block + 1) * bs))
     assert set(changed) - scratch == real
     assert set(changed) & scratch  # the padded rows did write, there
     engine.abort_request([f"pad{i}" for i in range(3)])
@@ -114,7 +117,7 @@ def test_shrink_grow_cross_buckets_and_preempt(make_llm, tiny_model_dir):
                     **{k: (v + 1 if k == "num_kv_blocks" else v) for k, v in kw.items()}).llm_engine
         got, want = drive(fast, schedule), drive(eager, schedule)
         assert len(want) == 11 and got == want
-        assert fast.num_static_steps > 10
+        assert fast.runner.num_static_steps > 10
         if kw:
             assert fast.scheduler.num_preemptions > 0
 
@@ -122,15 +125,18 @@ def test_shrink_grow_cross_buckets_and_preempt(make_llm, tiny_model_dir):
 def test_seeded_sampling_equals_eager(make_llm, tiny_model_dir):
     fast = make_llm(tiny_model_dir, 7, max_num_seqs=8)
     eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True)
-    vec = fast.llm_engine.sampler.num_vectorized
+    handed = []   # the static steps hand the sampler the batch's parameters as tensors
+    sample = fast.llm_engine.sampler.sample
+    fast.llm_engine.sampler.sample = lambda out: (handed.append(out.sampling is not None), sample(out))[1]
     params = [SamplingParams(max_tokens=8, temperature=0.8, top_k=7, seed=1),
               SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, min_p=0.05, seed=2),
               SamplingParams(max_tokens=8, temperature=0), SamplingParams(max_tokens=8, temperature=0.6)]
     got = [o.outputs[0].token_ids for o in fast.generate(PROMPTS[:4], params, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in eager.generate(PROMPTS[:4], params, use_tqdm=False)]
     assert got[:3] == want[:3]  # the unseeded row draws its seed from each engine's own generator
-    assert fast.llm_engine.sampler.num_vectorized > vec
-    # penalties and logprobs go through Sampler unchanged
+    del fast.llm_engine.sampler.sample
+    assert any(handed)
+    # penalties and logprobs: the same sampler, on tensors from the persistent batch
     p = SamplingParams(max_tokens=6, temperature=0.9, seed=4, presence_penalty=0.5, logprobs=2)
     o1, o2 = fast.generate(PROMPTS[:2], p, use_tqdm=False), eager.generate(PROMPTS[:2], p, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in o1] == [o.outputs[0].token_ids for o in o2]
@@ -168,23 +174,22 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir):
     # float32: in bfloat16 the captured and eager matmuls may round differently (cuBLAS picks its
     # algorithm per stream); what is checked here is that replay reads the right buffers
     engine = LLM(str(tiny_model_dir), phase=7, max_num_seqs=16, device="cuda", dtype="float32").llm_engine
-    runner = engine.runner
+    runner, buffers = engine.runner.decode_runner, engine.runner.buffers
     assert isinstance(runner, CudaGraphDecodeRunner)
-    eager = DecodeRunner(engine.model, engine.buffers, engine.make_attention)
+    eager = DecodeRunner(engine.model, buffers, engine.parts.attention)
     for i in range(16):
         engine.add_request(f"g{i}", PROMPTS[i % len(PROMPTS)], GREEDY)
     engine.step()  # prefills: the cache now holds every prompt
-    ib = engine.input_batch
+    ib = engine.runner.input_batch
     ib.sync(list(engine.scheduler.running))
     for _ in range(2):  # the second round replays: no new capture
-        for bucket in engine.capture_sizes:
+        for bucket in engine.runner.capture_sizes:
             n = min(bucket, ib.num_reqs)
-            engine.buffers.fill(ib.token_ids[:n], ib.num_computed[:n], ib.block_table[:n], ib.num_blocks[:n],
-                                bucket)
+            buffers.fill(ib.token_ids[:n], ib.num_computed[:n], ib.block_table[:n], ib.num_blocks[:n], bucket)
             want = eager.run(bucket)[:n].clone()
             got = runner.run(bucket)[:n]
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    assert runner.num_captures == len(engine.capture_sizes) == len(runner.graphs)
+    assert runner.num_captures == len(engine.runner.capture_sizes) == len(runner.graphs)
 
 
 @pytest.mark.parametrize("fixture,quantization", [("tiny_model_dir", None), ("tiny_model_dir_llama3", None),

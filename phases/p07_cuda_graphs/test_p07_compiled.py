@@ -36,20 +36,20 @@ def test_compiled_step_gives_eager_tokens(make_llm, tiny_model_dir, quantization
     compiled = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1, **kw)
     eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True, **kw)
     engine = compiled.llm_engine
-    assert isinstance(engine.runner, CompiledDecodeRunner)
-    before, graphs = engine.num_static_steps, counters["stats"]["unique_graphs"]
+    assert isinstance(engine.runner.decode_runner, CompiledDecodeRunner)
+    before, graphs = engine.runner.num_static_steps, counters["stats"]["unique_graphs"]
     assert tokens(compiled, PROMPTS[:1]) == tokens(eager, PROMPTS[:1])          # batch 1
     assert tokens(compiled, PROMPTS) == tokens(eager, PROMPTS)                  # buckets 8, 4, 2, 1
-    assert engine.num_static_steps - before >= 2 * (GREEDY.max_tokens - 1)      # the decodes ran compiled
-    assert engine.runner.shapes_seen == {True, False}
+    assert engine.runner.num_static_steps - before >= 2 * (GREEDY.max_tokens - 1)   # the decodes ran compiled
+    assert engine.runner.decode_runner.shapes_seen == {True, False}
     assert counters["stats"]["unique_graphs"] == graphs                         # compiled at start
 
 
 def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm, tiny_model_dir):
     llm = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1, num_kv_blocks=64)
     engine = llm.llm_engine
-    runner = engine.runner
-    eager = DecodeRunner(runner.model, runner.buf, runner.make_attention)
+    runner = engine.runner.decode_runner
+    eager = DecodeRunner(runner.model, runner.buf, runner.attention)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params)
@@ -128,4 +128,4 @@ def test_compiled_step_with_preemption_seeds_penalties_int8_kv_and_drafts(tiny_m
     want = eager.generate(PROMPTS, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     engine = compiled.llm_engine
-    assert engine.num_static_steps > 10 and engine.scheduler.num_preemptions > 0
+    assert engine.runner.num_static_steps > 10 and engine.scheduler.num_preemptions > 0

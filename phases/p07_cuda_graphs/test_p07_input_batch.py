@@ -52,7 +52,7 @@ params_st = st.builds(SamplingParams, temperature=st.sampled_from([0.0, 0.7, 1.3
 class InputBatchMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS)
+        self.batch = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, 1000)
         self.running: list[FakeSeq] = []
 
     def sync(self) -> None:
@@ -102,7 +102,7 @@ class InputBatchMachine(RuleBasedStateMachine):
 
     @invariant()
     def equals_batch_from_scratch(self):
-        fresh = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS)
+        fresh = InputBatch(MAX_REQS, MAX_LEN, MAX_BLOCKS, 1000)
         fresh.sync(self.running)
         assert self.batch.num_reqs == len(self.running)
         assert self.batch.state() == fresh.state()
@@ -117,7 +117,7 @@ TestInputBatch.settings = settings(max_examples=60, stateful_step_count=30, dead
 
 
 def test_swap_copies_valid_tokens_only():
-    b = InputBatch(4, 1000, 250)
+    b = InputBatch(4, 1000, 250, 1000)
     seqs = [FakeSeq(n, SamplingParams(temperature=0)) for n in (900, 5, 7)]
     b.sync(seqs)
     b.remove(seqs[0].seq_id)            # row 2 (7 tokens, 2 blocks) moves into row 0

@@ -68,7 +68,7 @@ def test_two_ranks_give_one_rank_tokens(two_ranks, one_rank):
     assert tokens(two_ranks, GREEDY) == tokens(one_rank, GREEDY)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
     assert tokens(two_ranks, seeded) == tokens(one_rank, seeded)
-    assert two_ranks.llm_engine.num_static_steps > 0       # decode steps took phase 7's path
+    assert two_ranks.llm_engine.runner.num_static_steps > 0       # decode steps took phase 7's path
 
 
 def test_row_parallel_sums_the_partial_products(two_ranks, one_rank):
@@ -177,17 +177,17 @@ def test_no_rank_outlives_its_engine(tiny_model_dir):
     """Shutdown, garbage collection and a worker that dies mid-run: no rank is left running, and
     a dead worker fails the step with an error instead of hanging."""
     llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
-    worker = llm.llm_engine.workers[0]
+    worker = llm.llm_engine.runner.workers[0]
     assert worker.poll() is None and worker.pid in _tp_processes()
     llm.llm_engine.shutdown()
     assert worker.poll() == 0
     llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
-    worker = llm.llm_engine.workers[0]
+    worker = llm.llm_engine.runner.workers[0]
     del llm
     gc.collect()
     assert worker.poll() is not None
     llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
-    worker = llm.llm_engine.workers[0]
+    worker = llm.llm_engine.runner.workers[0]
     worker.kill()
     worker.wait()
     with pytest.raises(Exception):

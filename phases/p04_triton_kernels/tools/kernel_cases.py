@@ -175,7 +175,9 @@ def engine_tokens(model_dir: str, phase: int, sampled: bool = True, **engine_arg
     samples = llm.generate(prompts, [SamplingParams(temperature=0.9, top_p=0.95, seed=50 + i, max_tokens=6,
                                                     ignore_eos=True) for i in range(len(prompts))],
                            use_tqdm=False) if sampled else []
-    return dict(backend=getattr(llm.llm_engine, "attention_backend", "torch"),
+    from phases.p04_triton_kernels import attention_backend
+
+    return dict(backend=attention_backend(llm.llm_engine.setup) if phase >= 4 else "torch",
                 greedy=[o.outputs[0].token_ids for o in greedy],
                 sampled=[o.outputs[0].token_ids for o in samples])
 

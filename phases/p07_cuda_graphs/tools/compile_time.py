@@ -31,8 +31,7 @@ from tinyvllm.entrypoints.bench.timing import elapsed, median
 
 PROMPT = "Write a short story about a robot who learns to paint."
 PARTS = {  # profiler event -> part (see profile_split for which time each counts)
-    "tinyvllm::vnni_int8_matmul": "products", "tinyvllm::int8_matmul": "products",
-    "tinyvllm::int4_matmul": "products", "tinyvllm::onednn_linear": "products",
+    "tinyvllm::opaque_linear": "products", "tinyvllm::onednn_linear": "products",
     "aten::mm": "products", "aten::addmm": "products",
     "tinyvllm::unified_attention": "attention", "TorchDynamo Cache Lookup": "guards",
 }
@@ -59,8 +58,8 @@ def profile_split(engine) -> dict[str, float]:
 
 
 def timed_steps(engine, n: int) -> tuple[list[float], list[float]]:
-    """n steps' times, and within each the time of the compiled runner's `run`."""
-    runner, runs = engine.runner, []
+    """n steps' times, and within each the time of the compiled decode runner's `run`."""
+    runner, runs = engine.runner.decode_runner, []
     run = runner.run
 
     def timed_run(bucket):

@@ -83,7 +83,7 @@ class EngineRunner:
         self.phase = phase
         # A ladder of phases shares one command line: each phase gets the arguments it acts on
         # (--quantization int8 reaches phases 5 on); the others are listed in the report.
-        honoured = phases.get_engine_class(phase).ENGINE_ARGS
+        honoured = phases.get_recipe(phase).engine_args
         self.skipped_engine_args = unsupported_engine_args(engine_args, honoured)
         self.engine_args = {k: v for k, v in engine_args.items() if k not in self.skipped_engine_args}
         start = time.perf_counter()

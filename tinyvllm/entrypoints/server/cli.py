@@ -97,8 +97,7 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_hosts = LOOPBACK_NAMES | {h.strip().lower() for h in args.allowed_host}
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
                     max_n=args.max_n, max_prompts=args.max_prompts, max_stop=args.max_stop)
-    engine_cls = phases.get_engine_class(args.phase)
-    engine = engine_cls(model, **engine_args_from(args))
+    engine = phases.make_engine(args.phase, model, **engine_args_from(args))
     server: uvicorn.Server | None = None
 
     def stop_server() -> None:  # the engine cannot go on: stop serving, exit non-zero
