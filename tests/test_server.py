@@ -425,8 +425,23 @@ def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("phase", [1, 2])
-def test_phases_without_streaming_api_are_refused(tiny_model_dir, phase):
+def test_every_phase_can_be_served(tiny_model_dir, phase):
+    """Every phase runs the one engine loop, so the server drives phases 1 and 2 as it does the
+    others: two requests at once, each answered in full, and the live page's state."""
     from tinyvllm.entrypoints.server import AsyncEngine
     engine = LLM(str(tiny_model_dir), phase=phase).llm_engine
-    with pytest.raises(ValueError, match="phase 3 or later"):
-        AsyncEngine(engine)
+    ae = AsyncEngine(engine)
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+    async def one(rid):
+        return [o async for o in ae.generate(rid, {"prompt_token_ids": [5, 6, 7]}, params)][-1]
+
+    async def main():
+        return await asyncio.gather(one("a"), one("b"))
+
+    try:
+        outs = asyncio.run(main())
+        assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5] and outs[0].finished
+        assert engine.snapshot()["phase"] == phase
+    finally:
+        ae.shutdown()

@@ -118,10 +118,11 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, update the requests; the outputs of those that got
-        tokens. If running or sampling fails, the step's requests are aborted (their blocks freed)
-        and a `StepError` names them; the engine stays consistent and the others go on."""
+        tokens. If running, sampling or updating fails, the step's requests are aborted (their
+        blocks freed) and a `StepError` names them; the engine stays consistent and the others
+        go on."""
         # >>> exercise engine_step (2 stars): The engine's step: the scheduler's plan, the runner on it, the sampler on the runner's rows, the scheduler's update, and the outputs of the requests that got tokens.
-        # hint: an empty plan (nothing scheduled) gives []; if execute or sample raises, abort plan.request_ids() and raise StepError(ids, e) from e; self.outputs(sampled) builds the outputs.
+        # hint: an empty plan (nothing scheduled) gives []; if execute, sample or update raises, abort plan.request_ids() and raise StepError(ids, e) from e; self.outputs(sampled) builds the outputs.
         # checked by: test_greedy_matches_transformers, test_every_step_recomputes_the_whole_sequence, test_a_failed_step_aborts_its_requests_and_the_engine_goes_on
         plan = self.scheduler.schedule()
         if not plan.scheduled:
@@ -129,11 +130,11 @@ class Engine:
         try:
             out = self.runner.execute(plan)
             sampled = self.sampler.sample(out)
+            self.scheduler.update(plan, sampled)
         except Exception as e:
             failed = plan.request_ids()
             self.abort_request(failed)
             raise StepError(failed, e) from e
-        self.scheduler.update(plan, sampled)
         return self.outputs(sampled)
         # <<< exercise engine_step
 
@@ -149,8 +150,7 @@ class Engine:
     # -- numbers, for the bench and a server ---------------------------------------------------
     def get_stats(self) -> dict[str, float]:
         """The weights' bytes as stored, and the parts' counters (`stats()` of each part that keeps
-        some): the KV pool's peak use, preemptions and prefix-cache hits (phases 2-3), drafts
-        accepted (phase 6)."""
+        some: a KV pool's peak use, a scheduler's preemptions, a sampler's accepted drafts)."""
         stats: dict[str, float] = {"weight_bytes": weight_bytes(self.model)}
         for part in self._counting_parts():
             stats.update(part.stats())
@@ -196,7 +196,6 @@ class Engine:
         }
 
     def shutdown(self) -> None:
-        """Let go of what the parts hold outside this process (phase 8's ranks); also done when
-        the engine is garbage-collected."""
+        """Let go of what the parts hold outside this process (worker processes, say)."""
         self.parts.close()
 

@@ -5,15 +5,16 @@
     Recipe          one factory per part: setup, the parts built so far -> the part
     Parts           what a recipe builds, in this order:
 
-        model_loader    setup -> the model with its weights (phase 8: this rank's share of them)
+        model_loader    setup -> the model with its weights
         model       the network that runs: the loaded `tinyvllm.model.LlamaForCausalLM`, or a
-                    phase's change of it (quantized, fused)
-        kv_cache    the pool of K/V blocks (phase 2 on)
-        allocator   hands out its blocks (phase 2 on)
-        attention   meta -> the attention of one step (phase 2 on; phase 1 attends in its runner)
+                    phase's change of it
+        kv_cache    a pool of K/V blocks, where a phase keeps one
+        allocator   hands out its blocks
+        attention   metadata -> the attention of one step, over the cache (phase 1 has no cache:
+                    its runner attends itself)
         sampler     sample(runner output) -> the tokens (`tinyvllm.sampler.Sampler`)
         runner      execute(plan) -> the logits rows to sample (`tinyvllm.step.ModelRunnerOutput`)
-        proposer    guesses draft tokens (phase 6 on)
+        proposer    guesses draft tokens, where a phase speculates
         scheduler   schedule() -> the plan of a step; update(plan, sampled) -> the requests move on
 
 A phase's recipe is the recipe of the phase before with the factories it replaces
@@ -51,7 +52,7 @@ class EngineSetup:
     max_model_len: int              # the longest sequence: max_model_len, within the model's
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
-    tensor_parallel_rank: int = 0   # which rank this process is (phase 8's workers: 1, 2, ...)
+    tensor_parallel_rank: int = 0   # which of several processes running one model this one is
 
     @classmethod
     def create(cls, model: str | Path | None, engine_args: dict, tensor_parallel_rank: int = 0) -> "EngineSetup":
@@ -98,7 +99,7 @@ class Parts:
     scheduler: object = None
 
     def close(self) -> None:
-        """Let go of what a part holds outside this process (phase 8's worker ranks)."""
+        """Let go of what a part holds outside this process (worker processes, say)."""
         for f in fields(self):
             close = getattr(getattr(self, f.name), "close", None)
             if callable(close):

@@ -34,8 +34,7 @@ from .kv_cache import KVCache
 class AttentionMetadata:
     """How the flat tokens of one step map to sequences and cache slots. Built once per step
     (`build`), read by every layer. The same numbers come as host lists (for loops in Python)
-    and as tensors on the device (for kernels, and for a captured graph, which reads them from
-    fixed addresses: phase 7 builds this from its static buffers)."""
+    and as tensors on the device (for kernels)."""
 
     slot_mapping: torch.Tensor     # (N,) int64
     query_start_loc: list[int]     # (B+1,) sequence b's queries: [query_start_loc[b], query_start_loc[b+1])
@@ -49,7 +48,7 @@ class AttentionMetadata:
     query_start_loc_tensor: torch.Tensor   # (B+1,) int64, on the device
     seq_lens_tensor: torch.Tensor          # (B,) int64, on the device
     max_query_len: int
-    max_seq_len: int               # at least the longest sequence (a captured step: the most it may hold)
+    max_seq_len: int               # at least the longest sequence (what a padded gather spans)
     max_decode_seq_len: int        # the same, over the decode rows (what their padded gather spans)
     _decode_inputs: tuple | None = None  # decode_inputs' result, made by the first layer
 
@@ -73,22 +72,6 @@ class AttentionMetadata:
             query_start_loc_tensor=torch.tensor(starts, device=device), seq_lens_tensor=lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             max_decode_seq_len=max((seq_lens[b] for b in decode), default=0))
-
-    @classmethod
-    def decode_only(cls, slot_mapping: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    query_start_loc: torch.Tensor, max_seq_len: int,
-                    seq_lens_host: list[int] | None = None) -> "AttentionMetadata":
-        """A step of B decodes (one query each) from tensors that are already on the device:
-        slot_mapping, seq_lens (B,), block_tables (B, M), query_start_loc (B+1,) = 0..B. The
-        lengths on the host (`seq_lens_host`) only where the caller has them: a captured graph
-        cannot copy them there, and gives none (`seq_lens` is then empty)."""
-        b = seq_lens.shape[0]
-        idx = query_start_loc[:b]
-        return cls(slot_mapping=slot_mapping, query_start_loc=list(range(b + 1)), seq_lens=seq_lens_host or [],
-                   block_tables=block_tables, prefill_rows=[], decode_token_idx=idx,
-                   decode_block_tables=block_tables, decode_seq_lens=seq_lens,
-                   query_start_loc_tensor=query_start_loc, seq_lens_tensor=seq_lens,
-                   max_query_len=1, max_seq_len=max_seq_len, max_decode_seq_len=max_seq_len)
 
     def with_block_ids(self, renumber: torch.Tensor) -> "AttentionMetadata":
         """The same step with every block id b read as renumber[b] (an attention backend that

@@ -2,7 +2,7 @@
 
 As many waiting sequences as fit are admitted together, their prompts are prefilled in one
 step, then every step advances all of them by one token. The next batch starts only when the
-last sequence of this one has finished (phase 3 refills a seat the step after it empties).
+last sequence of this one has finished, while the seats of those that finished early stay empty.
 
 A sequence is admitted only when the blocks for its worst case (prompt + max_tokens) are free,
 so a running batch never runs out of cache; a request whose worst case exceeds the whole pool

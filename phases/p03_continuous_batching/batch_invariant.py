@@ -97,7 +97,7 @@ class BatchInvariantAttention(PagedAttention):
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata):
         super().__init__(cache, meta)
-        starts, lens = meta.query_start_loc, meta.seq_lens
+        starts, lens = meta.query_start_loc, meta.seq_lens or meta.seq_lens_tensor.tolist()
         seq, pos = [], []
         for b, seq_len in enumerate(lens):  # sequence b's queries are its last n positions
             n = starts[b + 1] - starts[b]

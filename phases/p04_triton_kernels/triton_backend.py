@@ -2,10 +2,11 @@
 
 It writes the step's K/V with `reshape_and_cache` and attends with one `unified_attention`
 launch for the whole flat batch. The kernels read the step's layout from device tensors
-(`query_start_loc`, `seq_lens`, `block_tables` as int32): conversions on the device, never a
-copy from host lists, so the same backend runs inside a captured CUDA graph, where phase 7
-hands it metadata whose tensors are its static buffers and whose `max_seq_len` is the most a
-sequence may hold (the launch's shape is then the same at every replay).
+(`query_start_loc`, `seq_lens`, `block_tables` as int32), converted on the device from the
+metadata's own tensors: no value is copied from the host, or read back to it. The launch's shape
+comes from two host numbers, `max_query_len` and `max_seq_len`; the kernels read each
+sequence's true length from `seq_lens`, so a `max_seq_len` above the longest only makes the
+launch larger, never the result different.
 """
 
 from __future__ import annotations

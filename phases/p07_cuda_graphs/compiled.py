@@ -156,7 +156,7 @@ class CompiledDecodeRunner(DecodeRunner):
             torch._dynamo.mark_dynamic(ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
         self.shapes_seen.add(bucket == 1)
-        _FORWARD_CONTEXT[self.context] = self.attention(self.metadata(bucket))
+        _FORWARD_CONTEXT[self.context] = self.attention(self.buf.metadata(bucket))
         try:
             with torch.inference_mode():
                 return self.compiled(ids, positions)

@@ -13,7 +13,7 @@ block no request owns, and their logits are dropped before sampling.
 eagerly on the buffers; `CudaGraphDecodeRunner` captures a graph per bucket on its first use
 (after one warm-up run) and replays it. Both attend through the attention part the recipe
 chose (phase 2's, phase 4's Triton kernels, phase 5's quantized cache), handed metadata made of
-the static buffers (`AttentionMetadata.decode_only`). For a capture that metadata has every
+the static buffers (`StaticDecodeBuffers.metadata`). For a capture that metadata has every
 shape fixed: all the block-table columns, and `max_seq_len` the most a sequence may hold, so
 the kernels read each row's length from `seq_lens` at every replay.
 """
@@ -93,32 +93,40 @@ class StaticDecodeBuffers:
         self.max_seq_len = int(pos.max()) + 1
         # <<< exercise fill_buffers
 
+    def metadata(self, bucket: int, fixed_shapes: bool = False) -> AttentionMetadata:
+        """Phase 2's metadata for the first `bucket` rows, one decode each, made of the buffers
+        (views, not copies). fixed_shapes (what a captured graph needs): every block-table column
+        and `max_seq_len` the most a sequence may hold, and no length copied to the host;
+        otherwise the columns the real rows use and their longest length."""
+        tables = self.block_tables[:bucket] if fixed_shapes else self.block_tables[:bucket, :self.num_blocks_used]
+        longest = self.block_tables.shape[1] * self.block_size if fixed_shapes else self.max_seq_len
+        seq_lens, starts = self.seq_lens[:bucket], self.query_start_loc[:bucket + 1]
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket], query_start_loc=list(range(bucket + 1)),
+            seq_lens=[] if fixed_shapes else seq_lens.tolist(), block_tables=tables, prefill_rows=[],
+            decode_token_idx=starts[:bucket], decode_block_tables=tables, decode_seq_lens=seq_lens,
+            query_start_loc_tensor=starts, seq_lens_tensor=seq_lens, max_query_len=1, max_seq_len=longest,
+            max_decode_seq_len=longest)
+
 
 class DecodeRunner:
     """Runs the decode forward on the first `bucket` rows of the static buffers, eagerly, through
     the recipe's attention part (`attention`: metadata -> the step's attention). Returns the
-    logits (bucket, V).
+    logits (bucket, V). `fixed_shapes`: hand the attention the metadata a captured graph needs
+    (`StaticDecodeBuffers.metadata`), eagerly; a `CudaGraphDecodeRunner` always does.
 
     A fused model (`fuse_projections`) runs `decode_forward`, the same numbers with fewer
     operator calls (float or quantized); any other (a layer it could not fuse) runs its own forward."""
 
-    def __init__(self, model, buffers: StaticDecodeBuffers, attention):
-        self.model, self.buf, self.attention = model, buffers, attention
+    def __init__(self, model, buffers: StaticDecodeBuffers, attention, fixed_shapes: bool = False):
+        self.model, self.buf, self.attention, self.fixed_shapes = model, buffers, attention, fixed_shapes
         self.model_forward = partial(decode_forward, model) if fused_model(model) else model
-
-    def metadata(self, bucket: int) -> AttentionMetadata:
-        """The step's metadata: the block-table columns the real rows use, their longest length."""
-        b = self.buf
-        return AttentionMetadata.decode_only(b.slot_mapping[:bucket], b.seq_lens[:bucket],
-                                             b.block_tables[:bucket, :b.num_blocks_used],
-                                             b.query_start_loc[:bucket + 1], b.max_seq_len,
-                                             b.seq_lens[:bucket].tolist())
 
     def run(self, bucket: int) -> torch.Tensor:
         b = self.buf
         hidden = self.model_forward(b.input_ids[:bucket], b.positions[:bucket],
-                                    self.attention(self.metadata(bucket)))          # (bucket, D)
-        return self.model.compute_logits(hidden)                                     # (bucket, V)
+                                    self.attention(b.metadata(bucket, self.fixed_shapes)))  # (bucket, D)
+        return self.model.compute_logits(hidden)                                          # (bucket, V)
 
 
 class CudaGraphDecodeRunner(DecodeRunner):
@@ -126,18 +134,11 @@ class CudaGraphDecodeRunner(DecodeRunner):
     memory pool; a replay reads the static buffers and writes `outputs[bucket]`."""
 
     def __init__(self, model, buffers: StaticDecodeBuffers, attention):
-        super().__init__(model, buffers, attention)
+        super().__init__(model, buffers, attention, fixed_shapes=True)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.num_captures = 0
-
-    def metadata(self, bucket: int) -> AttentionMetadata:
-        """Every shape fixed: all the block-table columns, and the longest a sequence may be."""
-        b = self.buf
-        return AttentionMetadata.decode_only(b.slot_mapping[:bucket], b.seq_lens[:bucket], b.block_tables[:bucket],
-                                             b.query_start_loc[:bucket + 1],
-                                             b.block_tables.shape[1] * b.block_size)
 
     def capture(self, bucket: int) -> None:
         stream = torch.cuda.Stream()

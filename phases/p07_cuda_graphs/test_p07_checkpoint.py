@@ -6,7 +6,11 @@
   cross bucket boundaries stay correct; seeded sampling too, through the vectorized sampler;
 - bad cudagraph_capture_sizes / enforce_eager: errors naming the argument, and an LLM built
   before keeps generating;
-- on a GPU: graph replay equals eager logits for every bucket, one capture per bucket.
+- the static step attends with the attention part the recipe chose (phases 2-5's options), on
+  metadata made of the buffers, and the metadata a graph captures gives the same logits; phase
+  4's Triton kernels run it in the interpreter;
+- on a GPU: graph replay equals eager logits for every bucket, one capture per bucket, with the
+  Triton kernels and a quantized KV cache too.
 """
 
 from __future__ import annotations
@@ -168,12 +172,16 @@ def test_default_model_every_bucket(make_llm, default_model_dir):
 
 
 @pytest.mark.gpu
-def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir, kv_cache_dtype):
     from phases.p07_cuda_graphs.decode_runner import CudaGraphDecodeRunner, DecodeRunner
 
     # float32: in bfloat16 the captured and eager matmuls may round differently (cuBLAS picks its
-    # algorithm per stream); what is checked here is that replay reads the right buffers
-    engine = LLM(str(tiny_model_dir), phase=7, max_num_seqs=16, device="cuda", dtype="float32").llm_engine
+    # algorithm per stream); what is checked here is that replay reads the right buffers, through
+    # phase 4's Triton kernels (and phase 5's quantized cache read)
+    engine = LLM(str(tiny_model_dir), phase=7, max_num_seqs=16, device="cuda", dtype="float32",
+                 kv_cache_dtype=kv_cache_dtype).llm_engine
+    assert engine.parts.attention.func.__name__.startswith("Triton")
     runner, buffers = engine.runner.decode_runner, engine.runner.buffers
     assert isinstance(runner, CudaGraphDecodeRunner)
     eager = DecodeRunner(engine.model, buffers, engine.parts.attention)
@@ -233,3 +241,59 @@ def test_fused_projections_are_bit_identical(request, fixture, quantization):
             assert torch.equal(expected, fused(ids, pos, NoCache()))
             # the leaner decode forward (add + RMSNorm fused, one RoPE for q and k): same bits
             assert torch.equal(expected, decode_forward(fused, ids, pos, NoCache()))
+
+
+# -- the static step runs the attention the recipe chose ---------------------------------------
+
+@pytest.mark.parametrize("kwargs,expected", [
+    ({}, "CpuPagedAttention"),                                        # phase 4's CPU path
+    ({"attention_backend": "torch"}, "PagedAttention"),               # phase 2's
+    ({"kv_cache_dtype": "int8"}, "QuantizedPagedAttention"),          # phase 5's cache, CPU path
+    ({"kv_cache_dtype": "fp8", "attention_backend": "torch"}, "QuantizedPagedAttention"),
+    ({"batch_invariant": True}, "BatchInvariantAttention"),           # phase 3's fixed order
+])
+def test_the_static_step_attends_with_the_recipe_s_attention(tiny_model_dir, kwargs, expected):
+    """Phase 7's decode runner is handed the attention part the recipe built (phases 2-5 chose it)
+    and makes each step's attention with it, on metadata made of the static buffers; the tokens
+    are enforce_eager's, and the metadata a captured graph would read (every block-table column,
+    the longest possible length) gives the same logits."""
+    from phases.p07_cuda_graphs import DecodeRunner
+
+    if kwargs.get("batch_invariant"):
+        from phases.p03_continuous_batching.batch_invariant import KERNELS
+        if not KERNELS.available():
+            pytest.skip("batch_invariant=True needs AVX2 and a C compiler")
+    fast = LLM(str(tiny_model_dir), phase=7, max_num_seqs=4, **kwargs)
+    eager = LLM(str(tiny_model_dir), phase=7, max_num_seqs=4, enforce_eager=True, **kwargs)
+    engine = fast.llm_engine
+    assert engine.runner.decode_runner.attention is engine.parts.attention
+    made = []
+    attention = engine.parts.attention
+    engine.runner.decode_runner.attention = lambda meta: made.append(attention(meta)) or made[-1]
+    assert tokens(fast, PROMPTS[:3], GREEDY) == tokens(eager, PROMPTS[:3], GREEDY)
+    assert made and {type(a).__name__ for a in made} == {expected}
+    for i in range(3):  # a decode step's buffers, run the way a graph is captured
+        engine.add_request(f"f{i}", PROMPTS[i], GREEDY)
+    engine.step()
+    engine.step()
+    buffers = engine.runner.buffers
+    with torch.inference_mode():
+        used = DecodeRunner(engine.model, buffers, attention).run(4)[:3]
+        fixed = DecodeRunner(engine.model, buffers, attention, fixed_shapes=True).run(4)[:3]
+    torch.testing.assert_close(fixed, used, rtol=1e-5, atol=1e-5)
+    engine.abort_request([f"f{i}" for i in range(3)])
+
+
+@pytest.mark.interpreter
+def test_triton_kernels_on_the_static_buffers_in_the_interpreter(tiny_model_dir):
+    """Phase 4's Triton kernels (phase 5's quantized read too) run phase 7's static decode step,
+    in Triton's interpreter: on the metadata a captured graph reads, they give PyTorch's logits,
+    and the engine gives the torch backend's tokens."""
+    from phases.p04_triton_kernels.tools.kernel_cases import run_in_subprocess
+
+    result = run_in_subprocess("phases.p07_cuda_graphs.tools.static_cases", str(tiny_model_dir))
+    assert result["auto"]["attention"] == "TritonPagedAttention"
+    assert result["int8"]["attention"] == "TritonQuantizedPagedAttention"
+    for kv, r in result.items():
+        assert r["fixed_err"] <= 1e-3 * r["scale"] and r["used_err"] <= 1e-3 * r["scale"], (kv, r)
+        assert r["tokens_equal"] and r["static_steps"] >= 1, (kv, r)

@@ -61,18 +61,13 @@ class AsyncEngine:
     """One engine stepped by one thread; requests come in and out through asyncio queues.
 
     Args:
-        engine: a phase's Engine with the streaming API (phase 3 or later).
+        engine: any phase's engine (the one loop: add_request, step, abort_request).
         max_num_waiting: refuse a request (QueueFullError) when this many already wait for a
             seat; None: no bound.
         on_dead: called (from the engine thread) once the engine has stopped for good.
     """
 
     def __init__(self, engine: Any, max_num_waiting: int | None = None, on_dead=None):
-        for name in ("add_group", "step", "abort_request", "has_unfinished_requests", "snapshot"):
-            if not hasattr(engine, name):
-                raise ValueError(
-                    f"phase: phase {getattr(engine, 'phase', '?')} has no streaming API "
-                    f"(add_request/step/abort_request, from phase 3 on); serve phase 3 or later")
         self.engine = engine
         self.max_num_waiting = max_num_waiting
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()   # ("add", group, q, loop) | ("abort", id)

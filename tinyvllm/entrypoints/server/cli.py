@@ -28,7 +28,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--phase", type=int, default=None, metavar="N",
-                   help="which phase's engine (3 or later: the streaming API); default the newest")
+                   help="which phase's engine; default the newest")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every path but / and /health "
                         "(or set TINYVLLM_API_KEY); an empty key is refused")
