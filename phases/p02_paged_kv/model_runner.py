@@ -41,7 +41,7 @@ class ModelRunner:
         device: where the inputs go.
     """
 
-    def __init__(self, model, attention: Callable, block_size: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, attention: Callable, block_size: int, device: torch.device):
         self.model, self.attention = model, attention
         self.block_size, self.device = block_size, device
 

@@ -46,11 +46,13 @@ class TensorParallelExecutor:
     Args:
         inner: phase 7's runner, on the driver's share of the model.
         group: the driver's place in the group (rank 0 of world).
-        model_path, engine_args: what the workers build their share from; num_blocks: the driver's
-            pool (the workers' pools have as many blocks, of their own KV heads).
+        model_path: the model the workers load their share of.
+        engine_args: the engine arguments the workers build their parts from.
+        num_blocks: the driver's pool: the workers' pools have as many blocks, of their own KV heads.
     """
 
-    def __init__(self, inner, group: TensorParallelGroup, model_path: str, engine_args: dict, num_blocks: int):
+    def __init__(self, inner: object, group: TensorParallelGroup, model_path: str, engine_args: dict,
+                 num_blocks: int):
         self.inner, self.group = inner, group
         # the workers build the same engine with their rank and the driver's pool of blocks, and
         # no proposer (drafts are the driver's: a worker only runs the model)
