@@ -13,8 +13,8 @@ second thread, and notebook 04's Triton interpreter uses one core anyway). The n
 prints are not checked here; its committed outputs were executed alone, in full. So that the
 suite stays within CI's time, the copy does less of the same work: each benchmark cell
 (`run_bench`) runs one round without its warm-up, on at most 8 of its requests with at most 16 new
-tokens each (`QUICK_BENCH`, a cell put first in the copy), and a cell that repeats a run to keep
-each step's fastest time runs it once (`QUICK_SOURCE`): the same code, less of it.
+tokens each (`QUICK_BENCH`, a cell put first in the copy), and the cells that time a long run make a
+shorter one (`QUICK_SOURCE`): the same code, less of it.
 """
 
 from __future__ import annotations
@@ -48,7 +48,11 @@ _harness.run_bench = _quick_bench
 """
 # Source changed in the copy: {notebook: [(text, replacement)]}; each text must be found.
 QUICK_SOURCE = {
-    "01_naive_attention": [("num_runs = 3", "num_runs = 1")],  # phase 1, 48 tokens, three times: 94 s
+    # phase 1 recomputing 48 tokens three times: 94 s (one thread: 25 s for one run)
+    "01_naive_attention": [("num_runs = 3", "num_runs = 1"), ("max_tokens=48, ignore_eos=True", "max_tokens=16, ignore_eos=True")],
+    "02_paged_kv": [("contexts, step_ms = [16, 256, 1024], []", "contexts, step_ms = [16, 256], []")],
+    "03_continuous_batching": [("answer_lengths = [6, 40, 12, 30, 8, 24, 16, 36]",
+                                "answer_lengths = [3, 20, 6, 15, 4, 12, 8, 18]")],
 }
 
 

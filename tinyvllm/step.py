@@ -92,16 +92,19 @@ class SamplerOutput:
     prompt_logprobs: list[tuple[SequenceGroup, list[dict[int, Logprob]]]] = field(default_factory=list)
 
 
-def append_sampled(sampled: SamplerOutput) -> None:
+def append_sampled(sampled: SamplerOutput) -> list[Sequence]:
     """Record a step's tokens: append each sequence's, in order, until one of them ends it (EOS, a
-    stop, max_tokens); time them; and record prompt logprobs. Every scheduler's `update` calls it."""
-    now = time.perf_counter()
+    stop, max_tokens); time them; and record prompt logprobs. Returns the sequences that finished.
+    Every scheduler's `update` calls it."""
+    now, finished = time.perf_counter(), []
     for seq, tokens, logprobs in zip(sampled.seqs, sampled.token_ids, sampled.logprobs):
         for token, lp in zip(tokens, logprobs):
             seq.append_token(token, lp)
             if seq.is_finished:
+                finished.append(seq)
                 break
         if seq.group is not None:
             seq.group.record_token_time(now)
     for group, logprobs in sampled.prompt_logprobs:
         group.record_prompt_logprobs(logprobs)
+    return finished

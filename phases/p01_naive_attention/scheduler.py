@@ -52,10 +52,8 @@ class FifoScheduler:
         return SchedulerOutput([(seq, seq.num_tokens)])
 
     def update(self, plan: SchedulerOutput, sampled: SamplerOutput) -> None:
-        append_sampled(sampled)
-        for seq in sampled.seqs:
-            if seq.is_finished:
-                self.finish(seq)
+        for seq in append_sampled(sampled):   # the sequences that finished
+            self.finish(seq)
 
     def finish(self, seq: Sequence) -> None:
         if seq in self.waiting:

@@ -116,10 +116,8 @@ class StaticBatchScheduler:
         """The step's tokens are in the cache; append the sampled ones; the finished leave."""
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
-        append_sampled(sampled)
-        for seq in sampled.seqs:
-            if seq.is_finished:
-                self.finish(seq)
+        for seq in append_sampled(sampled):   # the sequences that finished
+            self.finish(seq)
 
     def finish(self, seq: Sequence) -> None:
         """A finished (or aborted) sequence leaves the queue, or the batch with its blocks."""

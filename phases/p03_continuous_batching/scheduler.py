@@ -177,13 +177,12 @@ class Scheduler:
         the blocks that are full (prefix caching), and free the finished sequences at once."""
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
-        append_sampled(sampled)
+        finished = append_sampled(sampled)
         if self.prefix_caching:
             for seq, _ in plan.scheduled:
                 self.allocator.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_computed_tokens)
-        for seq in sampled.seqs:
-            if seq.is_finished:
-                self.finish(seq)
+        for seq in finished:
+            self.finish(seq)
 
     def finish(self, seq: Sequence) -> None:
         """Free a finished (or aborted) sequence's blocks and seat at once."""
