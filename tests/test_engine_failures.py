@@ -60,8 +60,9 @@ def test_async_engine_survives_a_failed_step(engine):
     async def main():
         bad = asyncio.ensure_future(_collect(ae, "bad"))
         good = asyncio.ensure_future(_collect(ae, "good", {"prompt_token_ids": [9, 8]}))
-        with pytest.raises(StepError, match="bad"):
+        with pytest.raises(StepError, match="injected failure") as e:
             await bad
+        assert e.value.request_ids == ["bad"]
         assert len((await good).outputs[0].token_ids) == GREEDY.max_tokens
         later = await _collect(ae, "later")          # the engine still serves
         assert len(later.outputs[0].token_ids) == GREEDY.max_tokens

@@ -241,6 +241,14 @@ BAD = [
     ({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ({"prompt": "x", "tool_choice": "required"}, 400, "tool_choice"),
     ({"prompt": "x", "logit_bias": {"42": 100}}, 400, "logit_bias"),
+    # values that overflow the sampler's tensors, or cost every token a scan
+    ({"prompt": "x", "top_k": 2**70, "top_p": 0.9}, 400, "top_k"),
+    ({"prompt": "x", "top_k": 100_000}, 400, "top_k"),              # above the vocabulary
+    ({"prompt": "x", "temperature": 1e308}, 400, "temperature"),
+    ({"prompt": "x", "repetition_penalty": 1e308}, 400, "repetition_penalty"),
+    ({"prompt": "x", "stop_token_ids": list(range(2000))}, 400, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+    ({"prompt": "x", "n": 2, "min_tokens": 2**70}, 400, "min_tokens"),
 ]
 
 
@@ -253,6 +261,82 @@ def test_bad_input_gets_error_object(server, body, status, param):
     assert err["param"] == param, err
     ok = _post(server, "/v1/completions", {"prompt": "fine", "max_tokens": 2})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_a_bad_value_beside_a_running_stream_leaves_it_whole(server, client, offline):
+    """A request whose values are out of range is refused when it is made (a 400 naming the
+    field), so it never joins a step: a stream running beside it gets every token it would get
+    alone."""
+    want = offline.generate(["victim"], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}) as c:
+            async def victim():
+                text = ""
+                async with c.stream("POST", server + "/v1/completions", json={
+                        "prompt": "victim", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                        "stream": True}) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            body = json.loads(line[6:])
+                            assert "error" not in body, body
+                            text += body["choices"][0]["text"]
+                return text
+
+            async def attackers():
+                await asyncio.sleep(0.05)
+                return [await c.post(server + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **bad})
+                        for bad in ({"top_k": 2**70, "top_p": 0.9}, {"temperature": 1e308, "top_k": 2**70},
+                                    {"temperature": 1e308})]
+            return await asyncio.gather(victim(), attackers())
+
+    text, refused = asyncio.run(main())
+    assert text == want
+    for r in refused:
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("top_k", "temperature"), r.text
+        assert "victim" not in r.text
+
+
+def test_text_that_is_not_unicode_is_a_400_naming_the_field(server):
+    """JSON can escape a lone surrogate; no tokenizer takes one."""
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    for path, body, param in [
+            ("/tokenize", '{"prompt": "a\\ud800b"}', "prompt"),
+            ("/v1/completions", '{"prompt": "\\udfff", "max_tokens": 2}', "prompt"),
+            ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\ud83d"}]}', "messages"),
+            ("/v1/completions", '{"prompt": "x", "stop": ["\\ud800"]}', "stop")]:
+        r = httpx.post(server + path, content=body, headers=headers, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+        assert "Unicode" in r.json()["error"]["message"]
+
+
+def test_every_field_of_a_message_counts_toward_the_prompt_cap(server):
+    """A 30,000-character role (extra fields are allowed too) is refused before it is tokenized."""
+    for message in ({"role": "u" * 30_000, "content": "hi"}, {"role": "user", "content": "hi", "name": "n" * 30_000}):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            r = _post(server, path, {"messages": [message]})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "messages" and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_detokenize_is_capped(server):
+    r = _post(server, "/detokenize", {"tokens": [1] * 600})       # max_model_len is 512
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    assert _post(server, "/detokenize", {"tokens": [1] * 500}).status_code == 200
+
+
+def test_echo_returns_the_prompt_for_text_and_token_ids_streamed_or_not(server, offline):
+    tok = offline.get_tokenizer()
+    ids = tok.encode("echo me")
+    for prompt, shown in (("echo me", "echo me"), (ids, tok.decode(ids, skip_special_tokens=False))):
+        body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "echo": True}
+        plain = _post(server, "/v1/completions", body).json()["choices"][0]["text"]
+        assert plain.startswith(shown) and len(plain) > len(shown), plain
+        r = _post(server, "/v1/completions", {**body, "stream": True})
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert chunks[0]["choices"][0]["text"].startswith(shown)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == plain
 
 
 def test_response_format_and_structured_outputs(server, client):
@@ -334,6 +418,9 @@ def test_a_loopback_server_answers_only_loopback_names(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host"
     for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost"):
         assert httpx.get(server + "/health", headers={"Host": host}, timeout=60).status_code == 200, host
+    for host in ("[::1]evil.example", f"127.0.0.1:{port}, evil.example", "localhost:80:80", "[::1", "localhost evil"):
+        r = httpx.get(server + "/health", headers={"Host": host}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_host", host
 
 
 def test_an_empty_api_key_is_refused(tiny_model_dir, capsys, monkeypatch):

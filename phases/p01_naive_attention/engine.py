@@ -76,6 +76,7 @@ class Engine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already running")
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        params.check_vocab(self.model_config.vocab_size)
         self.scheduler.check_fits(len(ids), params)
         structured = params.structured_outputs
         grammar = self.structured_output_manager.compile(structured) if structured is not None else None

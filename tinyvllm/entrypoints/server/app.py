@@ -164,17 +164,51 @@ def bearer_matches(header: str | None, api_key: str) -> bool:
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
+# A Host header as RFC 9110 allows it: a name or IPv4 address, or an IPv6 address in brackets,
+# then an optional port; nothing else (no second host after a comma, no text after "]").
+_HOST = re.compile(r"(?:\[(?P<ip6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::[0-9]{1,5})?")
+
+
 def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
-    """Is the Host header's name (its port left off) one of `allowed`? No Host header (HTTP/1.0)
+    """Is the Host header's name (its port left off) one of `allowed`? A header that is not one
+    host (`[::1]evil.example`, `127.0.0.1:8000, evil.example`) is not. No Host header (HTTP/1.0)
     is let through: a browser always sends one."""
-    if not host:
+    if host is None or host == "":
         return True
-    name = host.strip().lower()
-    if name.startswith("["):                     # [::1]:8000
-        name = name[1:name.find("]")] if "]" in name else name
-    elif name.count(":") == 1:                   # localhost:8000
-        name = name.split(":")[0]
-    return name in allowed
+    m = _HOST.fullmatch(host.lower())
+    return m is not None and (m["ip6"] or m["name"]) in allowed
+
+
+def bad_text(value, param: str) -> None:
+    """A 400 naming `param` if any string in `value` (a string, or lists and dicts of them) is
+    not valid Unicode: JSON's escapes can carry a lone surrogate (\\ud800), which no tokenizer
+    and no UTF-8 encoder takes."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(400, f"{param}: the text is not valid Unicode ({e.reason} at character "
+                                    f"{e.start}); send UTF-8 text", param=param) from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+
+
+def check_text(req) -> None:
+    """`bad_text` on every field of a request body, naming the field."""
+    for name, value in req.model_dump(exclude_none=True).items():
+        bad_text(value, name)
+
+
+def message_chars(messages) -> int:
+    """The characters of a chat's messages, every field of each (a role or an extra field counts
+    as much as the content): what the prompt cap is checked against, before any tokenizing."""
+    return sum(len(json.dumps(m.model_dump(exclude_none=True))) for m in messages)
 
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
@@ -196,7 +230,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     app = FastAPI(title="tinyvllm", version="0.1", lifespan=lifespan,
                   description="An OpenAI-compatible server for tinyvllm's engine")
-    app.state.engine = engine
+    app.state.engine, app.state.metrics = engine, metrics
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
 
     @app.exception_handler(APIError)
@@ -278,15 +312,19 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         """Start a request; return its output iterator after its first output, so bad input and
         a full queue are answered before any response header is sent. A client that goes away
         before the first output aborts the request."""
+        metrics.on_start(request_id)
         gen = engine.generate(request_id, prompt, params)
         try:
             first = await watch.until(gen.__anext__())
         except (ValueError, TypeError) as e:
+            metrics.forget(request_id)
             raise bad_value(e, fields, prompt_param, req) from None
         except QueueFullError as e:
+            metrics.forget(request_id)
             raise APIError(503, str(e), type="service_unavailable", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except (StepError, EngineDeadError) as e:
+            metrics.on_abort(request_id)
             raise engine_failure(e) from None
         except BaseException as e:
             await gen.aclose()         # the client went away (or the server stops): abort
@@ -296,6 +334,13 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise
         metrics.on_output(first)
         return first, gen
+
+    async def close(started) -> None:
+        """End every request a handler started (each `(first output, generator)`): a generator
+        closed unfinished aborts its request, and the metrics forget it."""
+        for first, gen in started:
+            await gen.aclose()
+            metrics.on_abort(first.request_id)
 
     async def outputs_of(first: RequestOutput, gen, watch: ClientWatch | None = None):
         """The request's outputs; an engine failure on the way becomes an APIError (a JSON error
@@ -323,14 +368,21 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
 
     # -- info ------------------------------------------------------------------------------------
     @app.get("/health")
-    async def health():
-        if engine.error is not None:
-            raise APIError(503, f"the engine has stopped: {engine.error}", type="server_error")
+    async def health(raw: Request):
+        """200 or 503. Why it is unhealthy is told only to a caller with the key (no key needed
+        here; the engine's error text is not for everyone)."""
+        problem = None
         running = engine.step_seconds()
-        if running > health_step_timeout:
-            raise APIError(503, f"the engine is stuck: one step has run for {running:.0f} s "
-                                f"(--health-step-timeout {health_step_timeout:g})", type="server_error")
-        return Response(status_code=200)
+        if engine.error is not None:
+            problem = f"the engine has stopped: {engine.error}"
+        elif running > health_step_timeout:
+            problem = (f"the engine is stuck: one step has run for {running:.0f} s "
+                       f"(--health-step-timeout {health_step_timeout:g})")
+        if problem is None:
+            return Response(status_code=200)
+        if api_key and not bearer_matches(raw.headers.get("authorization"), api_key):
+            problem = "unhealthy"
+        raise APIError(503, problem, type="server_error")
 
     @app.get("/v1/models")
     async def models():
@@ -358,10 +410,11 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
+        check_text(req)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt")
         if req.messages is not None:
-            check_chars(sum(len(json.dumps(m.content)) for m in req.messages), "messages")
+            check_chars(message_chars(req.messages), "messages")
             ids = await asyncio.to_thread(lambda: tokenizer.encode(
                 render_chat(req.messages, req.add_generation_prompt), add_special_tokens=False))
         else:
@@ -372,11 +425,15 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
+        if len(req.tokens) > max_model_len:   # no sequence of this model is longer
+            raise APIError(400, f"tokens: at most max_model_len ({max_model_len}) ids, got {len(req.tokens)}",
+                           param="tokens")
         vocab = engine.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
-            raise APIError(400, f"tokens: ids must be in [0, {vocab}), got {bad[:5]}", param="tokens")
-        return {"prompt": tokenizer.decode(req.tokens, skip_special_tokens=False)}
+            raise APIError(400, f"tokens: ids must be in [0, {vocab}), got {bad[0]}", param="tokens")
+        text = await asyncio.to_thread(tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return {"prompt": text}
 
     # -- completions -----------------------------------------------------------------------------
     completion_fields = set(CompletionRequest.model_fields)
@@ -385,6 +442,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
         check_model(req.model)
+        check_text(req)
         if req.logprobs is not None and not 0 <= req.logprobs <= 20:
             raise APIError(400, f"logprobs must be in [0, 20], got {req.logprobs}", param="logprobs")
         try:
@@ -403,13 +461,12 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                 for i, p in enumerate(prompts):
                     started.append(await run(f"{rid}-{i}", p, params, completion_fields, "prompt", watch, req))
             except APIError:
-                for _, gen in started:
-                    await gen.aclose()
+                await close(started)
                 raise
             name = req.model or model_name
             if req.stream:  # from here the streaming response listens for a disconnect itself
-                return StreamingResponse(_stream_completions(rid, name, started, req, raw, tokenizer, outputs_of),
-                                         media_type="text/event-stream")
+                return StreamingResponse(_stream_completions(rid, name, started, req, raw, tokenizer, outputs_of,
+                                                             close), media_type="text/event-stream")
             finals = []
             try:
                 for first, gen in started:
@@ -418,8 +475,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                         last = out
                     finals.append(last)
             finally:  # a client gone, or a failed request: the others of this request end too
-                for _, gen in started:
-                    await gen.aclose()
+                await close(started)
         finally:
             watch.close()
         choices, prompt_tokens, completion_tokens = [], 0, 0
@@ -427,7 +483,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             prompt_tokens += len(out.prompt_token_ids)
             for c in out.outputs:
                 completion_tokens += len(c.token_ids)
-                text = (out.prompt or "") + c.text if req.echo else c.text
+                text = echoed_prompt(out, tokenizer) + c.text if req.echo else c.text
                 choices.append({"index": i * params.n + c.index, "text": text,
                                 "logprobs": _completion_logprobs(c.token_ids, c.logprobs, tokenizer, req.logprobs)
                                 if req.logprobs is not None else None,
@@ -438,6 +494,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         check_model(req.model)
+        check_text(req)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}",
                            param="top_logprobs")
@@ -448,7 +505,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         except (ValueError, TypeError) as e:
             raise bad_value(e, chat_fields, "messages", req) from None
         check_request(params)
-        check_chars(sum(len(json.dumps(m.content)) for m in req.messages), "messages")
+        check_chars(message_chars(req.messages), "messages")
 
         def render_and_encode():   # off the event loop: a long chat takes a while
             text = render_chat(req.messages, req.add_generation_prompt)
@@ -464,8 +521,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             first, gen = await run(rid, prompt, params, chat_fields, "messages", watch, req)
             name = req.model or model_name
             if req.stream:  # from here the streaming response listens for a disconnect itself
-                return StreamingResponse(_stream_chat(rid, name, first, gen, req, raw, tokenizer, outputs_of),
-                                         media_type="text/event-stream")
+                return StreamingResponse(_stream_chat(rid, name, first, gen, req, raw, tokenizer, outputs_of,
+                                                      close), media_type="text/event-stream")
             last = first
             async for out in outputs_of(first, gen, watch):
                 last = out
@@ -497,6 +554,13 @@ def _completion_prompts(prompt) -> list:
         return [{"prompt_token_ids": p} for p in prompt]
     raise APIError(400, "prompt: a string, a list of strings, a list of token ids, or a list of "
                         "lists of token ids", param="prompt")
+
+
+def echoed_prompt(out: RequestOutput, tokenizer) -> str:
+    """The prompt as `echo` returns it: its text, or its token ids decoded (vLLM's behaviour)."""
+    if out.prompt is not None:
+        return out.prompt
+    return tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -559,13 +623,14 @@ class _Deltas:
         return c.text[t0:], c.token_ids[n0:], lps
 
 
-async def _stream_completions(rid, name, started, req, raw: Request, tokenizer, outputs_of):
+async def _stream_completions(rid, name, started, req, raw: Request, tokenizer, outputs_of, close):
     created = int(time.time())
     n = req.n
     prompt_tokens = completion_tokens = 0
     try:
         for i, (first, gen) in enumerate(started):
             deltas = _Deltas()
+            echo = {c: req.echo for c in range(n)}   # each completion's first chunk starts with the prompt
             async for out in outputs_of(first, gen):
                 if await raw.is_disconnected():
                     return   # the finally of the generators aborts the requests
@@ -573,6 +638,8 @@ async def _stream_completions(rid, name, started, req, raw: Request, tokenizer, 
                     text, ids, lps = deltas.of(c)
                     if not ids and c.finish_reason is None:
                         continue
+                    if echo[c.index]:
+                        text, echo[c.index] = echoed_prompt(out, tokenizer) + text, False
                     choice = {"index": i * n + c.index, "text": text,
                               "logprobs": _completion_logprobs(ids, lps, tokenizer, req.logprobs)
                               if req.logprobs is not None else None,
@@ -590,11 +657,10 @@ async def _stream_completions(rid, name, started, req, raw: Request, tokenizer, 
         yield _sse(error_body(e))
         yield "data: [DONE]\n\n"
     finally:
-        for _, gen in started:
-            await gen.aclose()
+        await close(started)
 
 
-async def _stream_chat(rid, name, first, gen, req, raw: Request, tokenizer, outputs_of):
+async def _stream_chat(rid, name, first, gen, req, raw: Request, tokenizer, outputs_of, close):
     created = int(time.time())
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
@@ -629,4 +695,4 @@ async def _stream_chat(rid, name, first, gen, req, raw: Request, tokenizer, outp
         yield _sse(error_body(e))
         yield "data: [DONE]\n\n"
     finally:
-        await gen.aclose()
+        await close([(first, gen)])

@@ -62,8 +62,8 @@ class AsyncEngine:
 
     Args:
         engine: any phase's engine (the one loop: add_request, step, abort_request).
-        max_num_waiting: refuse a request (QueueFullError) when this many already wait for a
-            seat; None: no bound.
+        max_num_waiting: refuse a request (QueueFullError) when its sequences (n of them) would
+            make more than this many wait for a seat; None: no bound.
         on_dead: called (from the engine thread) once the engine has stopped for good.
     """
 
@@ -78,7 +78,7 @@ class AsyncEngine:
         self.on_dead = on_dead
         self._step_started: float | None = None                 # monotonic time the running step began
         self.num_failed_steps = 0                             # steps that failed and were survived
-        self.num_pending = 0                                  # accepted, not yet in the engine
+        self.num_pending = 0                                  # sequences accepted, not yet in the engine
         self._lock = threading.Lock()                         # num_pending: two threads change it
         self._tokens_per_s = 0.0
         self.generation_tokens = 0                            # tokens made since start
@@ -107,12 +107,16 @@ class AsyncEngine:
         ValueError/TypeError on bad input before anything is queued; if the caller stops
         iterating (a client disconnected), the request is aborted and its blocks freed."""
         self.check_alive()
-        with self._lock:  # the bound counts requests still being tokenized: reserve a place first
+        num_seqs = params.n   # the bound counts sequences: a request of n=128 holds 128 places
+        if self.max_num_waiting is not None and num_seqs > self.max_num_waiting:
+            raise ValueError(f"n ({num_seqs}) is more sequences than may wait at once "
+                             f"({self.max_num_waiting}, --max-num-waiting)")
+        with self._lock:  # the bound counts sequences still being tokenized: reserve places first
             if self.max_num_waiting is not None and (
-                    self.state["num_waiting"] + self.num_pending >= self.max_num_waiting):
-                raise QueueFullError(f"the server has {self.max_num_waiting} requests waiting "
+                    self.state["num_waiting"] + self.num_pending + num_seqs > self.max_num_waiting):
+                raise QueueFullError(f"the server has {self.max_num_waiting} sequences waiting "
                                      f"(--max-num-waiting); try again later")
-            self.num_pending += 1
+            self.num_pending += num_seqs
         try:
             # tokenizing a long prompt takes a while: not on the event loop
             group = await asyncio.to_thread(self.engine.make_request, request_id, prompt, params,
@@ -120,7 +124,7 @@ class AsyncEngine:
             self.check_alive()
         except BaseException:
             with self._lock:
-                self.num_pending -= 1
+                self.num_pending -= num_seqs
             raise
         q = _Mailbox()
         self._queues[request_id] = (asyncio.get_running_loop(), q)
@@ -165,7 +169,7 @@ class AsyncEngine:
                 if live:
                     self.engine.add_group(item)
                 with self._lock:  # counted by the engine's waiting queue from now on
-                    self.num_pending -= 1
+                    self.num_pending -= len(item.seqs)
                     if live:
                         self.state = self._snapshot(self._tokens_per_s)
             else:

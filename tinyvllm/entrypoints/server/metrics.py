@@ -59,6 +59,10 @@ class ServerMetrics:
         self.e2e = Histogram("tinyvllm:e2e_request_latency_seconds", "Arrival to last token.",
                              buckets=_LATENCY_BUCKETS + (160.0, 320.0), registry=r)
         self._last: dict[str, tuple[float, int]] = {}   # request id -> (time, tokens so far)
+        self._open: set[str] = set()                    # requests started, not yet finished or aborted
+
+    def on_start(self, request_id: str) -> None:
+        self._open.add(request_id)
 
     def on_output(self, out: RequestOutput) -> None:
         """Record one output of a request as it reaches the front."""
@@ -75,6 +79,7 @@ class ServerMetrics:
             self._last[out.request_id] = (now, n)
         if out.finished:
             self._last.pop(out.request_id, None)
+            self._open.discard(out.request_id)
             self.prompt_tokens.inc(len(out.prompt_token_ids))
             for c in out.outputs:
                 self.requests.labels(finished_reason=c.finish_reason or "abort").inc()
@@ -83,9 +88,22 @@ class ServerMetrics:
 
     def on_abort(self, request_id: str) -> None:
         """A request that ended unfinished (its client went away, or its step failed): counted
-        with finished_reason "abort", and forgotten."""
+        with finished_reason "abort", and forgotten. A request finished or aborted already is
+        left alone, so a handler may call it on every request it started."""
         self._last.pop(request_id, None)
-        self.requests.labels(finished_reason="abort").inc()
+        if request_id in self._open:
+            self._open.discard(request_id)
+            self.requests.labels(finished_reason="abort").inc()
+
+    def forget(self, request_id: str) -> None:
+        """A request refused before it ran (bad input, a full queue): not counted at all."""
+        self._last.pop(request_id, None)
+        self._open.discard(request_id)
+
+    @property
+    def num_open(self) -> int:
+        """Requests the metrics still follow (none once every request has ended)."""
+        return len(self._open)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
