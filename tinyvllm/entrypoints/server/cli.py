@@ -9,6 +9,11 @@ import sys
 import phases
 
 DEFAULT_MAX_NUM_WAITING = 4096   # sequences waiting for a seat: a burst's bound, far above any batch
+# the bounds of a connection (tinyvllm/entrypoints/server/connections.py enforces them)
+DEFAULT_LIMIT_CONCURRENCY = 512  # connections (or requests in flight) at once
+DEFAULT_TIMEOUT_KEEP_ALIVE = 5.0  # seconds an idle kept-alive connection stays open (uvicorn's default)
+DEFAULT_HEADER_TIMEOUT = 10.0    # seconds a connection has to send a complete request header
+DEFAULT_BODY_TIMEOUT = 30.0      # seconds a request's whole body has, once its header has come
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,6 +60,26 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     lim.add_argument("--max-stop", type=int, default=d.max_stop,
                      help=f"stop strings per request (default {d.max_stop}; each at most "
                           f"{d.max_stop_chars} characters)")
+    con = p.add_argument_group("limits of the connections (a client that holds one without using it "
+                               "is cut off)")
+    con.add_argument("--limit-concurrency", type=int, default=DEFAULT_LIMIT_CONCURRENCY, metavar="N",
+                     help="answer 503 (OpenAI's error object, Retry-After) to a request that comes while "
+                          "more than N connections are open or more than N requests are in flight "
+                          f"(default {DEFAULT_LIMIT_CONCURRENCY}: a full batch of the default --max-num-seqs, "
+                          "256, plus as many waiting, and half of the 1024 open files a Linux process "
+                          "may hold by default)")
+    con.add_argument("--timeout-keep-alive", type=float, default=DEFAULT_TIMEOUT_KEEP_ALIVE, metavar="S",
+                     help="close a kept-alive connection that sends no next request in S seconds, or that "
+                          "takes longer to finish the body of a request already answered "
+                          f"(default {DEFAULT_TIMEOUT_KEEP_ALIVE:g}, as uvicorn)")
+    con.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT, metavar="S",
+                     help="close a connection that has not sent a complete request header S seconds "
+                          "after it opened (or after the first bytes of its next request) "
+                          f"(default {DEFAULT_HEADER_TIMEOUT:g})")
+    con.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT, metavar="S",
+                     help="answer 408 to a request whose whole body has not come S seconds after its "
+                          f"header (default {DEFAULT_BODY_TIMEOUT:g}: the default --max-request-bytes "
+                          f"at {d.max_request_bytes / DEFAULT_BODY_TIMEOUT / 1000:.0f} KB/s)")
     add_engine_args(p)
     return p
 
@@ -77,6 +102,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tinyvllm.entrypoints.engine_flags import engine_args_from
     from tinyvllm.entrypoints.server.app import LOOPBACK_NAMES, build_app
     from tinyvllm.entrypoints.server.async_engine import AsyncEngine
+    from tinyvllm.entrypoints.server.connections import BodyTimeout, bounded_h11
     from tinyvllm.entrypoints.server.limits import Limits
 
     model = args.model or args.model_flag
@@ -90,8 +116,12 @@ def run_serve(args: argparse.Namespace) -> int:
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key (or TINYVLLM_API_KEY) is empty: an empty key would turn "
                          "authentication off; give a key, or leave both unset to serve without one")
-    if args.health_step_timeout <= 0:
-        raise ValueError(f"--health-step-timeout must be > 0, got {args.health_step_timeout}")
+    for flag in ("health_step_timeout", "timeout_keep_alive", "header_timeout", "body_timeout"):
+        value = getattr(args, flag)
+        if not value > 0:   # NaN too
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+    if args.limit_concurrency < 1:
+        raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
     allowed_hosts = None
     if is_loopback(args.host):
         allowed_hosts = LOOPBACK_NAMES | {h.strip().lower() for h in args.allowed_host}
@@ -109,12 +139,15 @@ def run_serve(args: argparse.Namespace) -> int:
                                       else "SmolLM2-135M-Instruct")
     app = build_app(async_engine, name, api_key=api_key, max_model_len=engine.max_model_len, limits=limits,
                     allowed_hosts=allowed_hosts, health_step_timeout=args.health_step_timeout)
+    app.add_middleware(BodyTimeout, seconds=args.body_timeout)   # the outermost of the app's own
     print(f"tinyvllm: serving {name!r} (phase {engine.phase}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     # uvicorn's SIGTERM: stop accepting, let open requests finish (at most 30 s), then the
     # lifespan's shutdown stops the engine thread, aborting what still runs.
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                          timeout_graceful_shutdown=30))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=30,
+        timeout_keep_alive=args.timeout_keep_alive,
+        http=bounded_h11(header_timeout=args.header_timeout, limit_concurrency=args.limit_concurrency)))
     server.run()
     if async_engine.error is not None:  # a supervisor restarts a server that exits non-zero
         print(f"tinyvllm: the engine stopped: {async_engine.error!r}", file=sys.stderr, flush=True)
