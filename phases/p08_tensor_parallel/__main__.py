@@ -1,5 +1,6 @@
-"""`python -m phases.p08_tensor_parallel RANK WORLD PORT MODEL ENGINE_ARGS_JSON`: one worker rank,
-as the driver starts it (worker.start_workers): it builds phase 8's parts with its rank."""
+"""`python -m phases.p08_tensor_parallel RANK WORLD STORE MODEL ENGINE_ARGS_JSON`: one worker rank,
+as the driver starts it (worker.start_workers), with the group's token in its environment
+(TINYVLLM_TP_TOKEN): it builds phase 8's parts with its rank."""
 
 import json
 import sys
@@ -10,6 +11,6 @@ from .recipe import RECIPE
 from .worker import worker_main
 
 if __name__ == "__main__":
-    rank, world, port = (int(a) for a in sys.argv[1:4])
+    rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     model, engine_args = sys.argv[4], json.loads(sys.argv[5])
-    sys.exit(worker_main(rank, world, port, lambda: RECIPE.build(EngineSetup.create(model, engine_args, rank))))
+    sys.exit(worker_main(rank, world, store_path, lambda: RECIPE.build(EngineSetup.create(model, engine_args, rank))))

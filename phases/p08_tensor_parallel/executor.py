@@ -18,13 +18,17 @@ it, the step's inputs broadcast (`vllm/v1/executor/multiproc_executor.py`).
 
 from __future__ import annotations
 
+import os
+import secrets
+import shutil
+import tempfile
 import weakref
 
 import torch
 
 from tinyvllm.step import ModelRunnerOutput, SchedulerOutput
 
-from .parallel import TensorParallelGroup, rendezvous_port
+from .parallel import TensorParallelGroup
 from .worker import start_workers, stop_workers, threads_per_rank
 
 
@@ -39,9 +43,21 @@ def broadcast_decode_forward(decode_runner, group: TensorParallelGroup) -> None:
     decode_runner.model_forward = driver_forward
 
 
+def stop_group(workers, group: TensorParallelGroup, rendezvous_dir: str) -> None:
+    """Stop the worker ranks and remove the rendezvous directory."""
+    try:
+        stop_workers(workers, group)
+    finally:
+        shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
 class TensorParallelExecutor:
     """Runs the driver's runner (`inner`) with the worker ranks it starts; `close` stops them
     (also done when the executor is garbage-collected).
+
+    The ranks meet in a directory only this user can open (`tempfile.mkdtemp` makes it mode 0700),
+    and the driver signs its messages with a random token of this engine's, which each worker
+    gets in its environment.
 
     Args:
         inner: phase 7's runner, on the driver's share of the model.
@@ -57,15 +73,18 @@ class TensorParallelExecutor:
         # the workers build the same engine with their rank and the driver's pool of blocks, and
         # no proposer (drafts are the driver's: a worker only runs the model)
         worker_args = dict(engine_args, num_kv_blocks=num_blocks, speculative_config=None)
-        port = rendezvous_port()
-        store = group.store(port)
-        self.workers = start_workers(store, group.world, port, model_path, worker_args)
+        self.rendezvous_dir = tempfile.mkdtemp(prefix="tinyvllm-tp-")
+        store_path = os.path.join(self.rendezvous_dir, "store")
+        token = secrets.token_bytes(32)
+        self.workers = []
         try:
-            group.connect(store)
+            store = group.store(store_path)
+            self.workers = start_workers(store, group.world, store_path, token, model_path, worker_args)
+            group.connect(store, token)
         except BaseException:
-            stop_workers(self.workers)
+            stop_group(self.workers, None, self.rendezvous_dir)
             raise
-        self._finalizer = weakref.finalize(self, stop_workers, self.workers, group)
+        self._finalizer = weakref.finalize(self, stop_group, self.workers, group, self.rendezvous_dir)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """The inner runner's step, on the driver's share of the cores (the workers have theirs):
@@ -83,5 +102,5 @@ class TensorParallelExecutor:
         return getattr(self.inner, "num_static_steps", 0)
 
     def close(self) -> None:
-        """Stop the worker ranks."""
+        """Stop the worker ranks and remove the rendezvous directory."""
         self._finalizer()

@@ -2,8 +2,9 @@
 
 A tensor-parallel step of the default model all-reduces a (B, 576) float32 hidden state 61 times
 (twice in each of 30 layers, once after the embedding), B the batch. This starts a second rank
-(the same worker mechanism as the engine: a process, a TCP store on loopback, a gloo group), then
-times all-reduces of (B, hidden) for each B: the best of `--repeat` runs of `--iters` each.
+(the same worker mechanism as the engine: a process, a file store in a private directory, a gloo
+group on loopback), then times all-reduces of (B, hidden) for each B: the best of `--repeat` runs
+of `--iters` each.
 
     python -m phases.p08_tensor_parallel.tools.bench_allreduce --batch 1 8 32 64 --json OUT.json
 
@@ -16,22 +17,28 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
-from phases.p08_tensor_parallel.parallel import TensorParallelGroup, free_port
+from phases.p08_tensor_parallel.parallel import TensorParallelGroup, take_token
+from phases.p08_tensor_parallel.worker import worker_env
 from tinyvllm.entrypoints.bench.machine import machine_info
 
 ALL_REDUCES_PER_STEP = 61   # the default model: 2 in each of 30 layers, 1 after the embedding
 
 
-def run_rank(rank: int, port: int, hidden: int, batches: list[int], iters: int, repeat: int) -> list[dict]:
+def run_rank(rank: int, store_path: str, token: bytes, hidden: int, batches: list[int], iters: int,
+             repeat: int) -> list[dict]:
     torch.set_num_threads(1)
     group = TensorParallelGroup(rank, 2)
-    group.connect(group.store(port))
+    group.connect(group.store(store_path), token)
     rows = []
     for b in batches:
         x = torch.randn(b, hidden)
@@ -55,18 +62,22 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--json", default=None)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank == 1:
-        run_rank(1, args.port, args.hidden, args.batch, args.iters, args.repeat)
+        run_rank(1, args.store, take_token(), args.hidden, args.batch, args.iters, args.repeat)
         return
-    port = free_port()
-    peer = subprocess.Popen([sys.executable, "-m", "phases.p08_tensor_parallel.tools.bench_allreduce",
-                             "--rank", "1", "--port", str(port), "--hidden", str(args.hidden),
-                             "--iters", str(args.iters), "--repeat", str(args.repeat),
-                             "--batch", *map(str, args.batch)])
-    rows = run_rank(0, port, args.hidden, args.batch, args.iters, args.repeat)
-    peer.wait()
+    directory, token = tempfile.mkdtemp(prefix="tinyvllm-tp-"), secrets.token_bytes(32)
+    store_path = os.path.join(directory, "store")
+    try:
+        peer = subprocess.Popen([sys.executable, "-m", "phases.p08_tensor_parallel.tools.bench_allreduce",
+                                 "--rank", "1", "--store", store_path, "--hidden", str(args.hidden),
+                                 "--iters", str(args.iters), "--repeat", str(args.repeat),
+                                 "--batch", *map(str, args.batch)], env=worker_env(token))
+        rows = run_rank(0, store_path, token, args.hidden, args.batch, args.iters, args.repeat)
+        peer.wait()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
     for r in rows:
         print(f"batch {r['batch']:4d}  {r['bytes']:8d} bytes  {r['allreduce_us']:8.1f} us  "
               f"{r['per_step_ms']:6.2f} ms a step")
