@@ -5,6 +5,7 @@ with the key, and the metrics forget every request a handler started."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -110,4 +111,105 @@ def test_the_metrics_forget_every_request_a_handler_started(tiny_model_dir):
         assert metrics.num_open == 0 and not metrics._last
         assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
     finally:
+        ae.shutdown()
+
+
+# -- any value a request can carry -------------------------------------------------------------
+
+HUGE = [3.5e38, 1e39, 1e100, 1e308, 2**64, 2**70, 10**30]
+EDGES = [0, 1, -1, 2, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64, 2**70, -(2**70), 0.5, 1e-300, 1e38, 3.5e38,
+         1e308, -1e308, float("nan"), float("inf"), float("-inf"), True, "1", None, [], {}]
+
+
+def _requests(vocab: int):
+    """Whole /v1/completions bodies: a few fields with values the server takes, and one wild
+    one, drawn from its type's full range, weighted toward huge magnitudes, and from the edges
+    of every range (a request of several wild fields is refused for its first, and tests nothing
+    of the others)."""
+    from hypothesis import strategies as st
+    wild_number = st.one_of(st.sampled_from(EDGES), st.sampled_from(HUGE), st.integers(-(2**70), 2**70),
+                            st.floats(allow_nan=True, allow_infinity=True), st.floats(min_value=1e30))
+    text = st.one_of(st.text(max_size=12), st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF),
+                                                   min_size=1, max_size=3),
+                     st.sampled_from(["", "x" * 30_000, "\x00", "\u202e", "\U0010ffff"]))
+    ids = st.one_of(st.lists(wild_number, max_size=6), st.just(list(range(5000))), st.just([10**6]))
+    ok_ids = st.lists(st.integers(0, vocab - 1), min_size=1, max_size=5)
+    valid = {
+        "n": st.integers(1, 3), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+        "top_k": st.integers(-1, 50), "min_p": st.floats(0, 1), "seed": st.integers(-(2**63), 2**63 - 1),
+        "max_tokens": st.integers(1, 12), "min_tokens": st.integers(0, 2), "presence_penalty": st.floats(-2, 2),
+        "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.01, 10),
+        "logprobs": st.integers(0, 5), "stop": st.lists(st.text("abc ", min_size=1, max_size=3), max_size=3),
+        "stop_token_ids": st.lists(st.integers(0, vocab - 1), max_size=4), "ignore_eos": st.booleans(),
+        "echo": st.booleans(),
+        "structured_outputs": st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[ab]{1,3}"}]),
+    }
+    wild = {name: wild_number for name in valid}
+    wild.update(stop=st.one_of(text, st.lists(text, max_size=20)), stop_token_ids=ids,
+                structured_outputs=st.dictionaries(st.sampled_from(["regex", "choice", "json", "grammar"]), text,
+                                                   max_size=2))
+
+    @st.composite
+    def request(draw):
+        body = {"prompt": draw(st.one_of(st.text("abcdef ", min_size=1, max_size=20), ok_ids,
+                                         st.lists(ok_ids, min_size=1, max_size=2), text, ids)),
+                "max_tokens": 4}
+        for name in draw(st.lists(st.sampled_from(sorted(valid)), unique=True, max_size=4)):
+            body[name] = draw(valid[name])
+        name = draw(st.sampled_from(sorted(wild)))
+        body[name] = draw(wild[name])
+        return body
+
+    return request()
+
+
+def test_no_value_a_request_carries_hurts_another(tiny_model_dir):
+    """Property: whatever a request carries, it gets a 400 naming one of its fields or a normal
+    answer (200, tokens of the vocabulary), and a greedy request running beside it gets exactly
+    its own tokens."""
+    pytest.importorskip("hypothesis", reason="the property test needs the dev extras: pip install -e '.[dev]'")
+    from hypothesis import HealthCheck, example, given, settings
+
+    engine = LLM(str(tiny_model_dir), max_num_seqs=8).llm_engine
+    ae, app = _app(engine)
+    vocab = engine.model_config.vocab_size
+    victim = {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = LLM(str(tiny_model_dir)).generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    want_text = engine.tokenizer.decode(want)
+    loop = asyncio.new_event_loop()
+    client = _client(app)
+
+    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=_requests(vocab))
+    # and always the values of known attacks: each once overflowed a tensor of a step it shared
+    @example(body={"prompt": "x", "top_k": 2**70, "top_p": 0.9})
+    @example(body={"prompt": "x", "temperature": 1e308, "n": 2})
+    @example(body={"prompt": "x", "temperature": 3.5e38, "top_p": 0.5})
+    @example(body={"prompt": "x", "repetition_penalty": 1e308, "logprobs": 2})
+    @example(body={"prompt": "x", "stop_token_ids": list(range(5000)), "n": 3})
+    @example(body={"prompt": "\ud800", "max_tokens": 2})
+    def check(body):
+
+        async def both():
+            # json.dumps as a client may write it: NaN, Infinity and \\ud800 escapes included
+            raw = json.dumps(body).encode()
+            return await asyncio.gather(client.post("/v1/completions", json=victim),
+                                        client.post("/v1/completions", content=raw,
+                                                    headers={"Content-Type": "application/json"}))
+        v, r = loop.run_until_complete(both())
+        assert v.status_code == 200 and v.json()["choices"][0]["text"] == want_text, (body, v.text)
+        assert r.status_code in (200, 400), (body, r.status_code, r.text[:300])
+        if r.status_code == 400:
+            assert r.json()["error"]["param"] in body, (body, r.json())
+        else:
+            choices = r.json()["choices"]
+            assert choices and all(c["finish_reason"] in ("stop", "length") for c in choices), (body, r.text[:300])
+
+    try:
+        check()
+    finally:
+        loop.run_until_complete(client.aclose())
+        loop.close()
         ae.shutdown()
