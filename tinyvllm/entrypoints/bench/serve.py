@@ -212,7 +212,9 @@ def run_serve_bench(args, engine_args: dict, command: str) -> int:
             if len(phase_list) != 1:
                 raise ValueError("--phases: bench serve runs one phase's server; give one, e.g. --phases 3")
             phase = phase_list[0]
-        serve_args = ["--log-level", "warning", *([args.model] if args.model else []),
+        # every request may be in flight at once (--request-rate inf): room for all of them
+        serve_args = ["--log-level", "warning", "--limit-concurrency", str(max(512, 2 * args.num_prompts)),
+                      *([args.model] if args.model else []),
                       *(["--phase", str(phase)] if phase else []), *engine_flags_from(engine_args)]
         proc, url = start_builtin_server(serve_args)
     try:

@@ -152,10 +152,13 @@ class AsyncEngine:
         self._wakeup.set()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the thread after its current step; unfinished requests are aborted."""
+        """Stop the thread after its current step (unfinished requests are aborted), then let
+        go of what the engine holds outside this process (a tensor-parallel engine's ranks)."""
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():   # never while a step still runs on the thread
+            self.engine.shutdown()
 
     # -- the engine thread -----------------------------------------------------------------------
     def _drain_inbox(self) -> None:
