@@ -137,15 +137,10 @@ class Sampler:
     @staticmethod
     def apply_grammars(logits: torch.Tensor, seqs: list) -> torch.Tensor:
         """Structured outputs: each constrained row's logits outside the tokens its grammar allows
-        next set to -inf (a copy; logits itself when no row is constrained)."""
-        rows, masks = [], []
-        for i, s in enumerate(seqs):
-            grammar = getattr(s, "grammar", None)
-            mask = grammar.allowed(logits.device) if grammar is not None else None
-            if mask is not None:
-                rows.append(i)
-                masks.append(mask)
-        return mask_logits(logits, rows, masks) if rows else logits
+        next set to -inf (a copy; logits itself when no row is constrained). The rows' masks are
+        computed together, into one bitmask, and applied in one op."""
+        rows = [i for i, s in enumerate(seqs) if getattr(s, "grammar", None) is not None]
+        return mask_logits(logits, rows, [seqs[i].grammar for i in rows]) if rows else logits
 
     @staticmethod
     def draw(probs: torch.Tensor, generators: list[torch.Generator]) -> list[int]:

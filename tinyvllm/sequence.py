@@ -79,11 +79,14 @@ class Sequence:
     def append_token(self, token_id: int, logprobs: dict[int, Logprob] | None = None) -> None:
         """Record a sampled token, stream its text, and check every stop condition."""
         self.token_ids.append(token_id)
-        if self.grammar is not None:
-            self.grammar.accept(token_id)
         if logprobs is not None and self.logprobs is not None:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token_id].logprob
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            # the grammar could not take it (a limit, or a token it refuses): the sequence ends
+            # with the error, the token out of its text; it never goes on unconstrained
+            self._finish("abort", self.grammar.error)
+            return
         params = self.params
         may_stop = self.num_output_tokens > params.min_tokens
         if may_stop and token_id in self.eos_token_ids:
