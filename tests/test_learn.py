@@ -136,6 +136,7 @@ ALLOCATOR_CHECKS = "allocator_never_leaks or every_block_is_free or small_pool"
 
 
 @pytest.mark.slow
+@pytest.mark.timing   # it runs the phase's speed checkpoint
 def test_a_copy_of_the_reference_passes_every_check(tmp_path):
     """The checks every task names, and the speed checkpoint (the rest of the phase's run is the
     suite itself, which the reference passes; so is transformers' reference, 40 s to load, which

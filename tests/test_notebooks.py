@@ -6,11 +6,13 @@ They take minutes on a CPU (phase 1 recomputes everything), so they have their o
 
     .venv/bin/python -m pytest -m notebooks
 
-The selected notebooks run NOTEBOOK_WORKERS at a time, each kernel with one thread for PyTorch
-(OMP_NUM_THREADS=1): on the 2-core machine CI runs on, two one-thread kernels finish the eight
-notebooks sooner than one two-thread kernel after another (small matrices gain little from a
-second thread, and notebook 04's Triton interpreter uses one core anyway). The numbers a notebook
-prints are not checked here; its committed outputs were executed alone, in full. So that the
+The selected notebooks start as soon as the session is collected (conftest.py), one at a time in
+a background thread, each kernel with one thread for PyTorch (OMP_NUM_THREADS=1), and run beside
+the other tests: on the 2-core machine CI runs on, those leave a core idle much of the time (small
+matrices gain little from a second thread, and notebook 04's Triton interpreter uses one core
+anyway). The notebook tests run after the others and collect the results; the tests that time
+something wait for the notebooks to finish. The numbers a notebook prints are not checked here;
+its committed outputs were executed alone, in full. So that the
 suite stays within CI's time, the copy does less of the same work: each benchmark cell
 (`run_bench`) runs one round without its warm-up, on at most 8 of its requests with at most 16 new
 tokens each (`QUICK_BENCH`, a cell put first in the copy), and the cells that time a long run make a
@@ -21,19 +23,17 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import NOTEBOOK_RUNS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 CELL_TIMEOUT_S = 600
-NOTEBOOK_WORKERS = 2
-# Started first, so the short ones fill the other worker: two at a time, on the idle 2-core
-# machine (2026-11-24), these took 87, 64, 47 and 38 s; the other four 11 to 26 s each (175 s
-# in all, in the order 01, 03, 02, then the rest).
-LONGEST_FIRST = ("03_continuous_batching", "01_naive_attention", "06_speculative_decoding", "02_paged_kv")
+NOTEBOOK_WORKERS = 1   # kernels at once, beside the rest of the suite
 # Run first in each copy: `run_bench` with repeat=1, no warm-up and a smaller workload, whatever
 # the cell asks (the notebooks import it from the harness after this cell, so they get this one).
 QUICK_BENCH = """\
@@ -82,22 +82,29 @@ def execute(path: Path, folder: Path) -> str | None:
     return f"{path.name}: {errors[0]['ename']}: {errors[0]['evalue']}" if errors else None
 
 
-@pytest.fixture(scope="module")
-def executed(request, tmp_path_factory) -> dict:
-    """Every notebook this session selected, run NOTEBOOK_WORKERS at a time: {path: error}."""
-    pytest.importorskip("nbformat", reason="notebooks need the dev extras: pip install -e '.[dev]'")
-    pytest.importorskip("nbclient", reason="notebooks need the dev extras: pip install -e '.[dev]'")
-    chosen = [item.callspec.params["path"] for item in request.session.items
-              if getattr(item, "originalname", None) == "test_notebook_executes"]
-    chosen.sort(key=lambda p: LONGEST_FIRST.index(p.stem) if p.stem in LONGEST_FIRST else len(LONGEST_FIRST))
-    root = tmp_path_factory.mktemp("notebooks")
-    with ThreadPoolExecutor(NOTEBOOK_WORKERS) as pool:
-        errors = pool.map(lambda p: execute(p, root / p.stem), chosen)
-        return dict(zip(chosen, errors))
+def start_in_background(paths: list[Path]) -> dict[Path, Future]:
+    """Start running `paths` (NOTEBOOK_WORKERS at a time, each in a temporary folder) and return
+    at once: {path: a Future of its first error, or None}. A notebook that cannot run for want of
+    the dev extras gets that as its error."""
+    try:
+        import nbclient  # noqa: F401
+        import nbformat  # noqa: F401
+    except ImportError:
+        return {}   # the tests skip, with the reason
+    root = Path(tempfile.mkdtemp(prefix="tinyvllm-notebooks-"))
+    pool = ThreadPoolExecutor(NOTEBOOK_WORKERS, thread_name_prefix="notebook")
+    runs = {p: pool.submit(execute, p, root / p.stem) for p in paths}
+    pool.shutdown(wait=False)   # its threads end when the last notebook has run
+    return runs
 
 
 @pytest.mark.notebooks
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_executes(path: Path, executed: dict):
-    assert executed[path] is None, executed[path]
+def test_notebook_executes(path: Path, request):
+    pytest.importorskip("nbformat", reason="notebooks need the dev extras: pip install -e '.[dev]'")
+    pytest.importorskip("nbclient", reason="notebooks need the dev extras: pip install -e '.[dev]'")
+    runs = request.config.stash.get(NOTEBOOK_RUNS, {})
+    run = runs.get(path) or start_in_background([path])[path]   # not started by the session: now
+    error = run.result()
+    assert error is None, error

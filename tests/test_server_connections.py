@@ -13,7 +13,7 @@ import httpx
 import pytest
 from test_server import start_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.timing]
 
 HEADER_TIMEOUT, BODY_TIMEOUT, KEEP_ALIVE, LIMIT = 1.0, 2.0, 1.0, 4
 SLACK = 1.5          # seconds a bound may be late on a loaded machine

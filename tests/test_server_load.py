@@ -5,7 +5,9 @@ at a random point (some while preempted: the KV pool holds two full contexts; ab
 preemptions a run), interleaved with abusive requests (values out of range, caps exceeded, bad
 JSON, a wrong key or model). Every abusive request gets a 4xx with OpenAI's error object, no
 response at all is a 5xx, every well-formed request that stayed gets its answer; afterwards every
-KV block comes back and a greedy request answers as it did before the load.
+KV block comes back and a greedy request answers as it did before the load. A second test
+times the well-formed requests with and without the abusers beside them: the abusers may not
+slow them by more than 2x at the 99th percentile.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import httpx
 import pytest
 from test_server import API_KEY, _get, _post, _wait_all_free, start_server
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.timing]
 
 SEED = 20240611                 # which requests hang up, and when: the same each run
 NUM_CLIENTS = 32
@@ -138,6 +140,34 @@ def _abusive() -> list[dict]:
     ]
     for case in out:
         case["hang_up"] = False
+    return out + _costly_abuse()
+
+
+def _costly_abuse() -> list[dict]:
+    """Requests that once cost the server far more than they should, or reached into other
+    requests' steps: values that overflowed a step's tensors, a long stop-id list, a grammar of
+    millions of states, a giant role, text that is not Unicode, an uncapped /detokenize."""
+    msg = [{"role": "user", "content": "x"}]
+    cases = [
+        ("top_k=2**70", "/v1/completions", {"prompt": "x", "top_k": 2**70, "top_p": 0.9, "max_tokens": 4}, 400),
+        ("temperature=1e308", "/v1/completions", {"prompt": "x", "temperature": 1e308, "max_tokens": 4}, 400),
+        ("chat stream temperature=1e308", "/v1/chat/completions",
+         {"messages": msg, "temperature": 1e308, "stream": True}, 400),
+        ("100,000 stop ids", "/v1/completions", {"prompt": "x", "stop_token_ids": list(range(100_000))}, 400),
+        ("1,024 stop ids (the cap)", "/v1/completions", {"prompt": "x", "max_tokens": 8, "min_tokens": 4,
+                                                         "stop_token_ids": [300 + k % 20 for k in range(1024)]}, 200),
+        ("a role of 900,000 characters", "/v1/chat/completions",
+         {"messages": [{"role": "u" * 900_000, "content": "x"}]}, 400),
+        ("regex (a{1000}){1000}, n=6", "/v1/completions",
+         {"prompt": "x", "n": 6, "max_tokens": 4, "structured_outputs": {"regex": "(a{1000}){1000}"}}, "200 or 4xx"),
+        ("n=129, over --max-n", "/v1/completions", {"prompt": "x", "n": 129}, 400),
+        ("/detokenize 100,000 ids", "/detokenize", {"tokens": [1] * 100_000}, 400),
+    ]
+    out = [{"kind": k, "path": p, "json": b, "expect": e, "hang_up": False} for k, p, b, e in cases]
+    out += [{"kind": "a lone surrogate", "path": "/v1/completions", "content": b'{"prompt": "\\ud800"}',
+             "expect": 400, "headers": {"Content-Type": "application/json"}, "hang_up": False},
+            {"kind": "a Host of two hosts", "path": "/v1/completions", "json": {"prompt": "x", "max_tokens": 2},
+             "expect": 400, "headers": {"Host": "127.0.0.1:80, evil.example"}, "hang_up": False}]
     return out
 
 
@@ -207,6 +237,7 @@ async def _send(client: httpx.AsyncClient, base: str, req: dict) -> dict:
         kw["content"] = req["content_gen"]()
     stream = bool(req.get("json", {}).get("stream"))
     res = {"kind": kind, "status": None, "problems": [], "hung_up": False}
+    started = time.perf_counter()
     try:
         if stream:
             async with client.stream("POST", base + req["path"], **kw) as r:
@@ -239,6 +270,7 @@ async def _send(client: httpx.AsyncClient, base: str, req: dict) -> dict:
     except httpx.HTTPError as e:
         res["problems"].append(f"{kind}: transport error {type(e).__name__}: {e}")
         return res
+    res["seconds"] = time.perf_counter() - started
 
     status, body = res["status"], res.get("body", "")
     if status is None:
@@ -329,3 +361,45 @@ def test_32_clients_hanging_up_and_abusing_leave_the_server_whole(loaded_server)
 
     assert not failures, (f"{len(failures)} problems in {len(results)} requests ({load_s:.1f} s):\n"
                           + "\n".join(failures))
+
+
+def _p99(seconds: list[float]) -> float:
+    ordered = sorted(seconds)
+    return ordered[max(0, int(0.99 * len(ordered) + 0.999) - 1)]
+
+
+def test_abusers_leave_the_well_formed_requests_p99_within_2x(loaded_server):
+    """The same 96 well-formed requests (none hangs up), 16 clients at a time: alone, then with
+    the costly abusers mixed in (each four times), then alone again. The well-formed requests'
+    p99 latency with the abusers stays within 2x of the slower run without them, and every
+    abuser gets its 4xx (or, within the caps, an answer)."""
+    _, base, _ = loaded_server
+    rng = random.Random(SEED + 1)
+    well = [{**_well_formed(rng, i), "hang_up": False} for i in range(96)]
+    abuse = [dict(a) for _ in range(4) for a in _costly_abuse()]
+
+    async def run(plan):
+        queue: asyncio.Queue = asyncio.Queue()
+        for req in plan:
+            queue.put_nowait(req)
+        results: list[dict] = []
+
+        async def worker():
+            async with httpx.AsyncClient(timeout=60) as client:
+                while not queue.empty():
+                    results.append(await _send(client, base, queue.get_nowait()))
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(16))), timeout=180)
+        return results
+
+    mixed = well + abuse
+    random.Random(SEED + 2).shuffle(mixed)
+    alone = asyncio.run(run(well))
+    beside = asyncio.run(run(mixed))
+    again = asyncio.run(run(well))
+    problems = [p for res in alone + beside + again for p in res["problems"]]
+    assert not problems, "\n".join(problems)
+    p99 = {name: _p99([r["seconds"] for r in results if r["kind"].startswith("well-formed")])
+           for name, results in (("alone", alone), ("beside", beside), ("again", again))}
+    assert p99["beside"] <= 2 * max(p99["alone"], p99["again"]), (
+        f"the abusers slowed the well-formed requests: p99 {p99['beside']:.2f} s beside them, "
+        f"{p99['alone']:.2f} s and {p99['again']:.2f} s without")

@@ -91,7 +91,7 @@ class Sequence:
         may_stop = self.num_output_tokens > params.min_tokens
         if may_stop and token_id in self.eos_token_ids:
             self._finish("stop")
-        elif may_stop and token_id in params.all_stop_token_ids:
+        elif may_stop and params.is_stop_token(token_id):
             self._finish("stop", token_id)
         if not self.is_finished:  # EOS and stop token ids stay out of the text
             delta = self.detokenizer.add_token(token_id)

@@ -128,6 +128,7 @@ def test_features_above_the_model_run_unchanged(tiny_model_dir, args):
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.timing
 def test_an_idle_engine_outlasts_the_rendezvous_timeout(tiny_model_dir, monkeypatch):
     """Workers wait for the next step as long as the engine is idle: only joining is timed."""
     monkeypatch.setenv("TINYVLLM_RENDEZVOUS_TIMEOUT_S", "2")
@@ -157,10 +158,12 @@ def test_bad_sizes_are_refused(tmp_path, tiny_model_dir):
         LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, compilation_mode=1)
 
 
-def _tp_processes() -> set[int]:
-    """The pids of every worker rank running on this machine."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return {int(line.split()[0]) for line in out.splitlines() if "-m phases.p08_tensor_parallel" in line}
+def _tp_processes(parent: int | None = None) -> set[int]:
+    """The pids of the worker ranks running on this machine (of one parent process: other
+    engines, a notebook's say, may run beside the tests)."""
+    out = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines() if "-m phases.p08_tensor_parallel" in line
+            and (parent is None or int(line.split()[1]) == parent)}
 
 
 def test_no_rank_outlives_its_engine(tiny_model_dir):
@@ -191,13 +194,12 @@ def test_serve_with_two_ranks(tiny_model_dir, one_rank):
     """`tinyvllm serve --tensor-parallel-size 2` answers with one rank's tokens, and its worker
     stops with it, leaving no rendezvous directory behind."""
     root = Path(__file__).resolve().parents[2]
-    before = _tp_processes()
     proc, url = start_builtin_server([str(tiny_model_dir), "--log-level", "warning", "--served-model-name", "tiny",
                                       "--tensor-parallel-size", "2"], timeout=120, cwd=root,
                                      env={**os.environ, "PYTHONPATH": str(root)},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        started = _tp_processes() - before
+        started = _tp_processes(parent=proc.pid)
         assert len(started) == 1
         store_path = Path(f"/proc/{next(iter(started))}/cmdline").read_bytes().split(b"\0")[5].decode()
         body = {"model": "tiny", "prompt": PROMPTS[1]["prompt_token_ids"], "max_tokens": 8, "temperature": 0,
