@@ -180,7 +180,7 @@ def test_no_value_a_request_carries_hurts_another(tiny_model_dir):
     loop = asyncio.new_event_loop()
     client = _client(app)
 
-    @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=100, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(body=_requests(vocab))
     # and always the values of known attacks: each once overflowed a tensor of a step it shared
