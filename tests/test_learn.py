@@ -25,10 +25,10 @@ from tinyvllm.entrypoints.cli import main as cli_main
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_every_phase_has_two_to_four_marked_tasks():
+def test_every_phase_has_two_to_six_marked_tasks():
     for phase in phases.PHASES:
         tasks = learn.exercises(phase)
-        assert 2 <= len(tasks) <= 4, f"phase {phase} has {len(tasks)} tasks"
+        assert 2 <= len(tasks) <= 6, f"phase {phase} has {len(tasks)} tasks"
         for e in tasks:
             assert e.task and e.hint and e.checks and e.function and 1 <= e.stars <= 3, e
     names = [e.name for e in learn.exercises()]

@@ -77,6 +77,10 @@ class KVCache:
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V: k, v (N, KVH, d) into the rows `slot_mapping` (N,)."""
+        # >>> exercise write_kv (1 star): Store a step's new K and V in the pool: token i's vectors go to slot slot_mapping[i] of this layer.
+        # hint: self.layer(layer_idx) gives (num_blocks, block_size, KVH, d) views; .view(-1, KVH, d) makes one row per slot; index_copy_(0, slot_mapping, k) writes them in place.
+        # checked by: test_kv_write_puts_each_token_in_its_slot, test_greedy_equals_phase1
         k_cache, v_cache = self.layer(layer_idx)
         k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+        # <<< exercise write_kv

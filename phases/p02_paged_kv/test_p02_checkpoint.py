@@ -4,6 +4,7 @@ beats full recompute is phase 2's throughput checkpoint, in tests/test_throughpu
 
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,6 +62,27 @@ def test_kv_cache_starts_zeroed(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     cache = KVCache(config, 8, 4, torch.float32, torch.device("cpu"))
     assert cache.kv.shape[2:4] == (8, 4) and not cache.kv.any()
+
+
+def test_kv_write_puts_each_token_in_its_slot():
+    """Token i's K and V land in slot slot_mapping[i] of the layer written (block slot //
+    block_size, offset slot % block_size), whatever the order of the slots; nothing else changes."""
+    model = SimpleNamespace(num_hidden_layers=3, num_key_value_heads=2, head_dim=4)
+    cache = KVCache(model, num_blocks=5, block_size=4, dtype=torch.float32, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    cache.kv.copy_(torch.randn(cache.kv.shape, generator=g))  # what earlier steps left
+    expected = cache.kv.clone()
+    slots = [13, 2, 19, 4, 7]  # out of order, in several blocks, a block's last slot and first
+    k, v = torch.randn(5, 2, 4, generator=g), torch.randn(5, 2, 4, generator=g)
+    cache.write(1, torch.tensor(slots), k, v)
+    for i, slot in enumerate(slots):
+        block, offset = divmod(slot, 4)
+        for which, x in ((0, k), (1, v)):
+            assert torch.equal(cache.kv[1, which, block, offset], x[i]), (
+                f"token {i}'s {'KV'[which]} is not in slot {slot} (block {block}, offset {offset}) of layer 1")
+    expected[1, 0].view(-1, 2, 4)[slots] = k
+    expected[1, 1].view(-1, 2, 4)[slots] = v
+    assert torch.equal(cache.kv, expected), "the write changed a slot no new token maps to, or another layer"
 
 
 @settings(max_examples=60, deadline=None, report_multiple_bugs=False)
