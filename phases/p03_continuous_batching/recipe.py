@@ -23,8 +23,9 @@ from .batch_invariant import BatchInvariantAttention, check_batch_invariant, mak
 from .prefix_cache import PrefixCachingBlockAllocator
 from .scheduler import Scheduler
 
-# vLLM's default step budget is 2048 tokens on a GPU; on a CPU a smaller chunk keeps decodes
-# flowing while a long prompt is prefilled, and is still large enough for efficient matmuls.
+# 2048 tokens a step on a GPU (vLLM's LLM takes 8192 or more there, EngineArgs' batch defaults);
+# on a CPU a smaller chunk keeps decodes flowing while a long prompt is prefilled, and is still
+# large enough for efficient matmuls.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
