@@ -81,17 +81,26 @@ class VocabParallelEmbedding(nn.Module):
         self.start, self.group = start, group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # >>> exercise vocab_embedding (2 stars): Look up the ids in this rank's rows of the table (zeros for an id another rank holds), summed over the ranks.
+        # hint: local = input_ids - self.start is inside when 0 <= local < the rows held; look up a clamped local id (F.embedding), zero the rows of ids outside, then self.group.all_reduce.
+        # checked by: test_vocab_parallel_embedding_sums_to_the_whole_table, test_two_ranks_give_one_rank_tokens
         local = input_ids - self.start
         inside = (local >= 0) & (local < self.weight.shape[0])
         x = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)     # (N, D)
         return self.group.all_reduce(x * inside[:, None].to(x.dtype))
+        # <<< exercise vocab_embedding
 
 
 def _keep_rows(linear: nn.Linear, start: int, stop: int) -> None:
+    """Column-parallel: keep rows start .. stop of `linear` (its outputs start .. stop), in place."""
+    # >>> exercise column_parallel (1 star): Keep only output rows start .. stop of a linear layer (its weight's rows, its bias's entries): this rank's columns of y.
+    # hint: weight.data[start:stop] (O, I) -> a clone (so the whole matrix can be freed) in an nn.Parameter(requires_grad=False); the same for the bias, if any; then out_features.
+    # checked by: test_column_parallel_keeps_its_output_columns, test_each_rank_holds_its_share, test_two_ranks_give_one_rank_tokens
     linear.weight = nn.Parameter(linear.weight.data[start:stop].clone(), requires_grad=False)
     if linear.bias is not None:
         linear.bias = nn.Parameter(linear.bias.data[start:stop].clone(), requires_grad=False)
     linear.out_features = stop - start
+    # <<< exercise column_parallel
 
 
 def _keep_columns(linear: nn.Linear, start: int, stop: int, rank: int) -> None:

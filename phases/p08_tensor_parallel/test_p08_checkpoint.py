@@ -4,6 +4,7 @@ rank outlives its engine."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import subprocess
@@ -12,8 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from phases.p08_tensor_parallel.layers import head_ranges
-from phases.p08_tensor_parallel.parallel import shard_range
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from phases.p08_tensor_parallel.layers import VocabParallelEmbedding, _keep_rows, head_ranges
+from phases.p08_tensor_parallel.parallel import TensorParallelGroup, shard_range
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.entrypoints.bench.serve import start_builtin_server
 from tinyvllm.testing import make_tiny_llama
@@ -60,6 +65,61 @@ def test_shard_ranges_split_evenly():
         assert parts[0][0] == 0 and parts[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
         assert max(b - a for a, b in parts) - min(b - a for a, b in parts) <= 1
+
+
+class _OneRankOfMany(TensorParallelGroup):
+    """A rank's group without the other ranks: all_reduce hands back this rank's part, and keeps
+    a copy, so a test can add the parts of every rank itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.parts = []
+
+    def all_reduce(self, x):
+        self.parts.append(x.clone())
+        return x
+
+
+def test_vocab_parallel_embedding_sums_to_the_whole_table():
+    """Each of 3 ranks holds its rows of a 10-token table: its part is the row of each id it
+    holds and zeros for the others, and the parts' sum (the all-reduce) is the whole lookup."""
+    table = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([0, 9, 3, 4, 3, 6, 7, 2])
+    parts = []
+    for rank in range(3):
+        v0, v1 = shard_range(10, rank, 3)
+        group = _OneRankOfMany()
+        out = VocabParallelEmbedding(table[v0:v1].clone(), v0, group)(ids)
+        assert len(group.parts) == 1, "the rank's part goes through the group's all_reduce once (the sum over ranks)"
+        part = group.parts[0]
+        assert part.shape == (len(ids), 4) and torch.equal(out, part)
+        for i, t in enumerate(ids.tolist()):
+            want = table[t] if v0 <= t < v1 else torch.zeros(4)
+            assert torch.equal(part[i], want), (
+                f"rank {rank} holds ids {v0}..{v1 - 1}: for id {t} its part must be "
+                + ("that id's row" if v0 <= t < v1 else "zeros (another rank holds the id)"))
+        parts.append(part)
+    torch.testing.assert_close(sum(parts), F.embedding(ids, table), rtol=0, atol=0)
+
+
+def test_column_parallel_keeps_its_output_columns():
+    """Three ranks keep their rows of a linear layer (with a bias): side by side, their outputs are
+    the whole layer's, and each holds only its own rows in memory."""
+    full = nn.Linear(6, 10)
+    x = torch.randn(5, 6)
+    outs = []
+    for rank in range(3):
+        o0, o1 = shard_range(10, rank, 3)
+        layer = copy.deepcopy(full)
+        _keep_rows(layer, o0, o1)
+        assert layer.out_features == o1 - o0, "out_features must say how many outputs the shard has"
+        assert layer.weight.shape == (o1 - o0, 6) and layer.bias.shape == (o1 - o0,)
+        assert layer.weight.untyped_storage().nbytes() == (o1 - o0) * 6 * 4, (
+            "the shard's weight still holds the whole matrix's memory: clone the rows it keeps")
+        assert not layer.weight.requires_grad
+        outs.append(layer(x))
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(outs, dim=1), full(x))
 
 
 def test_two_ranks_give_one_rank_tokens(two_ranks, one_rank):
