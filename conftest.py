@@ -150,6 +150,24 @@ def tiny_model_dir_llama3(tmp_path_factory) -> Path:
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3, written by transformers: q/k norms, biases on all four projections
+    (attention_bias), head_dim 32 apart from hidden / heads (16), tied embeddings."""
+    from tinyvllm.testing import make_tiny_family
+    return make_tiny_family(tmp_path_factory.mktemp("tiny-qwen3"), "Qwen3ForCausalLM", head_dim=32,
+                            attention_bias=True, tie_word_embeddings=True, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen2, written by transformers: biases on q, k and v (none on o_proj),
+    4 query heads over 1 KV head, untied embeddings."""
+    from tinyvllm.testing import make_tiny_family
+    return make_tiny_family(tmp_path_factory.mktemp("tiny-qwen2"), "Qwen2ForCausalLM", num_kv_heads=1,
+                            seed=3)
+
+
 _LLMS: dict = {}
 # Engines of a large model held at once: one engine of the default model holds its weights
 # (plus oneDNN's packed copy) and a KV pool, about 1.5 GB; seven phases' worth would not fit.

@@ -1,5 +1,5 @@
-"""Our Llama equals transformers' LlamaForCausalLM on tiny random folders: grouped-query
-attention, tied embeddings and Llama 3.x RoPE scaling."""
+"""Our decoder equals transformers' on tiny random folders: Llama (grouped-query attention, tied
+embeddings, Llama 3.x RoPE scaling), Qwen2 (q/k/v biases) and Qwen3 (q/k norms, head_dim apart)."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ from phases.p01_naive_attention import NaiveAttention
 from tinyvllm.weights import load_model
 
 
-@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_model_dir_llama3"])
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_model_dir_llama3", "tiny_qwen2_dir",
+                                           "tiny_qwen3_dir"])
 def test_logits_equal_transformers(model_fixture, request):
     transformers = pytest.importorskip("transformers")
     folder = request.getfixturevalue(model_fixture)

@@ -76,6 +76,21 @@ def test_models_health_and_tokenize(server, client, offline):
     assert text == offline.get_tokenizer().decode(ids, skip_special_tokens=False)
 
 
+def test_chat_template_kwargs_are_checked_and_passed(server, offline):
+    """vLLM's `chat_template_kwargs`: more variables for the template (unused ones change
+    nothing); a name the engine sets itself is a 400 naming the field."""
+    msgs = [{"role": "user", "content": "hi"}]
+    want = offline.get_tokenizer().encode(offline.get_tokenizer().apply_chat_template(msgs),
+                                          add_special_tokens=False)
+    got = _post(server, "/tokenize", {"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}})
+    assert got.json()["tokens"] == want
+    for path, body in (("/tokenize", {"messages": msgs}),
+                       ("/v1/chat/completions", {"model": "tiny", "messages": msgs, "max_tokens": 2})):
+        r = _post(server, path, {**body, "chat_template_kwargs": {"messages": []}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+        assert "'messages' is set by the engine" in r.json()["error"]["message"]
+
+
 def test_greedy_completions_equal_offline_generate(client, offline):
     prompts = ["hello there", "a b c d e", "the quick brown fox"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

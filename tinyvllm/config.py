@@ -1,8 +1,9 @@
 """Configuration: the model's shape (read from a Hugging Face config.json) and the engine's knobs.
 
-`ModelConfig` covers the Llama family: Llama 2/3.x, SmolLM2, TinyLlama and anything else with
-`model_type: llama` (or the same layout). It reads RoPE settings both the way most published
-checkpoints write them (`rope_theta` + `rope_scaling`) and the way transformers 5 writes them
+`ModelConfig` covers the decoder families of `tinyvllm.registry` (Llama 2/3.x, SmolLM2,
+TinyLlama, Mistral, Qwen2/Qwen2.5, Qwen3): their shape, and the switches their family sets
+(biases, per-head q/k norms). It reads RoPE settings both the way most published checkpoints
+write them (`rope_theta` + `rope_scaling`) and the way transformers 5 writes them
 (`rope_parameters`).
 
 `EngineConfig` holds every engine argument any phase understands, with vLLM's names and
@@ -21,14 +22,15 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-# Model types whose checkpoints share Llama's layout and names.
-LLAMA_LIKE_MODEL_TYPES = ("llama", "mistral")
+from tinyvllm.registry import find_architecture
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder, as config.json describes it."""
+    """The shape of a decoder of a registered family, as config.json describes it, and the
+    family's switches (`tinyvllm.registry`)."""
 
     vocab_size: int
     hidden_size: int
@@ -42,13 +44,17 @@ class ModelConfig:
     rope_scaling: dict | None = None  # {"rope_type": "llama3", "factor": 8.0, ...} or None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    qkv_bias: bool = False          # a bias on q_proj, k_proj and v_proj
+    o_bias: bool = False            # a bias on o_proj
     mlp_bias: bool = False
+    qk_norm: bool = False           # RMSNorm over each head's q and k, before RoPE (Qwen3)
+    sliding_window: int | None = None  # attends to only the last this many tokens (refused, below)
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
     model_type: str = "llama"
+    architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -56,6 +62,10 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+                                                or self.sliding_window < 1):
+            raise ValueError(f"config.json: sliding_window must be a positive integer or null, "
+                             f"got {self.sliding_window!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
@@ -68,16 +78,24 @@ class ModelConfig:
                 raise ValueError(f"config.json: rope type {rope_type!r} is not supported "
                                  f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
+    def check_max_model_len(self, max_model_len: int) -> None:
+        """tinyvllm attends to every earlier token. A sliding window shorter than the longest
+        sequence would make a token past it attend where the family's own model does not: refused
+        by name, with the value that would fit."""
+        if self.sliding_window is not None and self.sliding_window < max_model_len:
+            raise ValueError(
+                f"config.json: sliding_window={self.sliding_window} ({self.architecture} attends to only "
+                f"the last {self.sliding_window} tokens) is shorter than max_model_len={max_model_len}, "
+                f"and tinyvllm attends to every earlier token: pass max_model_len <= "
+                f"{self.sliding_window}")
+
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        model_type = cfg.get("model_type", "llama")
-        if model_type not in LLAMA_LIKE_MODEL_TYPES:
-            raise ValueError(f"config.json: model_type {model_type!r} is not a Llama-family model "
-                             f"(supported: {', '.join(LLAMA_LIKE_MODEL_TYPES)})")
+        switches = find_architecture(cfg).switches(cfg)
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rope_theta = cfg.get("rope_theta", 10000.0)
@@ -106,13 +124,11 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", False),
-            mlp_bias=cfg.get("mlp_bias", False),
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            model_type=model_type,
+            **switches,
         )
 
     @classmethod

@@ -1,5 +1,9 @@
 """A Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
+The same code runs every family `tinyvllm.registry` lists (Llama, Mistral, Qwen2, Qwen3): what
+differs between them is a few switches of `ModelConfig` (biases on the projections, an RMSNorm
+over each head's q and k).
+
 The model works on a *flat* batch of tokens, the way vLLM does: `input_ids` and `positions` are
 1-D tensors of N tokens that may belong to several sequences. The model never needs to know how
 the tokens are grouped: that knowledge lives in the *attention backend* passed to `forward`.
@@ -8,7 +12,8 @@ kernels, ...) and leaves the rest of the model untouched.
 
     backend(layer_idx, q, k, v) -> out      # q: (N, H, d)  k, v: (N, KVH, d)  out: (N, H, d)
 
-Parameter names match Hugging Face's `LlamaForCausalLM`, so a checkpoint loads by name.
+Parameter names match Hugging Face's `LlamaForCausalLM` (and Qwen3's `q_norm`/`k_norm`), so a
+checkpoint loads by name.
 """
 
 from __future__ import annotations
@@ -212,11 +217,14 @@ class LlamaAttention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        h, d, bias = config.hidden_size, config.head_dim, config.qkv_bias
         self.q_proj = Linear(h, self.num_heads * d, bias=bias)
         self.k_proj = Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = Linear(self.num_heads * d, h, bias=bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=config.o_bias)
+        # Qwen3: each head's q and k normalized over its d values (one weight of d, every head)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 attn: AttentionBackend) -> torch.Tensor:
@@ -224,6 +232,8 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)      # (N, H, d)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)   # (N, KVH, d)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)   # (N, KVH, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         out = attn(self.layer_idx, q, k, v)                             # (N, H, d)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
@@ -275,7 +285,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head. `forward` returns hidden states; `compute_logits` turns the
-    rows you need (usually the last token of each sequence) into vocabulary scores."""
+    rows you need (usually the last token of each sequence) into vocabulary scores. Every family
+    of `tinyvllm.registry` is this class with its config's switches."""
 
     def __init__(self, config: ModelConfig, max_positions: int | None = None):
         super().__init__()

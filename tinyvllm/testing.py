@@ -1,8 +1,10 @@
-"""Helpers for tests: tiny random Llama models written as real Hugging Face folders.
+"""Helpers for tests: tiny random models written as real Hugging Face folders.
 
 `make_tiny_llama(folder)` writes config.json, model.safetensors, tokenizer.json and
 tokenizer_config.json (with a chat template) for a random model small enough that a test runs in
 milliseconds, but shaped like the real thing: grouped-query attention, RoPE, several layers.
+`make_tiny_family(folder, "Qwen3ForCausalLM")` has transformers write one of any registered
+family (`tinyvllm.registry`).
 """
 
 from __future__ import annotations
@@ -101,6 +103,54 @@ def make_tiny_llama(folder: str | os.PathLike, *, hidden_size: int = 64, num_lay
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "add_bos_token": False,
         "chat_template": TINY_CHAT_TEMPLATE}, indent=2))
+    return folder
+
+
+# A chat template in the Qwen families' shape (ChatML; Qwen3's thinking switch): what a Qwen
+# folder's tokenizer_config.json carries, written small
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% endif %}{% endif %}"
+)
+
+
+def make_tiny_family(folder: str | os.PathLike, architecture: str, *, hidden_size: int = 64,
+                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                     head_dim: int | None = None, intermediate_size: int = 128, vocab_size: int = 320,
+                     tie_word_embeddings: bool = False, seed: int = 0, std: float = 0.2,
+                     **config_fields) -> Path:
+    """Write a random model of `architecture` ("Qwen3ForCausalLM", ...) as transformers itself
+    writes it: its own config class (with that family's defaults), its own module and weight
+    names, `save_pretrained`. Every weight is drawn again (biases and norms included: transformers
+    starts biases at zero and norms at one, which would test neither), then a byte-level BPE
+    tokenizer with a chat template of the family's shape. Needs transformers."""
+    import transformers
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok_json, eos_id, vocab_size = _byte_level_tokenizer_json(vocab_size)
+    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    if head_dim is not None:
+        config_fields["head_dim"] = head_dim
+    config = config_class(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=512, tie_word_embeddings=tie_word_embeddings, bos_token_id=0,
+        eos_token_id=eos_id, **config_fields)
+    model = getattr(transformers, architecture)(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g) * std
+            p.copy_(1 + noise if name.endswith("norm.weight") else noise)
+    model.save_pretrained(str(folder))
+    qwen = architecture.startswith("Qwen")
+    (folder / "tokenizer.json").write_text(tok_json)
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None if qwen else "<|endoftext|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": QWEN_CHAT_TEMPLATE if qwen else TINY_CHAT_TEMPLATE}, indent=2))
     return folder
 
 

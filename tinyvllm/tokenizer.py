@@ -75,6 +75,25 @@ class Tokenizer:
                            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
 
 
+# What the engine itself gives a chat template; `chat_template_kwargs` may not replace them.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "add_generation_prompt", "bos_token", "eos_token",
+                               "raise_exception")
+
+
+def check_chat_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    """`chat_template_kwargs` (vLLM's name), checked: more variables for the template, such as
+    Qwen3's `enable_thinking`. None gives {}."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(f"chat_template_kwargs must be a dict of names to values, got {kwargs!r:.100}")
+    for name in kwargs:
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by the engine itself "
+                             f"(reserved: {', '.join(RESERVED_TEMPLATE_VARIABLES)})")
+    return dict(kwargs)
+
+
 def _token_str(tok: Any) -> str | None:
     # tokenizer_config.json writes special tokens as a string or as {"content": ...}
     return tok.get("content") if isinstance(tok, dict) else tok

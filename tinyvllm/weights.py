@@ -112,8 +112,8 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue  # some tied checkpoints still ship the copy
                 if name not in params:
-                    raise ValueError(f"model: {path.name} has tensor {name!r}, which this Llama model "
-                                     f"does not have")
+                    raise ValueError(f"model: {path.name} has tensor {name!r}, which this "
+                                     f"{model.config.architecture} model does not have")
                 try:
                     tensor = f.get_tensor(name)
                 except Exception as e:

@@ -63,9 +63,11 @@ class EngineSetup:
         device = resolve_device(config.device)
         model_config = ModelConfig.from_pretrained(model_path)
         limit = model_config.max_position_embeddings
+        max_model_len = min(config.max_model_len or limit, limit)
+        model_config.check_max_model_len(max_model_len)
         tokenizer = Tokenizer(model_path)
         return cls(config, dict(engine_args), model_path, model_config, device,
-                   resolve_dtype(config.dtype, device), min(config.max_model_len or limit, limit), tokenizer,
+                   resolve_dtype(config.dtype, device), max_model_len, tokenizer,
                    eos_token_ids(model_path, model_config, tokenizer), tensor_parallel_rank)
 
 

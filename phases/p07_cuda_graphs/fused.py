@@ -62,12 +62,15 @@ class FusedLlamaAttention(torch.nn.Module):
         self.layer_idx, self.head_dim = unfused.layer_idx, unfused.head_dim
         self.num_heads, self.num_kv_heads = unfused.num_heads, unfused.num_kv_heads
         self.qkv_proj, self.o_proj = qkv_proj, unfused.o_proj
+        self.q_norm, self.k_norm = unfused.q_norm, unfused.k_norm       # None but on Qwen3
 
     def forward(self, x, rope, attn):
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)
         q, k = q.reshape(n, h, d), k.reshape(n, kvh, d)                  # (N, H, d), (N, KVH, d)
         v = v.reshape(n, kvh, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
         out = attn(self.layer_idx, q, k, v)                              # (N, H, d)
         return self.o_proj(out.reshape(n, h * d))
@@ -111,15 +114,20 @@ def fused_model(model: torch.nn.Module) -> bool:
                for layer in model.model.layers)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
-    """vLLM's fused residual add + RMSNorm: residual <- x + residual, returns (norm(residual),
-    residual). In float32 `F.rms_norm` computes exactly `RMSNorm`'s numbers in one operator
+def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """`norm(x)`. In float32 `F.rms_norm` computes exactly `RMSNorm`'s numbers in one operator
     call instead of the module's eight (another dtype takes the module, whose variance is in
     float32)."""
+    if x.dtype != torch.float32:
+        return norm(x)
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+    """vLLM's fused residual add + RMSNorm: residual <- x + residual, returns (norm(residual),
+    residual)."""
     residual = x if residual is None else x + residual
-    if residual.dtype != torch.float32:
-        return norm(residual), residual
-    return F.rms_norm(residual, norm.weight.shape, norm.weight, norm.eps), residual
+    return rms_norm(residual, norm), residual
 
 
 def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -128,6 +136,7 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
 
     What it saves per layer, against `LlamaDecoderLayer` and the fused modules above:
     - the residual add and the next RMSNorm as `add_rms_norm` (two calls instead of nine);
+    - Qwen3's per-head norms of q and k as one `F.rms_norm` call each;
     - RoPE once on q and k together (they sit side by side in qkv_proj's output), with
       `rotate_half(x) * sin` written as `roll(x, d/2) * [-sin, sin]`: the same products,
       since the two halves of `sin` are equal (one roll instead of chunk, neg and cat, twice);
@@ -144,6 +153,8 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
         qkv = a.qkv_proj(h).view(n, hq + 2 * hkv, d)                  # (N, H + 2 KVH, d)
         qk = qkv[:, : hq + hkv]
+        if a.q_norm is not None:                                      # Qwen3: before RoPE
+            qk = torch.cat((rms_norm(qk[:, :hq], a.q_norm), rms_norm(qk[:, hq:], a.k_norm)), dim=1)
         qk = qk * cos + qk.roll(half, dims=-1) * sin                  # RoPE on q and k at once
         out = attn(a.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:])   # (N, H, d)
         h, residual = add_rms_norm(a.o_proj(out.reshape(n, hq * d)), residual,

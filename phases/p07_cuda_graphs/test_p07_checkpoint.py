@@ -201,7 +201,8 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir, kv_cache_
 
 
 @pytest.mark.parametrize("fixture,quantization", [("tiny_model_dir", None), ("tiny_model_dir_llama3", None),
-                                                  ("tiny_model_dir", "int8"), ("tiny_model_dir", "int4")])
+                                                  ("tiny_model_dir", "int8"), ("tiny_model_dir", "int4"),
+                                                  ("tiny_qwen3_dir", None), ("tiny_qwen2_dir", "int8")])
 def test_fused_projections_are_bit_identical(request, fixture, quantization):
     import copy
 

@@ -22,6 +22,7 @@ import phases
 from tinyvllm.inputs import PromptType
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.tokenizer import check_chat_template_kwargs
 
 Conversation = list[dict[str, Any]]
 
@@ -82,12 +83,15 @@ class LLM:
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate a reply to a conversation (or to each of a list of conversations), using the
-        model's chat template."""
+        model's chat template; `chat_template_kwargs` are more variables for it (Qwen3's
+        `enable_thinking=False`)."""
+        extra = check_chat_template_kwargs(chat_template_kwargs)
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tok = self.get_tokenizer()
-        prompts = [{"prompt": (text := tok.apply_chat_template(c, add_generation_prompt)),
+        prompts = [{"prompt": (text := tok.apply_chat_template(c, add_generation_prompt, **extra)),
                     "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

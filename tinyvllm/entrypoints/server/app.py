@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm.errors import StepError
 from tinyvllm.outputs import RequestOutput
+from tinyvllm.tokenizer import check_chat_template_kwargs
 from tinyvllm.entrypoints.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError
 from tinyvllm.entrypoints.server.limits import CHARS_PER_TOKEN, Limits
 from tinyvllm.entrypoints.server.metrics import ServerMetrics
@@ -275,12 +276,16 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                                            type="authentication_error", code="invalid_api_key"))
         return await call_next(request)
 
-    def render_chat(messages, add_generation_prompt: bool) -> str:
+    def render_chat(messages, add_generation_prompt: bool, chat_template_kwargs: dict | None) -> str:
         """The chat template on the messages; any failure (a template error on odd content) is
         the request's fault: a 400 naming `messages`."""
         try:
+            extra = check_chat_template_kwargs(chat_template_kwargs)
+        except (TypeError, ValueError) as e:
+            raise APIError(400, str(e), param="chat_template_kwargs") from None
+        try:
             return tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
-                                                 add_generation_prompt)
+                                                 add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 -- jinja raises many kinds
             raise APIError(400, f"messages: the chat template failed on them: {e}", param="messages") from None
 
@@ -415,8 +420,8 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             raise APIError(400, "give one of prompt or messages", param="prompt")
         if req.messages is not None:
             check_chars(message_chars(req.messages), "messages")
-            ids = await asyncio.to_thread(lambda: tokenizer.encode(
-                render_chat(req.messages, req.add_generation_prompt), add_special_tokens=False))
+            ids = await asyncio.to_thread(lambda: tokenizer.encode(render_chat(
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs), add_special_tokens=False))
         else:
             check_chars(len(req.prompt), "prompt")
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
@@ -508,7 +513,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         check_chars(message_chars(req.messages), "messages")
 
         def render_and_encode():   # off the event loop: a long chat takes a while
-            text = render_chat(req.messages, req.add_generation_prompt)
+            text = render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
             return text, tokenizer.encode(text, add_special_tokens=False)
 
         text, ids = await asyncio.to_thread(render_and_encode)
