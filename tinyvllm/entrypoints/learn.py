@@ -391,7 +391,7 @@ def add_learn_parser(sub) -> None:
 
     def command(name, help, task=False):
         c = lsub.add_parser(name, help=help)
-        c.add_argument("phase", type=int, help="the phase number (1-7)")
+        c.add_argument("phase", type=int, help=f"the phase number ({min(phases.PHASES)}-{max(phases.PHASES)})")
         if task:
             c.add_argument("task", help="the exercise's name (tinyvllm learn list shows them)")
         c.add_argument("--dir", type=Path, default=DEFAULT_WORKSPACE,
