@@ -125,6 +125,16 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
     assert "start-up, engine built + its first request's first token: phase1 " in table
 
 
+def test_cli_runs_any_registered_family(tiny_qwen3_dir, tmp_path):
+    """`tinyvllm bench` on a Qwen3 folder: the report names the family it ran."""
+    report_path = tmp_path / "qwen3.json"
+    assert main(["bench", "latency", "--model", str(tiny_qwen3_dir), "--phases", "7", "--input-len", "9",
+                 "--output-len", "4", "--no-progress", "--json", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    assert report["model"]["architecture"] == "Qwen3ForCausalLM"
+    assert report["engines"][0]["output_tokens"] == 4
+
+
 def test_cli_latency_reports_ttft_and_tpot_of_one_request_per_engine(tiny_model_dir, tmp_path, capsys):
     report_path = tmp_path / "latency.json"
     assert main(["bench", "latency", "--model", str(tiny_model_dir), "--phases", "1-3",
