@@ -80,11 +80,15 @@ class QuantizedKVCache(KVCache):
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize and store new tokens' K/V: k, v (N, KVH, d) into the rows `slot_mapping` (N,)."""
+        # >>> exercise write_quantized_kv (2 stars): Quantize a step's new K and V and store each token's 8-bit values and its scales in its slot.
+        # hint: for K (0) and V (1): quantize_kv gives q (N, KVH, d) and scale (N, KVH); view q as self.kv's dtype (fp8 is kept as bytes); index_copy_ both into one-row-per-slot views of self.kv[layer_idx, i] and self.scales[layer_idx, i].
+        # checked by: test_quantized_kv_write_stores_values_and_scales_in_their_slots, test_quantized_kv_cache_write_and_gather, test_engine_logits_match_float_with_the_rounded_weights
         for i, x in ((0, k), (1, v)):
             q, scale = quantize_kv(x, self.kv_cache_dtype)
             q = q.view(self.kv.dtype)
             self.kv[layer_idx, i].view(-1, *q.shape[1:]).index_copy_(0, slot_mapping, q)
             self.scales[layer_idx, i].view(-1, q.shape[1]).index_copy_(0, slot_mapping, scale)
+        # <<< exercise write_quantized_kv
 
     def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the blocks `block_ids` (U,), dequantized: each (U, block_size, KVH, d)."""

@@ -5,6 +5,7 @@ that leaves an LLM built before still generating."""
 
 import subprocess
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -240,6 +241,33 @@ def test_quantized_kv_cache_write_and_gather(tiny_model_dir):
     assert torch.allclose(kg[1, 1], k[0], atol=k.abs().max() / 200)
     assert torch.allclose(vg[0, 6], v[2], atol=v.abs().max() / 200)
     assert kg[0, 0].abs().sum() == 0
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_quantized_kv_write_stores_values_and_scales_in_their_slots(fmt):
+    """Token i's quantized K and V, and their scales (one per KV head), land in slot
+    slot_mapping[i] of the layer written; fp8 is stored as its bytes; nothing else changes."""
+    model = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=8)
+    cache = QuantizedKVCache(model, 3, 4, torch.float32, torch.device("cpu"), fmt)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g) * 5
+    slots = [6, 0, 11, 3]  # out of order, in every block
+    cache.write(1, torch.tensor(slots), k, v)
+    stored_as = KV_CACHE_DTYPES[fmt][0]
+    for which, x in ((0, k), (1, v)):
+        q, scale = quantize_kv(x, fmt)
+        values = cache.kv[1, which].view(-1, 2, 8)
+        scales = cache.scales[1, which].view(-1, 2)
+        for i, slot in enumerate(slots):
+            name = f"token {i}'s {'KV'[which]}, slot {slot} (block {slot // 4}, offset {slot % 4})"
+            assert torch.equal(values[slot].view(stored_as).float(), q[i].float()), (
+                f"{name}: the stored values are not quantize_kv's" + (" (fp8 is stored as its bytes: "
+                                                                      "q.view(cache.kv.dtype))" if fmt != "int8" else ""))
+            assert torch.equal(scales[slot], scale[i]), f"{name}: the stored scales are not quantize_kv's"
+        others = torch.ones(12, dtype=torch.bool)
+        others[slots] = False
+        assert not values[others].any() and not scales[others].any(), "a slot no new token maps to changed"
+    assert not cache.kv[0].any() and not cache.scales[0].any(), "layer 0 changed: write only layer_idx"
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

@@ -26,7 +26,8 @@ CHECK = textwrap.dedent("""
             ref = layer.reference_forward(x)
             out = wq_matmul(x, layer, gemv=gemv)
             err = ((out - ref).norm() / ref.norm()).item()
-            assert err < {tol}, (method, rows, gemv, err)
+            assert err < {tol}, (f"wq_matmul, {{method}} weights, {{rows}} rows ({{'gemv' if gemv else 'gemm'}}): "
+                                 f"relative error {{err:.1e}} against dequantize-then-matmul")
             print(method, rows, "gemv" if gemv else "gemm", f"{{err:.1e}}")
 """)
 

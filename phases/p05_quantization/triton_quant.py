@@ -27,6 +27,9 @@ import triton.language as tl
 def _dequant_tile(qw_ptr, scale_ptr, zero_ptr, rk, rn, K, N, stride_qn, stride_sn,
                   GROUP: tl.constexpr, INT4: tl.constexpr):
     """The weight tile W^T[rk, rn] in float32, (BLOCK_K, BLOCK_N)."""
+    # >>> exercise dequant_tile (2 stars): Dequantize inside the product: one tile of W^T (input columns rk, outputs rn) from int8 values and their row's scale, or from packed int4 bytes and their group's scale and zero point.
+    # hint: W[n, k] sits at qw_ptr + n * stride_qn + k (int4: byte k // 2, low nibble for even k, high for odd); int4's scale and zero of W[n, k] are at n * stride_sn + k // GROUP; mask loads outside K and N.
+    # checked by: test_triton_kernels_in_the_interpreter
     mask = (rk < K)[:, None] & (rn < N)[None, :]
     if INT4:
         byte = tl.load(qw_ptr + rn[None, :] * stride_qn + (rk // 2)[:, None], mask=mask, other=0).to(tl.int32)
@@ -38,6 +41,7 @@ def _dequant_tile(qw_ptr, scale_ptr, zero_ptr, rk, rn, K, N, stride_qn, stride_s
     q = tl.load(qw_ptr + rn[None, :] * stride_qn + rk[:, None], mask=mask, other=0).to(tl.float32)
     s = tl.load(scale_ptr + rn, mask=rn < N, other=0.0)
     return q * s[None, :]
+    # <<< exercise dequant_tile
 
 
 @triton.jit
