@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from phases.p04_triton_kernels.tools.kernel_cases import CACHE_CASES, CASES, run_in_subprocess
+from phases.p04_triton_kernels.tools.kernel_cases import CACHE_CASES, CASES, MERGE_CASES, run_in_subprocess
 
 
 def run_cases(*args: str, interpret: bool = True) -> dict:
@@ -29,6 +29,18 @@ def interpreted():
 def test_kernel_in_interpreter(case, interpreted):
     result = interpreted[case]
     assert result["max_err"] <= result["tol"], result
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", list(MERGE_CASES))
+def test_merge_attn_states_in_interpreter(case, interpreted):
+    """Split-KV's last step alone: partial outputs and log-sum-exps merged into attention over
+    every key (segments with no keys; scores whose exp overflows float32)."""
+    result = interpreted[case]
+    assert result["max_err"] <= result["tol"], (
+        f"merge_attn_states, {case}: largest error {result['max_err']:.2e} against attention over "
+        "every key; segment s weighs exp(lse_s - max lse) (0 for an empty one), divided by the "
+        "sum of the weights")
 
 
 @pytest.mark.interpreter

@@ -281,6 +281,10 @@ def unified_attention_kernel(
 def _merge_attn_states_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_query_heads, head_dim,
                               stride_ot, stride_oh,
                               NUM_SPLITS: tl.constexpr, HEAD_P2: tl.constexpr):
+    """One (token, head): its NUM_SPLITS partial outputs merged into the output row."""
+    # >>> exercise merge_attn_states (2 stars): Merge one (token, head)'s split-KV partial results: weigh each segment's normalized output by its share of the softmax sum, from the log-sum-exps.
+    # hint: row = token * num_query_heads + head; load the NUM_SPLITS lse values and the (NUM_SPLITS, HEAD_P2) outputs; weight = exp(lse - max lse) (an empty segment, lse -inf, weighs 0); out = sum(weight * part) / sum(weight); store the first head_dim values.
+    # checked by: test_merge_attn_states_in_interpreter, test_kernel_in_interpreter
     token = tl.program_id(0)
     head = tl.program_id(1)
     row = token.to(tl.int64) * num_query_heads + head
@@ -292,6 +296,7 @@ def _merge_attn_states_kernel(out_ptr, part_out_ptr, part_lse_ptr, num_query_hea
     out = tl.sum(weight[:, None] * part, axis=0) / tl.sum(weight, axis=0)  # (HEAD_P2,)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
              mask=d < head_dim)
+    # <<< exercise merge_attn_states
 
 
 def merge_attn_states(out: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:

@@ -53,6 +53,13 @@ CACHE_CASES = {
     "cache-bs16-d80-f32": dict(bs=16, d=80, kvh=3, dtype="float32"),
     "cache-bs32-d64-f16": dict(bs=32, d=64, kvh=2, dtype="float16"),
 }
+# split-KV's merge alone: (segments, head_dim, segments with no keys, an offset added to every
+# score: near 100, exp(lse) overflows float32 unless the largest lse is subtracted first)
+MERGE_CASES = {
+    "merge-s4-d24": dict(splits=4, d=24, empty=(), offset=0.0),
+    "merge-s2-d64-an-empty-segment": dict(splits=2, d=64, empty=(1,), offset=0.0),
+    "merge-s8-d32-empty-segments-scores-near-100": dict(splits=8, d=32, empty=(0, 5), offset=100.0),
+}
 TOLERANCE = {("cpu", "float32"): 1e-4, ("cuda", "float32"): 1e-4, ("cpu", "float16"): 1e-2,
              ("cuda", "float16"): 1e-2, ("cuda", "bfloat16"): 4e-2}
 
@@ -162,6 +169,29 @@ def run_cache_case(name: str, device: str = "cpu", dtype: str | None = None) -> 
     return dict(max_err=err, tol=0.0)  # a copy: exact
 
 
+def run_merge_case(name: str, device: str = "cpu") -> dict:
+    """`merge_attn_states` on partial results made here: each segment's softmax-normalized output
+    and its log-sum-exp (-inf and zeros for a segment with no keys, as the kernel stores them),
+    against attention over all the keys at once."""
+    from ..triton_attention import merge_attn_states
+
+    c = MERGE_CASES[name]
+    g = torch.Generator().manual_seed(2)
+    n, h, d, splits, keys = 3, 2, c["d"], c["splits"], 5
+    head_p2 = 1 << (d - 1).bit_length()
+    scores = torch.randn(n, h, splits, keys, generator=g) * 3 + c["offset"]   # (N, H, S, keys)
+    values = torch.randn(n, h, splits, keys, d, generator=g)
+    scores[:, :, list(c["empty"])] = float("-inf")                            # no keys there
+    lse = torch.logsumexp(scores, dim=-1)                                       # (N, H, S)
+    weights = torch.nan_to_num(torch.softmax(scores, dim=-1))                   # an empty one: 0
+    part_out = torch.zeros(n, h, splits, head_p2)
+    part_out[..., :d] = (weights[..., None] * values).sum(-2)                   # (N, H, S, d)
+    ref = (torch.softmax(scores.flatten(2), dim=-1)[..., None] * values.flatten(2, 3)).sum(-2)
+    out = torch.full((n, h, d), float("nan"), device=device)
+    merge_attn_states(out, part_out.to(device), lse.to(device))
+    return dict(max_err=(out.cpu() - ref).abs().max().item(), tol=1e-5)
+
+
 def engine_tokens(model_dir: str, phase: int, sampled: bool = True, **engine_args) -> dict:
     """Greedy tokens and (unless sampled=False) seeded samples of one phase on a tiny model, with
     chunked prefill and a prefix-cache hit (chunks with cached tokens before them) next to decodes."""
@@ -236,6 +266,7 @@ def main(argv: list[str]) -> None:
         return
     results = {name: run_case(name) for name in CASES}
     results.update({name: run_cache_case(name) for name in CACHE_CASES})
+    results.update({name: run_merge_case(name) for name in MERGE_CASES})
     print(json.dumps(results))
 
 
