@@ -38,11 +38,13 @@ def test_greedy_equals_phase1(phase, batch, length, model_fixture, request, make
     assert [o.outputs[0].token_ids for o in outs] == ref
 
 
+@pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_qwen3_dir"])
 @pytest.mark.parametrize("phase", phase_params())
-def test_seeded_sampling_equals_phase1(phase, tiny_model_dir, make_llm):
+def test_seeded_sampling_equals_phase1(phase, model_fixture, request, make_llm):
+    model = request.getfixturevalue(model_fixture)
     prompts = _prompts(4, 12, 300, seed=7)
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=20, ignore_eos=True)
               for i in range(len(prompts))]
-    ref = make_llm(tiny_model_dir, 1).generate(prompts, params, use_tqdm=False)
-    outs = make_llm(tiny_model_dir, phase).generate(prompts, params, use_tqdm=False)
+    ref = make_llm(model, 1).generate(prompts, params, use_tqdm=False)
+    outs = make_llm(model, phase).generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
