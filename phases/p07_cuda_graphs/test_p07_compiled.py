@@ -24,6 +24,8 @@ from tinyvllm import LLM, SamplingParams
 
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+NEW_GRAPH = ("a step compiled a graph of its own: the two graphs of the start must serve every bucket "
+             "(batch 1, and every larger bucket through one graph whose batch dimension is marked dynamic)")
 
 
 def tokens(llm, prompts, params=GREEDY):
@@ -41,8 +43,8 @@ def test_compiled_step_gives_eager_tokens(make_llm, tiny_model_dir, quantization
     assert tokens(compiled, PROMPTS[:1]) == tokens(eager, PROMPTS[:1])          # batch 1
     assert tokens(compiled, PROMPTS) == tokens(eager, PROMPTS)                  # buckets 8, 4, 2, 1
     assert engine.runner.num_static_steps - before >= 2 * (GREEDY.max_tokens - 1)   # the decodes ran compiled
-    assert engine.runner.decode_runner.shapes_seen == {True, False}
-    assert counters["stats"]["unique_graphs"] == graphs                         # compiled at start
+    assert engine.runner.decode_runner.shapes_seen == {True, False}, "run must record bucket == 1 in shapes_seen"
+    assert counters["stats"]["unique_graphs"] == graphs, NEW_GRAPH               # compiled at start
 
 
 def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm, tiny_model_dir):
@@ -65,7 +67,7 @@ def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm,
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == graphs         # the two graphs of the start
+    assert counters["stats"]["unique_graphs"] == graphs, NEW_GRAPH   # the two graphs of the start
     engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
 
 
