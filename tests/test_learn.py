@@ -111,6 +111,24 @@ def test_a_copy_stands_in_for_the_reference_phase(tmp_path):
     assert out[3] == str(REPO / "phases" / "p02_paged_kv" / "test_p02_checkpoint.py")
 
 
+def test_phase_1_s_copy_holds_the_sampler_every_phase_uses(tmp_path):
+    """The sampler is the foundation's, taught in phase 1: a copy of phase 1 holds sampler.py, and
+    with it `tinyvllm.sampler` is the learner's, for every phase (the engine's samplers included)."""
+    learn.start(1, tmp_path, out=io.StringIO())
+    copy = tmp_path.resolve() / "p01_naive_attention"
+    assert {"draw", "filter_probs"} <= {e.name for e in learn.exercises(1) if e.file == "sampler.py"}
+    assert "exercise draw is not written yet" in (copy / "sampler.py").read_text()
+    code = ("import tinyvllm.sampler as s, phases.p03_continuous_batching as p3, inspect\n"
+            "from phases.p01_naive_attention.recipe import Sampler\n"
+            "print(s.__file__)\nprint(inspect.getfile(Sampler))\nprint(p3.__file__)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                         env=dict(os.environ, TINYVLLM_WORKSPACE=str(tmp_path))).stdout.split()
+    assert out[0] == out[1] == str(copy / "sampler.py")
+    assert out[2] == str(REPO / "phases" / "p03_continuous_batching" / "__init__.py")
+    learn.solve(1, tmp_path, "draw", out=io.StringIO())
+    assert learn.unwritten(1, tmp_path) == {e.name for e in learn.exercises(1)} - {"draw"}
+
+
 def _workspace(tmp_path, blank=(), edit=None) -> Path:
     """A copy of phase 2 with every task solved but those in `blank`; `edit(text)` changes
     block_allocator.py after."""

@@ -68,6 +68,7 @@ class _FakeSeq:
         self.min_tokens_pending = len(out) < params.min_tokens
 
 
+@pytest.mark.phase01  # the sampler phase 1 sets up (tinyvllm learn check 1)
 def test_sampler_top_k_draws_only_from_top_k():
     logits = torch.randn(1, 50)
     top5 = set(logits[0].topk(5).indices.tolist())
@@ -76,6 +77,7 @@ def test_sampler_top_k_draws_only_from_top_k():
         assert toks[0] in top5
 
 
+@pytest.mark.phase01  # the sampler phase 1 sets up (tinyvllm learn check 1)
 def test_sampler_top_p_and_min_p_filter():
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
@@ -86,6 +88,7 @@ def test_sampler_top_p_and_min_p_filter():
         assert t[0] in (0, 1)
 
 
+@pytest.mark.phase01  # the sampler phase 1 sets up (tinyvllm learn check 1)
 def test_sampler_matches_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     g = torch.Generator().manual_seed(0)
@@ -130,6 +133,59 @@ def test_sampling_params_defaults_match_vllm():
     assert p.stop is None and p.seed is None and p.ignore_eos is False and p.logprobs is None
 
 
+@pytest.mark.phase01
+def test_filter_probs_keeps_what_each_rule_allows():
+    """Each row's own rules, in one call: top-k keeps the k most likely tokens, top-p the most
+    likely ones until their mass reaches top_p of the row's (the one that crosses it included),
+    min-p those at least min_p times the row's largest; kept values are not renormalized."""
+    from tinyvllm.sampler import filter_probs
+
+    p = torch.tensor([0.05, 0.5, 0.15, 0.3])   # most likely first: tokens 1, 3, 2, 0
+    rows = [((0, 1.0, 0.0), 1, [0, 1, 2, 3], "no rule"),
+            ((2, 1.0, 0.0), 1, [1, 3], "top_k=2: the two most likely"),
+            ((5, 1.0, 0.0), 1, [0, 1, 2, 3], "top_k=5, more than the vocabulary: all"),
+            ((0, 0.7, 0.0), 1, [1, 3], "top_p=0.7: 0.5 is short of it, 0.5 + 0.3 reaches it"),
+            ((0, 0.4, 0.0), 1, [1], "top_p=0.4: the most likely token alone reaches it"),
+            ((0, 1.0, 0.35), 1, [1, 3], "min_p=0.35: at least 0.35 * 0.5"),
+            ((0, 0.7, 0.0), 4, [1, 3], "top_p=0.7 on a row that sums to 4: of the row's own mass"),
+            ((0, 1.0, 0.5), 4, [1, 3], "min_p=0.5 on a row that sums to 4: of the row's own largest"),
+            ((1, 0.95, 0.1), 1, [1], "top_k=1 with top_p and min_p: the most likely token")]
+    probs = torch.stack([p * scale for _, scale, _, _ in rows])
+    top_k, top_p, min_p = (torch.tensor([r[0][i] for r in rows]) for i in range(3))
+    out = filter_probs(probs, top_k, top_p.float(), min_p.float())
+    assert out.shape == probs.shape
+    for i, ((k, tp, mp), scale, want, why) in enumerate(rows):
+        kept = out[i].nonzero()[:, 0].tolist()
+        assert kept == want, f"row {i}, top_k={k}, top_p={tp}, min_p={mp} ({why}): kept tokens {kept}, not {want}"
+        assert torch.equal(out[i, want], probs[i, want]), f"row {i} ({why}): a kept token's value changed"
+
+
+@pytest.mark.phase01
+def test_draw_is_inverse_transform_sampling_from_each_rows_generator():
+    """Row r takes one uniform number u from its own generator and the first token whose
+    cumulative probability passes u * the row's total (rows need not sum to 1); a row with
+    nothing to draw from gets a valid id (its most likely token)."""
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [2.0, 0.0, 6.0, 0.0], [0.0, 0.0, 0.0, 5.0],
+                          [0.0, 0.0, 0.0, 0.0]])
+    for trial in range(25):
+        seeds = [100 + trial, 200 + trial, 300 + trial, 400 + trial]
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        got = Sampler.draw(probs, generators)
+        assert len(got) == 4 and all(isinstance(t, int) and 0 <= t < 4 for t in got), got
+        for r in range(3):
+            u = torch.rand(1, generator=torch.Generator().manual_seed(seeds[r])).item()
+            cdf = probs[r].cumsum(0)
+            want = int((cdf <= u * cdf[-1]).sum())
+            assert got[r] == want, (f"row {r}: u = {u:.3f} from its own generator, cumulative "
+                                    f"probabilities {cdf.tolist()}: token {want}, not {got[r]}")
+        for r, s in enumerate(seeds):  # one number per row and call: a seeded request's next draw depends on it
+            fresh = torch.Generator().manual_seed(s)
+            torch.rand(1, generator=fresh)
+            assert torch.equal(torch.rand(1, generator=generators[r]), torch.rand(1, generator=fresh)), (
+                f"row {r}: draw must take exactly one number from the row's generator")
+
+
+@pytest.mark.phase01
 @pytest.mark.parametrize("u", [0.0, 0.5, 1.0 - 2**-24])
 def test_sampler_never_draws_a_zero_probability_token(u, monkeypatch):
     """Inverse transform sampling at the ends of [0, 1): the token found has probability > 0."""
@@ -160,6 +216,7 @@ _MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5
           SamplingParams(temperature=1.5, top_k=300)]
 
 
+@pytest.mark.phase01
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("mix", ["all", "greedy", "topk", "full"])
 def test_vectorized_sampling_equals_row_by_row(seed, mix):

@@ -148,6 +148,9 @@ class Sampler:
         own generator: the first token whose cumulative probability is above u * total. A row
         with nothing to draw from (all zero, or NaN) gets its most likely token: always an id
         below V."""
+        # >>> exercise draw (2 stars): One token per row by inverse transform sampling: one uniform number u from the row's own generator, then the first token whose cumulative probability passes u times the row's total.
+        # hint: torch.rand(1, generator=g, device=g.device) per row; cdf = probs.cumsum(-1); torch.searchsorted(cdf, u * total, right=True), with u * total kept strictly below the total; a row whose total is 0 or not finite takes greedy_tokens(probs).
+        # checked by: test_draw_is_inverse_transform_sampling_from_each_rows_generator, test_sampler_never_draws_a_zero_probability_token, test_sampler_matches_distribution
         u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(probs.device)
         probs = torch.nan_to_num(probs, nan=0.0)
         cdf = probs.cumsum(dim=-1)                                         # (R, V)
@@ -159,6 +162,7 @@ class Sampler:
         if bool(empty.any()):
             idx = torch.where(empty, greedy_tokens(probs), idx)
         return idx.clamp_(max=probs.shape[-1] - 1).tolist()
+        # <<< exercise draw
 
     # -- logprobs ------------------------------------------------------------------------------
     def prompt_logprobs(self, logits: torch.Tensor, tokens: list[int], k: int) -> list[dict[int, Logprob]]:
@@ -216,6 +220,9 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor) -> torch.Tensor:
     """Zero out the tokens that top-k, top-p and min-p exclude. probs: (R, V); top_k, top_p,
     min_p: (R,) (top_k 0: off)."""
+    # >>> exercise filter_probs (2 stars): Zero, row by row, the tokens min-p, top-k and top-p exclude: below min_p times the row's largest probability, past the k most likely, or after the most likely tokens already reach top_p of the row's mass.
+    # hint: min-p first (masked_fill); then sort each row descending: drop rank >= k (k = 0: keep all) and every token whose mass before it (cumsum minus itself) is above top_p times the row's sum; scatter the kept values back through the sort order. The kept values stay as they are (no renormalizing).
+    # checked by: test_filter_probs_keeps_what_each_rule_allows, test_sampler_top_p_and_min_p_filter, test_vectorized_sampling_equals_row_by_row
     if bool((min_p > 0).any()):
         thresh = min_p.to(probs.dtype)[:, None]
         probs = probs.masked_fill(probs < thresh * probs.max(dim=-1, keepdim=True).values, 0.0)
@@ -230,3 +237,4 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
     return probs
+    # <<< exercise filter_probs

@@ -9,7 +9,8 @@ In each phase, the functions that carry its idea are marked in the source:
     # <<< exercise free
 
 `learn start N` copies phase N into a workspace with each marked body replaced by
-`raise NotImplementedError`; `learn check N` runs phase N's checkpoint and its cases of the shared
+`raise NotImplementedError` (phase 1's copy holds the sampler too, `tinyvllm/sampler.py`: phase 1
+sets up the one sampler every phase uses); `learn check N` runs phase N's checkpoint and its cases of the shared
 suite against that copy (`pytest --workspace`, see phases/workspace.py) and reports each task;
 `learn diff N` shows the copy beside the reference; `learn solve N TASK` puts one reference body
 back, to move on.
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import phases
+from phases.workspace import foundation_files
 
 REPO = Path(phases.__file__).resolve().parent.parent
 DEFAULT_WORKSPACE = REPO / "workspace"
@@ -49,9 +51,10 @@ class Exercise:
     task: str
     hint: str
     checks: tuple[str, ...]  # the test functions that grade it
-    file: str                # the module's file name inside the phase's package
+    file: str                # the module's file name inside the learner's copy of the phase
     line: int                # the marker's line (1-based) in the reference file
     function: str            # the function it sits in, e.g. BlockAllocator.allocate
+    path: str                # the reference file, from the repository's root
 
     @property
     def package(self) -> str:
@@ -66,10 +69,15 @@ def phase_package(phase: int) -> str:
 
 def phase_files(phase: int) -> list[Path]:
     """The reference files a learner's copy of `phase` holds: its modules, C sources and README
-    (not its tests or tools/, which stay in the repository and grade the copy)."""
+    (not its tests or tools/, which stay in the repository and grade the copy), then the
+    foundation modules the phase teaches (phases/workspace.py's FOUNDATION_COPIES)."""
     folder = REPO / "phases" / phase_package(phase)
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".py", ".c", ".md")
-                  and not p.name.startswith("test_"))
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".py", ".c", ".md")
+                   and not p.name.startswith("test_"))
+    foundation = foundation_files(phase_package(phase))
+    if {p.name for p in foundation} & {p.name for p in files}:
+        raise ValueError(f"phase {phase}: a foundation module it teaches has the name of one of its own")
+    return files + foundation
 
 
 def _regions(source: str) -> list[tuple[dict, int, int]]:
@@ -103,7 +111,7 @@ def exercises(phase: int | None = None) -> list[Exercise]:
             for f, i, _ in _regions(source):
                 out.append(Exercise(p, f["name"], int(f["stars"]), f["task"], f["hint"],
                                     tuple(c.strip() for c in f["checks"].split(",")), path.name, i + 1,
-                                    _enclosing(source, i + 1)))
+                                    _enclosing(source, i + 1), path.relative_to(REPO).as_posix()))
     return out
 
 
@@ -130,7 +138,8 @@ def exercise_table(phase: int) -> str:
     rows = ["| Task | Difficulty | Function | What to write |", "|---|---|---|---|"]
     for e in exercises(phase):
         task = e.task.replace("|", "\\|")
-        rows.append(f"| `{e.name}` | {'★' * e.stars} | [`{e.function}`]({e.file}) | {task} |")
+        link = os.path.relpath(REPO / e.path, REPO / "phases" / e.package).replace(os.sep, "/")
+        rows.append(f"| `{e.name}` | {'★' * e.stars} | [`{e.function}`]({link}) | {task} |")
     return "\n".join(rows) + "\n"
 
 
@@ -368,7 +377,7 @@ def solve(phase: int, folder: Path, task: str, out=None) -> None:
     lines = mine.splitlines(keepends=True)
     for f, i, end in _regions(mine):
         if f["name"] == task:
-            lines[i + 3:end] = _body((REPO / "phases" / e.package / e.file).read_text(), task)
+            lines[i + 3:end] = _body((REPO / e.path).read_text(), task)
             yours.write_text("".join(lines))
             print(f"Put the reference body of {task} into {yours}.", file=out)
             return
@@ -379,8 +388,7 @@ def solve(phase: int, folder: Path, task: str, out=None) -> None:
 def list_tasks(phase: int | None, out=None) -> None:
     out = out or sys.stdout
     for e in exercises(phase):
-        print(f"phase {e.phase}  {e.name:<18} {'*' * e.stars:<4} phases/{e.package}/{e.file}:{e.line}  {e.task}",
-              file=out)
+        print(f"phase {e.phase}  {e.name:<18} {'*' * e.stars:<4} {e.path}:{e.line}  {e.task}", file=out)
 
 
 def add_learn_parser(sub) -> None:
