@@ -153,8 +153,8 @@ class CompiledDecodeRunner(DecodeRunner):
     def run(self, bucket: int) -> torch.Tensor:
         """The compiled decode on the first `bucket` rows of the buffers -> logits (bucket, V)."""
         # >>> exercise compiled_run (2 stars): Run the compiled graph on the first `bucket` rows: batch 1 with every shape fixed, any larger bucket through one graph whose batch dimension is dynamic, and this step's attention in the forward context while it runs.
-        # hint: torch._dynamo.mark_dynamic(t, 0) on the ids and positions views when bucket > 1 (else each bucket compiles a graph of its own); record bucket == 1 in shapes_seen; _FORWARD_CONTEXT[self.context] = self.attention(self.buf.metadata(bucket)), removed in a finally; call self.compiled under torch.inference_mode().
-        # checked by: test_compiled_step_gives_eager_tokens, test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket, test_every_engine_of_a_process_runs_its_own_graphs
+        # hint: torch._dynamo.mark_dynamic(t, 0) on the ids and positions views when bucket > 1 (so the first graph compiled for a larger bucket is already dynamic, not static and recompiled); record bucket == 1 in shapes_seen; _FORWARD_CONTEXT[self.context] = self.attention(self.buf.metadata(bucket)), removed in a finally; call self.compiled under torch.inference_mode().
+        # checked by: test_compiled_step_gives_eager_tokens, test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket, test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile, test_every_engine_of_a_process_runs_its_own_graphs
         ids, positions = self.buf.input_ids[:bucket], self.buf.positions[:bucket]
         if bucket > 1:  # one graph for every bucket above 1
             torch._dynamo.mark_dynamic(ids, 0)

@@ -71,6 +71,18 @@ def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm,
     engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
 
 
+def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_model_dir):
+    """Without batch 1 among the buckets the engine starts with one graph: its batch dimension is
+    marked dynamic before the first compile (found dynamic only by a recompile, bucket 2 would
+    cost a static graph of its own first)."""
+    before = counters["stats"]["unique_graphs"]
+    llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, compilation_mode=1, cudagraph_capture_sizes=[2, 4, 8])
+    assert counters["stats"]["unique_graphs"] - before == 1, (
+        "buckets 2 and 4 compiled two graphs at start: mark the batch dimension dynamic (bucket > 1) "
+        "before the compiled call, so the first graph serves every bucket above 1")
+    assert llm.llm_engine.runner.decode_runner.shapes_seen == {False}
+
+
 @pytest.mark.parametrize("value", [2, -1, "1", 1.0, True])
 def test_bad_compilation_mode_names_it(make_llm, tiny_model_dir, value):
     before = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1)
