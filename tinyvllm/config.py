@@ -194,6 +194,12 @@ class EngineConfig:
     compilation_mode: int = 0
     # phase 8: tensor parallelism (ranks, each with its share of the weights and the KV cache)
     tensor_parallel_size: int = 1
+    # phase 8 over several hosts (vLLM's names): host `node_rank` of `nnodes` runs
+    # tensor_parallel_size / nnodes ranks; they meet at master_addr:master_port (node 0's address)
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
     # front door
     disable_log_stats: bool = True
 
@@ -213,6 +219,18 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_int("nnodes", self.nnodes, 1)
+        _check_int("node_rank", self.node_rank, 0)
+        _check_int("master_port", self.master_port, 1)
+        if self.master_port > 65535:
+            raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port}")
+        if not isinstance(self.master_addr, str) or not self.master_addr.strip():
+            raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank must be below nnodes ({self.nnodes}), got {self.node_rank}")
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
+                             f"nnodes ({self.nnodes}): every host runs as many ranks")
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "batch_invariant", "enforce_eager",
                      "disable_log_stats"):

@@ -1,6 +1,7 @@
 """`python -m phases.p08_tensor_parallel RANK WORLD STORE MODEL ENGINE_ARGS_JSON`: one worker rank,
-as the driver starts it (worker.start_workers), with the group's token in its environment
-(TINYVLLM_TP_TOKEN): it builds phase 8's parts with its rank."""
+as its host starts it (worker.start_workers), with the group's token in its environment
+(TINYVLLM_TP_TOKEN): it builds phase 8's parts with its rank. STORE is the rendezvous,
+"file:PATH" or "tcp:HOST:PORT" (parallel.open_store)."""
 
 import json
 import sys
@@ -13,4 +14,5 @@ from .worker import worker_main
 if __name__ == "__main__":
     rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     model, engine_args = sys.argv[4], json.loads(sys.argv[5])
-    sys.exit(worker_main(rank, world, store_path, lambda: RECIPE.build(EngineSetup.create(model, engine_args, rank))))
+    sys.exit(worker_main(rank, world, store_path, lambda: EngineSetup.create(model, engine_args, rank),
+                         RECIPE.build))

@@ -8,12 +8,18 @@ parts from the same recipe with its rank, so its weights are cut, quantized and 
 the driver's are, and its KV cache has the driver's number of blocks (the block tables are the
 driver's, shared by every rank).
 
-Every forward the driver runs (a prefill or mixed step through phase 6's runner, a decode step
-through phase 7's decode runner), and every logits call, is first broadcast to the workers with
-its inputs (`TensorParallelLlama`, and the decode forward `broadcast_decode_forward` wraps), so
-all ranks run it together and meet at the same all-reduces; the logits come back to the driver
-alone. vLLM's multiprocessing executor works the same way: one driver, workers started beside
-it, the step's inputs broadcast (`vllm/v1/executor/multiproc_executor.py`).
+Every forward the driver runs through phase 6's runner (a prefill or mixed step), and every
+logits call, is first broadcast to the workers with its inputs (`TensorParallelLlama`). A decode
+step through phase 7's decode runner is broadcast as the rows of its static buffers
+(`broadcast_decode_runs`): each rank copies them into its own buffers and runs its own decode
+runner, so on a GPU each rank replays its own CUDA graph, captured in step with the others' with
+the collectives inside. All ranks meet at the same all-reduces; the logits come back to the
+driver alone. vLLM's multiprocessing executor works the same way: one driver, workers started
+beside it, the step's inputs broadcast (`vllm/v1/executor/multiproc_executor.py`).
+
+Over several hosts (`nnodes > 1`) the driver serves the rendezvous on `master_addr:master_port`,
+starts its own host's ranks, publishes its engine arguments (signed) for the other hosts, and
+waits for their ranks (`worker.run_node` on each) to join.
 """
 
 from __future__ import annotations
@@ -26,38 +32,52 @@ import weakref
 
 import torch
 
+from tinyvllm.config import EngineConfig
 from tinyvllm.step import ModelRunnerOutput, SchedulerOutput
 
-from .parallel import TensorParallelGroup
-from .worker import start_workers, stop_workers, threads_per_rank
+from .parallel import TensorParallelGroup, dumps_signed, open_store, rendezvous_timeout, shared_token
+from .worker import (ENGINE_KEY, bind_address, decode_rows, model_digest, start_workers, stop_workers,
+                     threads_per_rank, wait_ready)
 
 
-def broadcast_decode_forward(decode_runner, group: TensorParallelGroup) -> None:
-    """Make the driver's decode runner send each decode forward to the workers before running it."""
-    forward = decode_runner.model_forward
+def broadcast_decode_runs(decode_runner, group: TensorParallelGroup) -> None:
+    """Make the driver's decode runner send each decode step's rows to the workers, then run it
+    with them, in lockstep (each rank on its own buffers, its own graph)."""
+    run = decode_runner.run
 
-    def driver_forward(input_ids, positions, attn):
-        group.broadcast_object(("decode_forward", input_ids, positions, attn.meta))
-        return forward(input_ids, positions, attn)
+    def driver_run(bucket: int):
+        group.broadcast_object(("decode_run", bucket, decode_rows(decode_runner.buf, bucket)))
+        with group.in_lockstep():
+            return run(bucket)
 
-    decode_runner.model_forward = driver_forward
+    decode_runner.run = driver_run
 
 
-def stop_group(workers, group: TensorParallelGroup, rendezvous_dir: str) -> None:
+def stop_group(workers, group: TensorParallelGroup, rendezvous_dir: str | None) -> None:
     """Stop the worker ranks and remove the rendezvous directory."""
     try:
         stop_workers(workers, group)
     finally:
-        shutil.rmtree(rendezvous_dir, ignore_errors=True)
+        if rendezvous_dir:
+            shutil.rmtree(rendezvous_dir, ignore_errors=True)
+
+
+def late_hosts_hint(config: EngineConfig, model_path: str) -> str:
+    """How to start the hosts whose ranks have not joined."""
+    return (f": start each other host with `tinyvllm serve {model_path} --tensor-parallel-size "
+            f"{config.tensor_parallel_size} --nnodes {config.nnodes} --node-rank K --master-addr "
+            f"{config.master_addr} --master-port {config.master_port} --headless` (K = 1 .. "
+            f"{config.nnodes - 1}) and the same TINYVLLM_TP_TOKEN")
 
 
 class TensorParallelExecutor:
     """Runs the driver's runner (`inner`) with the worker ranks it starts; `close` stops them
     (also done when the executor is garbage-collected).
 
-    The ranks meet in a directory only this user can open (`tempfile.mkdtemp` makes it mode 0700),
-    and the driver signs its messages with a random token of this engine's, which each worker
-    gets in its environment.
+    On one host the ranks meet in a directory only this user can open (`tempfile.mkdtemp` makes it
+    mode 0700), and the driver signs its messages with a random token of this engine's, which each
+    worker gets in its environment. Over several hosts they meet at `master_addr:master_port`, and
+    the token is the secret every host has in TINYVLLM_TP_TOKEN.
 
     Args:
         inner: phase 7's runner, on the driver's share of the model.
@@ -65,22 +85,33 @@ class TensorParallelExecutor:
         model_path: the model the workers load their share of.
         engine_args: the engine arguments the workers build their parts from.
         num_blocks: the driver's pool: the workers' pools have as many blocks, of their own KV heads.
+        device: the driver's device (the data plane's backend follows it).
     """
 
     def __init__(self, inner: object, group: TensorParallelGroup, model_path: str, engine_args: dict,
-                 num_blocks: int):
+                 num_blocks: int, device: torch.device):
         self.inner, self.group = inner, group
+        config = EngineConfig.from_kwargs(**engine_args)
         # the workers build the same engine with their rank and the driver's pool of blocks, and
         # no proposer (drafts are the driver's: a worker only runs the model)
         worker_args = dict(engine_args, num_kv_blocks=num_blocks, speculative_config=None)
-        self.rendezvous_dir = tempfile.mkdtemp(prefix="tinyvllm-tp-")
-        store_path = os.path.join(self.rendezvous_dir, "store")
-        token = secrets.token_bytes(32)
-        self.workers = []
+        per_host = self.ranks_here = group.world // config.nnodes
+        self.workers, self.rendezvous_dir = [], None
         try:
-            store = group.store(store_path)
-            self.workers = start_workers(store, group.world, store_path, token, model_path, worker_args)
-            group.connect(store, token)
+            if config.nnodes == 1:
+                self.rendezvous_dir = tempfile.mkdtemp(prefix="tinyvllm-tp-")
+                spec, token = "file:" + os.path.join(self.rendezvous_dir, "store"), secrets.token_bytes(32)
+            else:
+                spec, token = f"tcp:{config.master_addr}:{config.master_port}", shared_token()
+            store = open_store(spec, group.world, is_master=True)
+            if config.nnodes > 1:
+                store.set(ENGINE_KEY, dumps_signed((worker_args, model_digest(model_path)), token))
+            self.workers = start_workers(store, range(1, per_host), group.world, spec, token, model_path,
+                                         worker_args)
+            if config.nnodes > 1:   # the other hosts' ranks, started by run_node on each
+                wait_ready(store, dict.fromkeys(range(per_host, group.world)), token,
+                           rendezvous_timeout().total_seconds(), late_hosts_hint(config, model_path))
+            group.connect(store, token, bind_address(config), device)
         except BaseException:
             stop_group(self.workers, None, self.rendezvous_dir)
             raise
@@ -91,7 +122,7 @@ class TensorParallelExecutor:
         PyTorch's threads on more cores than there are would wait on each other at every
         all-reduce."""
         threads = torch.get_num_threads()
-        torch.set_num_threads(threads_per_rank(self.group.world))
+        torch.set_num_threads(threads_per_rank(self.ranks_here))
         try:
             return self.inner.execute(plan)
         finally:

@@ -145,7 +145,8 @@ def shard_model(model: LlamaForCausalLM, group: TensorParallelGroup) -> ModelCon
 class TensorParallelLlama(LlamaForCausalLM):
     """One rank's shard as a model. On the driver, `forward` and `compute_logits` first send the
     workers what to run (the same call on their shards), then run their own share; the logits of
-    all ranks' vocabulary columns are gathered on the driver."""
+    all ranks' vocabulary columns are gathered on the driver. Inside a decode step every rank runs
+    on its own (`group.in_lockstep`): then nothing is sent."""
 
     def __init__(self, shard: LlamaForCausalLM, full_config: ModelConfig, group: TensorParallelGroup):
         nn.Module.__init__(self)
@@ -153,12 +154,12 @@ class TensorParallelLlama(LlamaForCausalLM):
         self.model, self.lm_head = shard.model, shard.lm_head
 
     def forward(self, input_ids, positions, attn):
-        if self.group.is_driver and self.group.world > 1:
+        if self.group.is_driver and self.group.world > 1 and not self.group.lockstep:
             self.group.broadcast_object(("forward", input_ids, positions, attn.meta))
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """(M, D) -> (M, V) float32 logits on the driver (None on a worker)."""
-        if self.group.is_driver and self.group.world > 1:
+        if self.group.is_driver and self.group.world > 1 and not self.group.lockstep:
             self.group.broadcast_object(("logits", hidden))
         return self.group.gather_columns(self.lm_head(hidden).float(), self.config.vocab_size)

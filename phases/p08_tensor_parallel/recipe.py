@@ -1,5 +1,6 @@
-"""Phase 8's recipe: phase 7's, over `tensor_parallel_size` ranks (`torch.distributed`, gloo on a
-CPU). With one rank (the default) every part is phase 7's.
+"""Phase 8's recipe: phase 7's, over `tensor_parallel_size` ranks (`torch.distributed`: gloo on a
+CPU, NCCL between GPUs), on one host or on `nnodes`. With one rank (the default) every part is
+phase 7's.
 
     model_loader    `ShardedLoader`: loads the checkpoint and keeps this rank's share of every
                     weight (`layers.shard_model`: heads, MLP columns, vocabulary), as a
@@ -14,13 +15,15 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p07_cuda_graphs import RECIPE as PHASE7
 from tinyvllm.weights import load_model
 
-from .executor import TensorParallelExecutor, broadcast_decode_forward
+from .executor import TensorParallelExecutor, broadcast_decode_runs
 from .layers import TensorParallelLlama, shard_model
-from .parallel import TensorParallelGroup, available_cores
+from .parallel import TensorParallelGroup, available_cores, rank_device, shared_token
 
 
 class ShardedLoader:
@@ -37,18 +40,29 @@ class ShardedLoader:
 
 
 def check_ranks(setup: EngineSetup) -> None:
-    world = setup.config.tensor_parallel_size
+    c = setup.config
+    world = c.tensor_parallel_size
+    if c.nnodes > 1 and setup.tensor_parallel_rank == 0:
+        if c.node_rank != 0:
+            raise ValueError(f"node_rank={c.node_rank}: the engine runs on node 0; on this host start only "
+                             f"its ranks: tinyvllm serve MODEL ... --node-rank {c.node_rank} --headless")
+        shared_token()   # set on every host, or a clear error now rather than at the rendezvous
     if world == 1:
         return
-    if setup.device.type != "cpu":
-        raise ValueError(f"tensor_parallel_size={world}: more than one rank runs on a CPU "
-                         f"(gloo); on {setup.device.type} use tensor_parallel_size=1")
-    if setup.config.compilation_mode:
+    if c.compilation_mode:
         raise ValueError(f"compilation_mode=1 with tensor_parallel_size={world}: the compiled "
                          f"decode step runs on one rank; use compilation_mode=0 with several")
+    here = world // c.nnodes
+    if setup.device.type == "cuda":
+        rank_device(setup.device, here - 1, torch.cuda.device_count())   # one GPU per rank of a host
+        return
+    if setup.device.type != "cpu":
+        raise ValueError(f"tensor_parallel_size={world}: ranks run on CPUs (gloo) or CUDA GPUs (NCCL), "
+                         f"not on {setup.device.type}")
     cores = available_cores()
-    if world > cores:
-        raise ValueError(f"tensor_parallel_size={world} is more ranks than this machine's {cores} CPU cores")
+    if here > cores:
+        raise ValueError(f"tensor_parallel_size={world} puts {here} ranks on this host, more than its "
+                         f"{cores} CPU cores")
 
 
 def make_model_loader(setup: EngineSetup, parts: Parts):
@@ -71,12 +85,14 @@ def make_runner(setup: EngineSetup, parts: Parts):
         return inner   # a worker's runner is never called: the worker runs what the driver sends
     group = parts.model_loader.group
     decode_runner = getattr(inner, "decode_runner", None)
-    if decode_runner is not None and decode_runner.model_forward is not parts.model:
-        broadcast_decode_forward(decode_runner, group)
-    return TensorParallelExecutor(inner, group, str(setup.model_path), setup.engine_args, parts.kv_cache.num_blocks)
+    if decode_runner is not None:
+        broadcast_decode_runs(decode_runner, group)
+    return TensorParallelExecutor(inner, group, str(setup.model_path), setup.engine_args, parts.kv_cache.num_blocks,
+                                  setup.device)
 
 
 RECIPE = PHASE7.extend(
-    phase=8, engine_args={"tensor_parallel_size"}, checks=(check_ranks,),
+    phase=8, engine_args={"tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port"},
+    checks=(check_ranks,),
     model_loader=make_model_loader, kv_cache=make_kv_cache, runner=make_runner,
 )

@@ -42,6 +42,11 @@ ENGINE_ARG_HELP = {
                           "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (phase 6 on)",
     "enforce_eager": "no CUDA graphs or compiled steps (phase 7)",
     "cudagraph_capture_sizes": "batch-size buckets of the captured decode step, e.g. 1 2 4 8 (phase 7)",
+    "nnodes": "hosts the tensor-parallel ranks run on (phase 8; default 1)",
+    "node_rank": "this host's place among --nnodes (0 runs the engine; the others run only "
+                 "their ranks: tinyvllm serve ... --node-rank N --headless)",
+    "master_addr": "node 0's address, where every host's ranks meet (phase 8 with --nnodes > 1)",
+    "master_port": "the port on --master-addr where the ranks meet (default 29501)",
     "compilation_mode": "1: compile the decode step with torch.compile on a CPU (phase 7; the "
                         "first start compiles for a minute, later ones read $TINYVLLM_CACHE/inductor); "
                         "0 (default): eager",

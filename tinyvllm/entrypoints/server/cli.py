@@ -80,6 +80,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                      help="answer 408 to a request whose whole body has not come S seconds after its "
                           f"header (default {DEFAULT_BODY_TIMEOUT:g}: the default --max-request-bytes "
                           f"at {d.max_request_bytes / DEFAULT_BODY_TIMEOUT / 1000:.0f} KB/s)")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this host's tensor-parallel ranks, no server: host --node-rank K "
+                        "(1 .. --nnodes - 1) of an engine whose node 0 serves (phase 8)")
     add_engine_args(p)
     return p
 
@@ -93,6 +96,23 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def run_headless(phase: int | None, model, engine_args: dict) -> int:
+    """Host K >= 1 of an engine over several hosts (vLLM's --headless): its ranks, until they stop."""
+    from tinyvllm.download import resolve_model
+
+    if engine_args.get("node_rank", 0) < 1:
+        raise ValueError("--headless runs host --node-rank K (1 .. --nnodes - 1) of an engine over "
+                         "several hosts; node 0 serves: leave --headless off there")
+    first = phases.first_phase_with("nnodes")
+    if phase is not None and phase < first:
+        raise ValueError(f"--node-rank: phase {phase} has no ranks over several hosts (phase {first} has)")
+    from phases.p08_tensor_parallel.worker import run_node
+
+    print(f"tinyvllm: host {engine_args['node_rank']} of {engine_args.get('nnodes', 1)}, its ranks joining "
+          f"{engine_args.get('master_addr', '127.0.0.1')}:{engine_args.get('master_port', 29501)}", flush=True)
+    return run_node(str(resolve_model(model)), engine_args)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -127,7 +147,10 @@ def run_serve(args: argparse.Namespace) -> int:
         allowed_hosts = LOOPBACK_NAMES | {h.strip().lower() for h in args.allowed_host}
     limits = Limits(max_request_bytes=args.max_request_bytes, max_prompt_chars=args.max_prompt_chars,
                     max_n=args.max_n, max_prompts=args.max_prompts, max_stop=args.max_stop)
-    engine = phases.make_engine(args.phase, model, **engine_args_from(args))
+    engine_args = engine_args_from(args)
+    if args.headless or engine_args.get("node_rank", 0):
+        return run_headless(args.phase, model, engine_args)
+    engine = phases.make_engine(args.phase, model, **engine_args)
     server: uvicorn.Server | None = None
 
     def stop_server() -> None:  # the engine cannot go on: stop serving, exit non-zero
