@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 import statistics
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,7 +24,17 @@ from tinyvllm.entrypoints.bench.harness import (
     run_bench,
 )
 from tinyvllm.entrypoints.bench.machine import MachineLimits
-from tinyvllm.entrypoints.bench.report import plot_report, write_plot
+from tinyvllm.entrypoints.bench.report import (
+    COMMITTED_REPORTS,
+    closest_rounds,
+    cpu_name,
+    format_table,
+    plot_report,
+    report_to_show,
+    rounds_spread,
+    speedups,
+    write_plot,
+)
 from tinyvllm.entrypoints.bench.roofline import (
     decode_roofline,
     flops_per_token,
@@ -44,6 +56,9 @@ from tinyvllm.entrypoints.bench.workloads import (
 from tinyvllm.entrypoints.cli import main
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.tokenizer import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_tables  # noqa: E402  (the pages' tables)
 
 REGISTERED = sorted(phases.PHASES)
 # Made-up limits, so tests that do not check the measurement skip its second of work.
@@ -102,8 +117,13 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
         assert e["ttft_s"]["median"] > 0 and e["peak_memory_bytes"] > 0
         # start-up: LLM() built, then the warm-up's first request's first token on top of it
         assert 0 < e["startup"]["load_s"] < e["startup"]["first_token_s"]
-        assert len(e["runs"]) == 2
-        assert e["output_tok_per_s"] == pytest.approx(statistics.median(r["output_tok_per_s"] for r in e["runs"]))
+        # 2 rounds, and up to 2 more where a tiny model's millisecond runs spread apart
+        used = [r for r in e["runs"] if r["used"]]
+        assert len(used) == 2 and 2 <= len(e["runs"]) <= 4 == 2 + report["rounds"]["max_extra"]
+        assert e["output_tok_per_s"] == pytest.approx(statistics.median(r["output_tok_per_s"] for r in used))
+        assert e["rounds_spread"] == pytest.approx(max(r["output_tok_per_s"] for r in used)
+                                                   / min(r["output_tok_per_s"] for r in used))
+        assert e["rounds_agree"] == (e["rounds_spread"] <= report["rounds"]["spread_limit"])
         assert e["fraction_of_roofline"] == pytest.approx(e["output_tok_per_s"] / e["roofline"]["tok_per_s"])
         if e["phase"] == 1:  # no cache: its counters are not applicable
             assert all(e[k] is None for k in STATS_KEYS)
@@ -111,17 +131,17 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
             assert e["block_size"] == 4 and e["num_kv_blocks"] > 0
             assert 0 < e["peak_kv_tokens_used"] <= e["peak_kv_tokens_reserved"] == 4 * e["peak_kv_blocks_used"]
 
-    # Ratios: from the same rounds of this invocation, per round, then the median.
+    # Ratios: each engine's median over the baseline's, as the table shows them (one decimal).
     ratios = report["ratios"]
     assert ratios["baseline"] == "phase1" and ratios["output_tok_per_s"]["phase1"] == 1.0
-    base = engines[0]["runs"]
+    shown = {e["name"]: float(f"{e['output_tok_per_s']:.1f}") for e in engines}
     for e in engines:
-        per_round = [r["output_tok_per_s"] / b["output_tok_per_s"] for r, b in zip(e["runs"], base)]
-        assert ratios["output_tok_per_s"][e["name"]] == pytest.approx(statistics.median(per_round))
+        assert ratios["output_tok_per_s"][e["name"]] == pytest.approx(shown[e["name"]] / shown["phase1"])
 
     table = capsys.readouterr().out
     for e in engines:
         assert e["label"] in table
+        assert f"{ratios['output_tok_per_s'][e['name']]:.2f}x" in table
     assert "start-up, engine built + its first request's first token: phase1 " in table
 
 
@@ -230,13 +250,14 @@ def test_repeats_are_interleaved_rotated_and_the_median_excludes_the_warm_up(tin
     w = workload_for(tiny_model_dir, dataset="random", num_prompts=2, input_len="5", output_len="6")
     tokens = w.num_output_tokens  # 12 per run
     # Wall times of rounds 1-3 per engine: tok/s a [12, 6, 3], b [6, 24, 12], c [4, 4, 48].
-    # Round by round, b/a is [0.5, 4, 4]: median 4, where the ratio of the medians would be 2.
+    # Round by round, b/a is [0.5, 4, 4], median 4; the speedup is the ratio of the medians, 2.
+    # (Rounds this far apart disagree: no extra rounds here, the check has tests of its own.)
     walls = dict(a=[1.0, 2.0, 4.0], b=[2.0, 0.5, 1.0], c=[3.0, 3.0, 0.25])
     warm_wall = 1e-6  # absurdly fast: were the warm-up counted, the numbers below would move
     calls: list = []
     cfg = ModelConfig.from_pretrained(tiny_model_dir)
     runners = [ScriptedRunner(n, [warm_wall] * warmup + ws, calls, cfg) for n, ws in walls.items()]
-    report = bench(w, runners, repeat=3, warmup=warmup)
+    report = bench(w, runners, repeat=3, warmup=warmup, max_extra_rounds=0)
 
     # The warm-up first, every engine once, on requests capped at a few tokens; then the rounds,
     # each starting one engine later than the round before.
@@ -263,7 +284,156 @@ def test_repeats_are_interleaved_rotated_and_the_median_excludes_the_warm_up(tin
         assert e["ttft_s"]["median"] == pytest.approx(statistics.median(ws) / 10)
         assert e["output_tokens"] == tokens and e["requests"] == 2
     assert report["ratios"]["baseline"] == "a"
-    assert report["ratios"]["output_tok_per_s"] == pytest.approx(dict(a=1.0, b=4.0, c=2 / 3))
+    assert report["ratios"]["output_tok_per_s"] == pytest.approx(dict(a=1.0, b=2.0, c=4 / 6))
+
+
+# -- rounds that agree: a busy spell is re-run, or the report says so ---------------------------
+def scripted_bench(model_dir, walls: dict[str, list[float]], repeat: int, **kw):
+    """run_bench on scripted engines (12 output tokens a run): the report, the runs in order
+    (engine, workload) and what was written to the log."""
+    w = workload_for(model_dir, dataset="random", num_prompts=2, input_len="5", output_len="6")
+    cfg = ModelConfig.from_pretrained(model_dir)
+    calls: list = []
+    runners = [ScriptedRunner(n, ws, calls, cfg) for n, ws in walls.items()]
+    log = io.StringIO()
+    report = run_bench(w, runners, model_name="tiny", progress=False, log=log, limits=LIMITS,
+                       repeat=repeat, warmup=False, **kw)
+    return report, calls, log.getvalue()
+
+
+def test_closest_rounds_and_their_spread():
+    assert closest_rounds([12.0, 2.4, 10.9, 11.4], 3) == [0, 2, 3]    # the slow round left out
+    assert closest_rounds([1.0, 2.0, 4.0], 2) == [1, 2]                # a tie: the faster pair
+    assert closest_rounds([3.0, 1.0], 2) == [0, 1]                     # no more rounds than asked
+    assert rounds_spread([10.0, 12.5, 11.0]) == pytest.approx(1.25) and rounds_spread([7.0]) is None
+
+
+def test_rounds_that_agree_run_no_extra_round(tiny_model_dir):
+    # tok/s a [12, 10.9, 11.4], b [24, 23.1, 21.8]: within 1.25x of each other
+    report, calls, log = scripted_bench(tiny_model_dir, dict(a=[1.0, 1.1, 1.05], b=[0.5, 0.52, 0.55]), 3)
+    assert len(calls) == 6 and report["rounds"]["extra"] == 0 and report["rounds"]["max_extra"] == 3
+    for e in report["engines"]:
+        assert e["rounds_agree"] is True and all(r["used"] for r in e["runs"])
+    assert "WARNING" not in log and "extra round" not in log
+    assert "WARNING" not in format_table(report)
+
+
+def test_a_slow_round_is_run_again_and_left_out_of_the_medians(tiny_model_dir):
+    # a's second round is slowed 5x (tok/s 12, 2.4, 10.9): one extra round for every engine,
+    # then a's medians come from its three closest rounds, 12, 10.9 and 11.4
+    walls = dict(a=[1.0, 5.0, 1.1, 1.05], b=[0.5, 0.52, 0.55, 0.5])
+    report, calls, log = scripted_bench(tiny_model_dir, walls, 3)
+    assert [n for n, _ in calls[6:]] == ["b", "a"]            # the rotation goes on
+    assert len({wl.requests[0].prompt_token_ids[0] for _, wl in calls}) == 4   # a fresh salt
+    assert report["rounds"]["extra"] == 1 and "the rounds of a spread more than 1.25x" in log
+    a, b = report["engines"]
+    assert [r["used"] for r in a["runs"]] == [True, False, True, True]
+    assert a["output_tok_per_s"] == pytest.approx(statistics.median([12 / 1.0, 12 / 1.1, 12 / 1.05]))
+    assert a["wall_s"] == statistics.median([1.0, 1.1, 1.05])
+    assert a["rounds_agree"] is True and a["rounds_spread"] == pytest.approx(1.1)
+    assert b["rounds_agree"] is True and len(b["runs"]) == 4 and sum(r["used"] for r in b["runs"]) == 3
+    assert "WARNING" not in log
+
+
+def test_rounds_that_never_agree_are_marked_and_warned(tiny_model_dir):
+    # a's rounds make 12, 4, 6, 8 and 3 tok/s: no three of them ever lie within 1.25x; the
+    # closest three (a tie at 2x: the fastest) are 6, 8 and 12
+    walls = dict(a=[1.0, 3.0, 2.0, 1.5, 4.0, 1.0], b=[0.5] * 6)
+    report, calls, log = scripted_bench(tiny_model_dir, walls, 3, max_extra_rounds=2)
+    assert len(calls) == 10 and report["rounds"]["extra"] == 2
+    a, b = report["engines"]
+    assert a["rounds_agree"] is False and a["rounds_spread"] == pytest.approx(2.0)
+    assert [r["used"] for r in a["runs"]] == [True, False, True, True, False]
+    assert b["rounds_agree"] is True
+    assert "WARNING: a's rounds ran at 6.0 to 12.0 output tok/s, 2.00x apart (more than 1.25x)" in log
+    assert "after 2 extra round(s)" in log and "b's rounds" not in log
+    table = format_table(report)
+    assert "WARNING: the rounds disagree, the machine was loaded" in table and "2.00x apart" in table
+
+
+def test_one_round_is_not_checked_and_extra_rounds_can_be_turned_off(tiny_model_dir):
+    report, calls, _ = scripted_bench(tiny_model_dir, dict(a=[1.0], b=[3.0]), 1)
+    assert len(calls) == 2 and report["rounds"]["max_extra"] == 0
+    assert [e["rounds_agree"] for e in report["engines"]] == [None, None]
+    report, calls, log = scripted_bench(tiny_model_dir, dict(a=[1.0, 3.0], b=[0.5, 0.5]), 2,
+                                        max_extra_rounds=0)
+    assert len(calls) == 4 and report["engines"][0]["rounds_agree"] is False and "WARNING" in log
+    with pytest.raises(ValueError, match="--max-extra-rounds"):
+        scripted_bench(tiny_model_dir, dict(a=[1.0]), 1, max_extra_rounds=-1)
+
+
+def test_cli_on_a_loaded_machine_exits_0_and_says_so(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import tinyvllm.entrypoints.bench.harness as harness
+
+    cfg = ModelConfig.from_pretrained(tiny_model_dir)
+    scripted = [ScriptedRunner("phase1", [1e-3, 1.0, 3.0, 2.0], [], cfg),   # warm-up, then 12, 4, 6 tok/s
+                ScriptedRunner("phase2", [1e-3, 0.5, 0.5, 0.5], [], cfg)]
+    monkeypatch.setattr(harness, "load_runners", lambda *args, **kwargs: scripted)
+    monkeypatch.setattr(harness, "measure_limits", lambda *args: LIMITS)
+    path = tmp_path / "loaded.json"
+    assert main(["bench", "latency", "--model", str(tiny_model_dir), "--phases", "1-2", "--input-len", "5",
+                 "--output-len", "12", "--repeat", "2", "--max-extra-rounds", "1", "--no-progress",
+                 "--json", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "WARNING: the rounds disagree" in out and "phase1's rounds ran at 4.0 to 6.0" in out
+    assert "WARNING: phase1's rounds" in err and "the machine was loaded" in err
+    report = json.loads(path.read_text())
+    assert [e["rounds_agree"] for e in report["engines"]] == [False, True]
+    assert report["report_version"] == 2 and report["rounds"] == dict(spread_limit=1.25, extra=1, max_extra=1)
+
+
+# -- one definition of speedup, and what a notebook shows beside a claim ------------------------
+COMMITTED = sorted(p for p in COMMITTED_REPORTS.glob("*.json")
+                   if "engines" in (r := json.loads(p.read_text())) and "ratios" in r)
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.stem)
+def test_every_speedup_is_the_ratio_of_the_numbers_shown(path):
+    """The table of a committed report divides the tok/s it prints, whatever the report stored
+    (reports of version 1 stored the median of per-round ratios), and so do the pages' tables."""
+    report = json.loads(path.read_text())
+    baseline = report["ratios"]["baseline"]
+    lines = format_table(report).splitlines()
+    first = lines.index(next(line for line in lines if line.startswith("engine "))) + 2
+    rows = {e["name"]: lines[first + i][len(e["label"]):].split()[:2] for i, e in enumerate(report["engines"])}
+    base = float(rows[baseline][0].replace(",", ""))
+    ratios = speedups(report["engines"], baseline)
+    for name, (tok_s, ratio) in rows.items():
+        shown = float(tok_s.replace(",", ""))
+        assert ratio == f"{shown / base:.2f}x", (name, ratio)
+        assert ratios[name] == pytest.approx(shown / base)
+        page = bench_tables.render(f"{path.name} | engines: {name}, {baseline} | columns: engine, out tok/s, speedup "
+                                   f"| baseline: {baseline}") if name != baseline else ""
+        assert not page or f"| {ratio} |" in page
+
+
+def live_report(agree: list[bool | None]) -> dict:
+    return dict(rounds=dict(spread_limit=1.25), engines=[
+        dict(name=f"e{i}", rounds_agree=a, rounds_spread=None if a is None else 1.1 if a else 3.0,
+             runs=[dict(output_tok_per_s=12.0, used=True), dict(output_tok_per_s=12.0 / (1.1 if a else 3.0), used=True)])
+        for i, a in enumerate(agree)])
+
+
+def test_a_notebook_shows_live_numbers_only_when_the_rounds_agree():
+    committed = json.loads((COMMITTED_REPORTS / "latency.json").read_text())
+    machine = cpu_name(committed["machine"])
+    live = live_report([True, True])
+    log = io.StringIO()
+    assert report_to_show(live, "latency.json", log) is live and log.getvalue() == ""
+
+    log = io.StringIO()
+    shown = report_to_show(live_report([True, False]), "latency.json", log)
+    assert shown == committed
+    said = log.getvalue()
+    assert "This machine is busy: e1's rounds ran at 4.0 to 12.0 output tok/s, 3.00x apart" in said
+    assert "e0" not in said
+    assert f"the committed report docs/assets/bench/latency.json, measured on {machine}" in said
+
+    log = io.StringIO()
+    assert report_to_show(live_report([None, None]), "latency.json", log) == committed
+    assert "One round per engine cannot show" in log.getvalue()
+    with pytest.raises(ValueError, match="no report 'nothing.json'"):
+        report_to_show(live_report([False]), "nothing.json", io.StringIO())
 
 
 def test_plot_report_is_a_figure_of_throughput_and_latency(tiny_model_dir):

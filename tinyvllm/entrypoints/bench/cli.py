@@ -85,6 +85,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     r = p.add_argument_group("runs and output")
     r.add_argument("--repeat", type=int, default=1,
                    help="runs per engine, interleaved between engines; the median is reported (default 1)")
+    r.add_argument("--max-extra-rounds", type=int, default=None, metavar="N",
+                   help="with --repeat 2 or more: while an engine's rounds spread more than 1.25x "
+                        "(fastest over slowest), run another round, at most N (default: as many as "
+                        "--repeat; 0: none); rounds that still disagree are marked in the report")
     r.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up run of each engine")
     r.add_argument("--baseline", default=None,
@@ -105,7 +109,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     from tinyvllm.download import resolve_model
     from tinyvllm.tokenizer import Tokenizer
 
-    from .harness import check_repeat, load_runners, parse_phases, run_bench
+    from .harness import check_max_extra_rounds, check_repeat, load_runners, parse_phases, run_bench
     from .report import format_table, write_json, write_plot
     from .workloads import make_workload
 
@@ -120,6 +124,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
         argv = sys.argv[1:] if argv is None else argv
         return run_serve_bench(args, engine_args_from(args), "tinyvllm " + shlex.join(argv))
     check_repeat(args.repeat)
+    check_max_extra_rounds(args.max_extra_rounds)
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be >= 1; got {args.hf_batch_size}")
     phase_list = parse_phases(args.phases) if args.phases is not None else [phases.latest_phase()]
@@ -143,7 +148,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     argv = sys.argv[1:] if argv is None else argv
     report = run_bench(workload, runners, model_name=model_path.name, repeat=args.repeat,
                        warmup=args.warmup, baseline=args.baseline, progress=args.progress,
-                       command="tinyvllm " + shlex.join(argv))
+                       command="tinyvllm " + shlex.join(argv), max_extra_rounds=args.max_extra_rounds)
     print(format_table(report))
     if args.json_path:
         write_json(report, args.json_path)

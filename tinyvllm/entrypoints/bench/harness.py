@@ -5,14 +5,20 @@
     round 1 : engine A, engine B, engine C            # the same requests for each
     round 2 : engine B, engine C, engine A            # rotated: no engine always runs first
     ...
-    report  = the median over rounds, per engine; ratios from the same rounds
+    check   : do each engine's rounds agree (fastest / slowest output tok/s <= 1.25)?
+              if not, another round, up to `max_extra_rounds` (default: as many as --repeat)
+    report  = per engine, the median over the `repeat` rounds closest together;
+              speedups = the ratio of those medians, as the table shows them
 
 Interleaving matters on a shared or thermally throttled machine: if the machine slows down for a
-minute, every engine's run in that round is slowed alike, and the ratio between them survives.
+minute, every engine's run in that round is slowed alike. A busy spell still shows as rounds that
+spread apart; the extra rounds give the engines another chance at rounds that agree, and when
+they still do not, the report says so (`rounds_agree: false`) and the table warns.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 from datetime import datetime, timezone
 from typing import TextIO
@@ -20,12 +26,15 @@ from typing import TextIO
 import phases
 
 from .machine import MachineLimits, load_average, machine_info, measure_limits
-from .report import speedups, summarize
+from .report import (ROUNDS_SPREAD_LIMIT, closest_rounds, rounds_spread, rounds_warning, speedups,
+                     summarize)
 from .roofline import decode_roofline, kv_bytes_per_token
 from .runners import EngineRunner, RunResult
 from .workloads import WARMUP_MAX_TOKENS, Workload
 
-REPORT_VERSION = 1
+# 2: `ratios` are the ratio of the medians shown (1: the median of per-round ratios); engines
+# carry `rounds_agree` and `rounds_spread`, each run `used`; the report carries `rounds`.
+REPORT_VERSION = 2
 
 
 def parse_phases(text: str) -> list[int]:
@@ -56,6 +65,26 @@ def parse_phases(text: str) -> list[int]:
 def check_repeat(repeat) -> None:
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"--repeat must be an integer >= 1; got {repeat!r}")
+
+
+def check_max_extra_rounds(n) -> None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise ValueError(f"--max-extra-rounds must be an integer >= 0; got {n!r}")
+
+
+def rounds_to_use(results: dict[str, list[RunResult]], repeat: int) -> dict[str, list[int]]:
+    """Per engine, the indices of the `repeat` rounds closest together (all while there are no more)."""
+    return {name: closest_rounds([r.output_tok_per_s for r in runs], repeat) for name, runs in results.items()}
+
+
+def loose_engines(results: dict[str, list[RunResult]], repeat: int, spread_limit: float) -> list[str]:
+    """The engines whose `repeat` closest rounds still spread wider than `spread_limit`."""
+    loose = []
+    for name, used in rounds_to_use(results, repeat).items():
+        spread = rounds_spread([results[name][i].output_tok_per_s for i in used])
+        if spread is not None and spread > spread_limit:
+            loose.append(name)
+    return loose
 
 
 def share_gpu(engine_args: dict, n: int) -> list[dict]:
@@ -144,9 +173,22 @@ def check_fits(workload: Workload, runners: list) -> None:
 
 def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int = 1,
               warmup: bool = True, baseline: str | None = None, limits: MachineLimits | None = None,
-              progress: bool = True, log: TextIO = sys.stderr, command: str | None = None) -> dict:
-    """Run every engine on the workload, `repeat` rounds (after a warm-up), and return the report."""
+              progress: bool = True, log: TextIO | None = None, command: str | None = None,
+              max_extra_rounds: int | None = None, spread_limit: float = ROUNDS_SPREAD_LIMIT) -> dict:
+    """Run every engine on the workload, `repeat` rounds (after a warm-up), and return the report.
+
+    With two rounds or more, an engine's rounds agree when its fastest is at most `spread_limit`
+    times its slowest (output tok/s). While some engine's `repeat` closest rounds do not, every
+    engine runs another round, at most `max_extra_rounds` (default `repeat`; 0: none). Each
+    engine's numbers are the medians over its `repeat` closest rounds; an engine whose rounds
+    still disagree is marked `rounds_agree: false` in the report, and a warning is written to
+    `log` (default: standard error)."""
+    log = sys.stderr if log is None else log
     check_repeat(repeat)
+    check_max_extra_rounds(max_extra_rounds)
+    if not spread_limit >= 1:
+        raise ValueError(f"spread_limit must be >= 1 (fastest over slowest round); got {spread_limit!r}")
+    max_extra = 0 if repeat == 1 else repeat if max_extra_rounds is None else max_extra_rounds
     names = [r.name for r in runners]
     baseline = baseline or names[0]
     if baseline not in names:
@@ -162,6 +204,9 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
     salts = workload.salts(1 + repeat, seed)
     warm = workload.for_run(salts[0], WARMUP_MAX_TOKENS)
     rounds = [workload.for_run(s) for s in salts[1:]]
+    # salts for the extra rounds, drawn apart so that the first 1 + repeat stay what they were
+    spare = [t for t in workload.salt_token_ids if t not in salts]
+    extra_salts = random.Random(f"salt-extra-{seed}").sample(spare, min(max_extra, len(spare)))
     per_engine = (warm.num_output_tokens if warmup else 0) + workload.num_output_tokens * repeat
 
     from tqdm import tqdm
@@ -169,35 +214,53 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
                disable=not (progress and log.isatty()))
     results: dict[str, list[RunResult]] = {n: [] for n in names}
     first_ttft: dict[str, float] = {}  # each engine's first request ever: its first-use costs
+
+    def run_round(k: int, wl: Workload, name: str) -> None:
+        order = runners[k % len(runners):] + runners[:k % len(runners)]
+        for r in order:
+            bar.set_description(f"{name} {r.name}")
+            res = r.run(wl, bar.update)
+            results[r.name].append(res)
+            first_ttft.setdefault(r.name, res.ttft_s[0])
+            tqdm.write(f"{name} {r.name}: {res.output_tokens} tokens in "
+                       f"{res.wall_s:.2f} s, {res.output_tok_per_s:.1f} tok/s", file=log)
+
+    extra = 0
     try:
         if warmup:
             for r in runners:
                 bar.set_description(f"warm-up {r.name}")
                 first_ttft[r.name] = r.run(warm, bar.update).ttft_s[0]
         for k, wl in enumerate(rounds):
-            order = runners[k % len(runners):] + runners[:k % len(runners)]
-            for r in order:
-                bar.set_description(f"round {k + 1}/{repeat} {r.name}")
-                res = r.run(wl, bar.update)
-                results[r.name].append(res)
-                first_ttft.setdefault(r.name, res.ttft_s[0])
-                tqdm.write(f"round {k + 1}/{repeat} {r.name}: {res.output_tokens} tokens in "
-                           f"{res.wall_s:.2f} s, {res.output_tok_per_s:.1f} tok/s", file=log)
+            run_round(k, wl, f"round {k + 1}/{repeat}")
+        while (loose := loose_engines(results, repeat, spread_limit)) and extra < len(extra_salts):
+            tqdm.write(f"the rounds of {', '.join(loose)} spread more than {spread_limit:.2f}x "
+                       f"(fastest over slowest): extra round {extra + 1} of at most {len(extra_salts)}", file=log)
+            bar.total += workload.num_output_tokens * len(runners)
+            run_round(repeat + extra, workload.for_run(extra_salts[extra]), f"extra round {extra + 1}")
+            extra += 1
     finally:
         bar.close()
 
     context = mean_decode_context(workload)
     model_config = runners[0].engine.model_config  # every runner runs the same model
+    used = rounds_to_use(results, repeat)
     engines = []
     for r in runners:
         batch = 1 if workload.sequential else min(workload.num_requests, r.max_concurrency)
         roof = decode_roofline(limits, model_config, r.weight_bytes,
                                kv_bytes_per_token(model_config, r.kv_bytes_per_element), batch, context)
-        entry = summarize(r.name, r.describe(), results[r.name], roof.to_dict(), workload.sequential)
+        entry = summarize(r.name, r.describe(), results[r.name], roof.to_dict(), workload.sequential,
+                          used[r.name], spread_limit)
         load_s = getattr(r, "load_s", None)
         if load_s is not None:  # start-up: LLM() (or from_pretrained), then the first request's first token
             entry["startup"] = dict(load_s=load_s, first_token_s=load_s + first_ttft[r.name])
         engines.append(entry)
+    for e in engines:
+        if e["rounds_agree"] is False:
+            log.write(f"WARNING: {rounds_warning(e, spread_limit)}, after {extra} extra round(s): "
+                      "the machine was loaded, and these numbers are not reliable; measure again on "
+                      "an idle machine\n")
     return dict(
         report_version=REPORT_VERSION,
         command=command,
@@ -213,6 +276,7 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
                       output_tokens=workload.num_output_tokens, mean_decode_context=context,
                       params=workload.params),
         repeat=repeat, warmup=warmup,
+        rounds=dict(spread_limit=spread_limit, extra=extra, max_extra=max_extra),
         engines=engines,
         ratios=dict(baseline=baseline, output_tok_per_s=speedups(engines, baseline)),
     )

@@ -1,15 +1,25 @@
-"""From runs to a report: medians over repeats, ratios, the table, the JSON file and the plot.
+"""From runs to a report: medians over repeats, rounds that agree, speedups, the table, the JSON
+file and the plot.
 
 The report is one dict (written as JSON by `--json`); the table and the plot are both drawn from
 it, so the three always agree.
+
+A speedup is the ratio of the numbers shown: an engine's median output tok/s over the baseline's,
+each as a table prints it (one decimal). The table, the plot, the JSON's `ratios` and the pages'
+tables (`scripts/bench_tables.py`) all divide the same two numbers.
+
+Rounds agree when the fastest of an engine's rounds is at most `ROUNDS_SPREAD_LIMIT` times its
+slowest (output tok/s). The harness re-runs rounds that do not; `report_to_show` is what a notebook
+prints beside a claim: the live report when its rounds agree, the committed one otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
@@ -17,6 +27,16 @@ from .runners import STATS_KEYS, RunResult
 
 if TYPE_CHECKING:  # matplotlib is optional: imported when a plot is drawn
     from matplotlib.figure import Figure
+
+# The widest an engine's rounds may spread (fastest over slowest output tok/s) and still agree.
+# On the idle machines of the committed CPU reports, 28 of 29 reports' engines spread less than
+# 1.2x (the widest: 1.27x); rounds on a loaded 2-core machine spread 5x to 10x. And the smallest
+# gain a lesson claims from a phase over the one below is about 1.3x (continuous batching at 4
+# seats): rounds that spread wider than the gain cannot show it.
+ROUNDS_SPREAD_LIMIT = 1.25
+
+# The committed reports the lessons' tables come from (present in a clone of the repository).
+COMMITTED_REPORTS = Path(__file__).resolve().parents[3] / "docs" / "assets" / "bench"
 
 
 def distribution(values: list[float]) -> dict:
@@ -37,13 +57,38 @@ def _median(values: list):
     return float(statistics.median(values))
 
 
-def summarize(name: str, info: dict, runs: list[RunResult], roofline: dict, sequential: bool) -> dict:
-    """One engine's entry of the report: the median over its runs of every number."""
+def rounds_spread(tok_per_s: list[float]) -> float | None:
+    """How far rounds spread: the fastest output tok/s over the slowest (None for one round)."""
+    return max(tok_per_s) / min(tok_per_s) if len(tok_per_s) > 1 else None
+
+
+def closest_rounds(tok_per_s: list[float], n: int) -> list[int]:
+    """The indices (in round order) of the n rounds whose output tok/s lie closest together: of
+    the rounds sorted by speed, the n in a row with the smallest spread (the faster on a tie,
+    since a busy machine only slows a run). All of them when there are n or fewer."""
+    if len(tok_per_s) <= n:
+        return list(range(len(tok_per_s)))
+    order = sorted(range(len(tok_per_s)), key=lambda i: tok_per_s[i])
+    start = min(range(len(order) - n + 1),
+                key=lambda s: (tok_per_s[order[s + n - 1]] / tok_per_s[order[s]], -s))
+    return sorted(order[start:start + n])
+
+
+def summarize(name: str, info: dict, runs: list[RunResult], roofline: dict, sequential: bool,
+              used: list[int] | None = None, spread_limit: float = ROUNDS_SPREAD_LIMIT) -> dict:
+    """One engine's entry of the report: the median of every number over the rounds `used`
+    (indices into `runs`; default all of them), whether those rounds agree (`rounds_agree`:
+    their spread, `rounds_spread`, is at most `spread_limit`; None for one round), and every
+    round run, each marked `used` or not."""
+    used = list(range(len(runs))) if used is None else sorted(used)
+    all_runs, runs = runs, [runs[i] for i in used]
     first = runs[0]
     med = lambda f: _median([f(r) for r in runs])
     per_run = [dict(wall_s=r.wall_s, output_tok_per_s=r.output_tok_per_s,
                     ttft_median_s=distribution(r.ttft_s)["median"],
-                    tpot_median_s=distribution(r.tpot_s)["median"]) for r in runs]
+                    tpot_median_s=distribution(r.tpot_s)["median"], used=i in used)
+               for i, r in enumerate(all_runs)]
+    spread = rounds_spread([r.output_tok_per_s for r in runs])
     entry = dict(name=name, **info,
                  requests=first.num_requests, prompt_tokens=first.prompt_tokens,
                  output_tokens=first.output_tokens,
@@ -73,20 +118,81 @@ def summarize(name: str, info: dict, runs: list[RunResult], roofline: dict, sequ
     entry["memory_increase_bytes"] = med(lambda r: r.memory_increase_bytes)
     entry["roofline"] = roofline
     entry["fraction_of_roofline"] = entry["output_tok_per_s"] / roofline["tok_per_s"]
+    entry["rounds_spread"] = spread
+    entry["rounds_agree"] = None if spread is None else spread <= spread_limit
     entry["runs"] = per_run
     return entry
 
 
+def shown_tok_per_s(value: float) -> float:
+    """Output tok/s as every table shows it, with one decimal."""
+    return float(f"{value:.1f}")
+
+
+def speedup(tok_per_s: float, baseline_tok_per_s: float) -> float:
+    """The speedup of a median output tok/s over the baseline's: the ratio of the two numbers as
+    a table shows them, so that it agrees with the numbers beside it (the exact ratio where the
+    baseline shows as 0.0)."""
+    shown, base = shown_tok_per_s(tok_per_s), shown_tok_per_s(baseline_tok_per_s)
+    return shown / base if base else tok_per_s / baseline_tok_per_s
+
+
 def speedups(engines: list[dict], baseline: str) -> dict:
-    """Each engine's output tokens/s over the baseline's, *round by round*: repeat k of every
-    engine ran back to back, so a slow spell of the machine hits both sides of the ratio. The
-    median of the per-round ratios is reported."""
-    base = next(e for e in engines if e["name"] == baseline)
-    out = {}
-    for e in engines:
-        ratios = [r["output_tok_per_s"] / b["output_tok_per_s"] for r, b in zip(e["runs"], base["runs"])]
-        out[e["name"]] = float(statistics.median(ratios))
-    return out
+    """Each engine's speedup over the baseline engine (`speedup`): its median output tok/s over
+    the baseline's median, as the table shows them."""
+    base = next(e for e in engines if e["name"] == baseline)["output_tok_per_s"]
+    return {e["name"]: speedup(e["output_tok_per_s"], base) for e in engines}
+
+
+def disagreeing(report: dict) -> list[dict]:
+    """The engines of a report whose rounds spread wider than the report's limit."""
+    return [e for e in report["engines"] if e.get("rounds_agree") is False]
+
+
+def rounds_warning(e: dict, limit: float) -> str:
+    """One engine's rounds that disagree, in words."""
+    tok = [r["output_tok_per_s"] for r in e["runs"] if r.get("used", True)]
+    return (f"{e['name']}'s rounds ran at {min(tok):,.1f} to {max(tok):,.1f} output tok/s, "
+            f"{e['rounds_spread']:.2f}x apart (more than {limit:.2f}x)")
+
+
+def report_to_show(live: dict, committed: str, log: TextIO | None = None) -> dict:
+    """The report a notebook prints beside a claim: `live` when every engine's rounds agree,
+    otherwise the committed report `docs/assets/bench/<committed>` (the one the lesson's table
+    comes from), saying why and naming the machine it was measured on.
+
+    One round per engine cannot show that the machine was quiet, so it is not enough either.
+
+    Args:
+        live: A report from `run_bench`, just measured.
+        committed: The file name of a report in docs/assets/bench/, e.g. "latency.json".
+        log: Where to say which report is shown (default: standard output).
+
+    Returns:
+        The report to show: `live` or the committed one.
+
+    Raises:
+        ValueError: If the committed report is not there (a clone of the repository has it).
+    """
+    log = sys.stdout if log is None else log
+    agree = [e.get("rounds_agree") for e in live["engines"]]
+    if all(a is True for a in agree):
+        return live
+    path = COMMITTED_REPORTS / committed
+    if not path.is_file():
+        raise ValueError(f"committed: no report {committed!r} in {COMMITTED_REPORTS} "
+                         "(the notebooks run from a clone of the repository)")
+    limit = live.get("rounds", {}).get("spread_limit", ROUNDS_SPREAD_LIMIT)
+    if any(a is False for a in agree):
+        why = "; ".join(rounds_warning(e, limit) for e in disagreeing(live))
+        log.write(f"This machine is busy: {why}. Numbers measured now cannot back the text.\n")
+    else:
+        log.write("One round per engine cannot show that the machine was quiet.\n")
+    shown = json.loads(path.read_text())
+    m = shown["machine"]
+    log.write(f"Shown instead: the committed report docs/assets/bench/{committed}, measured on "
+              f"{cpu_name(m)} ({m['cores']} cores){', ' + m['gpu'] if m.get('gpu') else ''}.\n")
+    return shown
 
 
 # -- the table -----------------------------------------------------------------------------------
@@ -121,13 +227,14 @@ def format_table(report: dict) -> str:
          f"load average {_fmt(m.get('load_average_1min_before'), digits=2)} before, "
          f"{_fmt(m.get('load_average_1min_after'), digits=2)} after"),
         (f"median of {report['repeat']} run(s) each{', after a warm-up' if report['warmup'] else ''}; "
-         f"speedup = output tok/s over {report['ratios']['baseline']}'s, from the same rounds"),
+         f"speedup = out tok/s over {report['ratios']['baseline']}'s, the numbers shown"),
         "",
     ]
     prefix = w["name"] == "prefix"
+    ratios = speedups(report["engines"], report["ratios"]["baseline"])
     cols = [("engine", lambda e: e["label"]),
             ("out tok/s", lambda e: _fmt(e["output_tok_per_s"])),
-            ("speedup", lambda e: _fmt(report["ratios"]["output_tok_per_s"][e["name"]], digits=2, suffix="x")),
+            ("speedup", lambda e: _fmt(ratios[e["name"]], digits=2, suffix="x")),
             ("wall s", lambda e: _fmt(e["wall_s"], digits=2))]
     if prefix:
         cols += [("TTFT cold ms", lambda e: _fmt(e["ttft_cold_s"], 1e3)),
@@ -158,6 +265,11 @@ def format_table(report: dict) -> str:
         lines.append("start-up, engine built + its first request's first token: " + ", ".join(
             f"{e['name']} {e['startup']['load_s']:.2f} + {e['startup']['first_token_s'] - e['startup']['load_s']:.2f} s"
             for e in starts))
+    loose = disagreeing(report)
+    if loose:
+        limit = report.get("rounds", {}).get("spread_limit", ROUNDS_SPREAD_LIMIT)
+        lines += ["", "WARNING: the rounds disagree, the machine was loaded; measure again on an idle machine:"]
+        lines += [f"  {rounds_warning(e, limit)}" for e in loose]
     return "\n".join(lines)
 
 
@@ -197,7 +309,7 @@ def plot_report(report: dict) -> Figure:
     """Draw a report: the picture `--plot` saves, and the one the notebooks show.
 
     Two panels. Left, output tokens/s per engine (bars: the median; whiskers: the fastest and
-    slowest repeat; labels: speedup over the baseline's median and fraction of roofline). Right, the
+    slowest of the rounds the median comes from; labels: speedup over the baseline's median and fraction of roofline). Right, the
     latencies: TTFT and TPOT medians, or for the prefix workload TTFT cold against cached.
 
     The figure is made without pyplot (no window, nothing left open in pyplot's list of
@@ -223,14 +335,14 @@ def plot_report(report: dict) -> Figure:
     ax1, ax2 = fig.subplots(1, 2)
 
     tps = [e["output_tok_per_s"] for e in engines]
-    lo = [min(r["output_tok_per_s"] for r in e["runs"]) for e in engines]
-    hi = [max(r["output_tok_per_s"] for r in e["runs"]) for e in engines]
+    used = [[r["output_tok_per_s"] for r in e["runs"] if r.get("used", True)] for e in engines]
+    lo, hi = [min(u) for u in used], [max(u) for u in used]
     colors = ["tab:gray" if e["kind"] == "hf" else "tab:purple" for e in engines]
     ax1.bar(x, tps, color=colors, yerr=[np.subtract(tps, lo), np.subtract(hi, tps)], capsize=4)
-    # the ratio of the medians drawn, so a label agrees with the bars (and with the pages' tables)
-    base = next(e["output_tok_per_s"] for e in engines if e["name"] == report["ratios"]["baseline"])
+    # the ratio of the medians drawn, so a label agrees with the bars (and with the tables)
+    ratios = speedups(engines, report["ratios"]["baseline"])
     for i, e in enumerate(engines):
-        ratio = e["output_tok_per_s"] / base
+        ratio = ratios[e["name"]]
         ax1.annotate(f"{ratio:.2f}x\n{_percent(e['fraction_of_roofline'])}\nof roofline",
                      (i, hi[i]), ha="center", va="bottom", fontsize=8, xytext=(0, 3),
                      textcoords="offset points")
