@@ -54,7 +54,7 @@ QUICK_SOURCE = {
     "03_continuous_batching": [("answer_lengths = [6, 40, 12, 30, 8, 24, 16, 36]",
                                 "answer_lengths = [3, 20, 6, 15, 4, 12, 8, 18]"), ("n=16):", "n=6):")],
     # timing the verify pass three times, and 20,000 / 4,000 draws of the rejection sampler in Python
-    "06_speculative_decoding": [("repeat=3", "repeat=1"), ("n = 20000", "n = 4000"),
+    "06_speculative_decoding": [("context=128, repeat=3", "context=128, repeat=1"), ("n = 20000", "n = 4000"),
                                 ("passes = 4000", "passes = 800")],
 }
 

@@ -8,7 +8,7 @@ measures the machine's limits in the same run, and reports each engine against t
     hf.py          the Hugging Face transformers peer (left-padded static batches)
     machine.py     the machine: CPU/GPU, measured memory bandwidth and matmul rate, peak memory
     roofline.py    the decode roofline: the fastest decoding could be on this machine
-    harness.py     warm-up, interleaved repeats, medians, ratios from the same rounds
+    harness.py     warm-up, interleaved repeats, rounds that agree (or extra rounds), medians
     report.py      the table, the JSON report and the plot
     cli.py         the `tinyvllm bench` flags
 
