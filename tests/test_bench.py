@@ -69,7 +69,8 @@ ENGINE_FIELDS = ("name", "kind", "label", "dtype", "device", "requests", "prompt
                  "output_tokens", "wall_s", "output_tok_per_s", "total_tok_per_s", "requests_per_s",
                  "ttft_s", "tpot_s", "ttft_cold_s", "ttft_cached_s", *STATS_KEYS,
                  "prefix_cache_hit_rate", "kv_token_utilization", "peak_memory_bytes",
-                 "memory_increase_bytes", "roofline", "fraction_of_roofline", "runs", "startup")
+                 "memory_increase_bytes", "roofline", "fraction_of_roofline", "runs", "startup",
+                 "rounds_spread", "rounds_agree")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
