@@ -29,10 +29,10 @@ if TYPE_CHECKING:  # matplotlib is optional: imported when a plot is drawn
     from matplotlib.figure import Figure
 
 # The widest an engine's rounds may spread (fastest over slowest output tok/s) and still agree.
-# On the idle machines of the committed CPU reports, 28 of 29 reports' engines spread less than
-# 1.2x (the widest: 1.27x); rounds on a loaded 2-core machine spread 5x to 10x. And the smallest
-# gain a lesson claims from a phase over the one below is about 1.3x (continuous batching at 4
-# seats): rounds that spread wider than the gain cannot show it.
+# In the committed CPU reports of several rounds (docs/assets/bench/), 68 of 70 engines' rounds
+# spread at most 1.25x, 66 at most 1.2x; rounds on a loaded 2-core machine spread 5x to 10x. And
+# the smallest gain a lesson claims from a phase over the one below is about 1.3x (continuous
+# batching at 4 seats): rounds that spread wider than the gain cannot show it.
 ROUNDS_SPREAD_LIMIT = 1.25
 
 # The committed reports the lessons' tables come from (present in a clone of the repository).
