@@ -217,11 +217,22 @@ def rungs(spec: dict) -> list[dict]:
 
 def render_rungs(spec: dict) -> str:
     """Each phase on the workload it exists for, one row per rung: its speedup over the phase
-    below in one report, the machine named on each row (each rung comes from its own report)."""
-    body = [[r["new"]["label"], _settings(r["new"]) or "-", r["workload"], r["old"]["label"], _num(r["old_tok_s"]),
-             _num(r["tok_s"]), f"{r['speedup']:.2f}x", r["machine"]] for r in rungs(spec)]
-    header = ["phase", "with", "workload", "over", "tok/s below", "tok/s", "speedup", "measured on"]
-    return _markdown(header, body) + "\n"
+    below in one report. Rungs of one machine: the machine named once, above the table; of
+    several (each rung comes from its own report): on each row."""
+    rows = rungs(spec)
+    machines = [load(src)["machine"] for src in _rung_reports(spec)]
+    one = all(same_machine(m, machines[0]) for m in machines)
+    body = [[r["new"]["label"], _settings(r["new"]) or "default settings", r["workload"], r["old"]["label"],
+             _num(r["old_tok_s"]), _num(r["tok_s"]), f"{r['speedup']:.2f}x"] + ([] if one else [r["machine"]])
+            for r in rows]
+    header = ["phase", "with", "workload", "over", "tok/s below", "tok/s", "speedup"] + ([] if one else ["measured on"])
+    first = load(_rung_reports(spec)[0])
+    caption = f"*Measured on a {machine_line(first['machine'], first.get('limits'))}.*\n\n" if one else ""
+    return caption + _markdown(header, body) + "\n"
+
+
+def _rung_reports(spec: dict) -> list[str]:
+    return [item.partition("=")[0].partition("@")[2].strip() for item in spec["rungs"]]
 
 
 def plot_rungs(spec: dict, path: Path) -> None:
@@ -239,20 +250,27 @@ def plot_rungs(spec: dict, path: Path) -> None:
     y = list(range(len(rows)))[::-1]
     gpu = ["tab:green" if "NVIDIA" in r["machine"] else "tab:purple" for r in rows]
     ax.barh(y, [r["speedup"] for r in rows], color=gpu)
+    if "tab:green" in gpu:   # the legend says which bars ran on a GPU (the GPU runs used random weights)
+        from matplotlib.patches import Patch
+        ax.legend(handles=[Patch(color="tab:purple", label="CPU, the default model"),
+                           Patch(color="tab:green", label="GPU, random weights in its shapes")],
+                  loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8)
+    one = len({r["machine"] for r in rows}) == 1   # one machine: named in the title, not on each bar
     for yi, r in zip(y, rows):
-        ax.annotate(f"{r['speedup']:.2f}x  {r['machine']}", (r["speedup"], yi), xytext=(4, 0),
-                    textcoords="offset points", va="center", fontsize=8)
+        ax.annotate(f"{r['speedup']:.2f}x" + ("" if one else f"  {r['machine']}"), (r["speedup"], yi),
+                    xytext=(4, 0), textcoords="offset points", va="center", fontsize=8)
     names = [f"{r['new']['label'].split(' (')[0]} over {r['old']['label'].split(' (')[0]}: "
              + (r["label"] or textwrap.shorten(_settings(r["new"]) or r["workload"].split(",")[0], 34)) for r in rows]
     ax.set_yticks(y, names, fontsize=8)
     ax.set_xscale("log")
-    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([1, 2, 5, 10]))
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.5, 1, 2, 5, 10]))
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    ax.axvline(1, color="gray", lw=0.8)
-    ax.set_xlim(0.8, max(r["speedup"] for r in rows) * 4)
+    ax.axvline(1, color="gray", lw=0.8)   # a bar left of it: the setting costs on that workload
+    ax.set_xlim(min(0.8, min(r["speedup"] for r in rows) * 0.8), max(r["speedup"] for r in rows) * 6)
     ax.set_xlabel("output tokens/s over the phase below (log scale)")
-    ax.set_title("Each phase on the workload it exists for", fontsize=10)
+    ax.set_title("Each phase on the workload it exists for" + (f", on {rows[0]['machine']}" if one else ""),
+                 fontsize=10)
     fig.savefig(path, dpi=110)
 
 
