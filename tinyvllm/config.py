@@ -226,11 +226,6 @@ class EngineConfig:
             raise ValueError(f"master_port must be a TCP port (1-65535), got {self.master_port}")
         if not isinstance(self.master_addr, str) or not self.master_addr.strip():
             raise ValueError(f"master_addr must be a host name or address, got {self.master_addr!r}")
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"node_rank must be below nnodes ({self.nnodes}), got {self.node_rank}")
-        if self.tensor_parallel_size % self.nnodes:
-            raise ValueError(f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of "
-                             f"nnodes ({self.nnodes}): every host runs as many ranks")
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         for name in ("enable_chunked_prefill", "enable_prefix_caching", "batch_invariant", "enforce_eager",
                      "disable_log_stats"):

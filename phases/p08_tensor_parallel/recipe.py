@@ -22,6 +22,7 @@ from phases.p07_cuda_graphs import RECIPE as PHASE7
 from tinyvllm.weights import load_model
 
 from .executor import TensorParallelExecutor, broadcast_decode_runs
+from .worker import check_hosts
 from .layers import TensorParallelLlama, shard_model
 from .parallel import TensorParallelGroup, available_cores, rank_device, shared_token
 
@@ -42,6 +43,7 @@ class ShardedLoader:
 def check_ranks(setup: EngineSetup) -> None:
     c = setup.config
     world = c.tensor_parallel_size
+    check_hosts(c)
     if c.nnodes > 1 and setup.tensor_parallel_rank == 0:
         if c.node_rank != 0:
             raise ValueError(f"node_rank={c.node_rank}: the engine runs on node 0; on this host start only "

@@ -188,11 +188,21 @@ def wait_ready(store, ranks: dict, token: bytes, timeout_s: float, late_hint: st
                                f"token (another engine, or a host with another {TOKEN_ENV}?)")
 
 
+def check_hosts(config: EngineConfig) -> None:
+    """The hosts' arguments together: this host among them, and as many ranks on each."""
+    if config.node_rank >= config.nnodes:
+        raise ValueError(f"node_rank must be below nnodes ({config.nnodes}), got {config.node_rank}")
+    if config.tensor_parallel_size % config.nnodes:
+        raise ValueError(f"tensor_parallel_size ({config.tensor_parallel_size}) must be a multiple of "
+                         f"nnodes ({config.nnodes}): every host runs as many ranks")
+
+
 def run_node(model_path: str, engine_args: dict) -> int:
     """Host `node_rank` (>= 1) of an engine over `nnodes` hosts: start this host's ranks, which
     join node 0's rendezvous at master_addr:master_port, and wait until they stop (vLLM's
     `--headless`). The engine itself (its scheduler, sampler and server) runs on node 0."""
     config = EngineConfig.from_kwargs(**engine_args)
+    check_hosts(config)
     if config.nnodes == 1 or config.node_rank == 0:
         raise ValueError("run_node is for hosts 1 .. nnodes-1 of an engine over several hosts "
                          f"(got nnodes={config.nnodes}, node_rank={config.node_rank})")

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from phases.p08_tensor_parallel.parallel import TensorParallelGroup, take_token
+from phases.p08_tensor_parallel.parallel import TensorParallelGroup, open_store, take_token
 from phases.p08_tensor_parallel.worker import worker_env
 from tinyvllm.entrypoints.bench.machine import machine_info
 
@@ -38,7 +38,7 @@ def run_rank(rank: int, store_path: str, token: bytes, hidden: int, batches: lis
              repeat: int) -> list[dict]:
     torch.set_num_threads(1)
     group = TensorParallelGroup(rank, 2)
-    group.connect(group.store(store_path), token)
+    group.connect(open_store("file:" + store_path, 2, is_master=rank == 0), token)
     rows = []
     for b in batches:
         x = torch.randn(b, hidden)
