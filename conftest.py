@@ -16,6 +16,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The notebooks run in a background kernel beside the tests (below). OpenMP threads that spin
+# while they wait for work keep a core busy that the other process needs: beside a busy kernel a
+# test of many small steps ran twice as long. Waiting passively gives the core back. Set before
+# torch loads OpenMP; the notebooks' kernels and every subprocess inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
