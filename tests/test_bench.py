@@ -524,6 +524,22 @@ def test_hf_peer_counts_only_the_tokens_asked_for(tiny_model_dir):
     assert report["ratios"]["output_tok_per_s"]["hf"] == 1.0
 
 
+def test_peer_dtype_own_runs_transformers_as_it_loads(tiny_model_dir, tmp_path):
+    """--peer-dtype own: the peer in the dtype it picks when not told (here a checkpoint whose
+    config says bfloat16), not the engines' float32; engine (the default) casts it to theirs."""
+    pytest.importorskip("transformers", reason="the hf peer needs transformers: pip install -e '.[dev]'")
+    import shutil
+    folder = shutil.copytree(tiny_model_dir, tmp_path / "bf16")
+    config = json.loads((folder / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config))
+    for peer_dtype, want in (("own", "bfloat16"), ("engine", "float32")):
+        runners = load_runners(str(folder), [1], {"dtype": "float32"}, ["hf"], peer_dtype=peer_dtype)
+        assert runners[1].describe()["dtype"] == want, peer_dtype
+    with pytest.raises(ValueError, match="--peer-dtype"):
+        load_runners(str(folder), [1], {}, ["hf"], peer_dtype="fp8")
+
+
 def test_prefix_workload_cold_against_cached(tiny_model_dir, tmp_path):
     w = workload_for(tiny_model_dir, "prefix", num_prompts=3, prefix_len=16, input_len="3", output_len="2")
     runners = load_runners(str(tiny_model_dir), REGISTERED, dict(block_size=4), [])

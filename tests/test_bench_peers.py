@@ -147,8 +147,10 @@ FAKE_VLLM = textwrap.dedent('''
             self.request_id, self.outputs = rid, [_Completion(ids)]
 
     class _Engine:
-        def __init__(self, max_num_seqs):
+        def __init__(self, max_num_seqs, dtype):
             self.max_num_seqs, self.live = max_num_seqs, {}
+            # "auto" resolves as vLLM's CPU backend does on a CPU with bfloat16
+            self.model_config = type("ModelConfig", (), {"dtype": "torch." + ("bfloat16" if dtype == "auto" else dtype)})
 
         def add_request(self, rid, prompt, params):
             assert params.temperature == 0.0 and params.ignore_eos
@@ -171,7 +173,7 @@ FAKE_VLLM = textwrap.dedent('''
     class LLM:
         def __init__(self, model, dtype, max_num_seqs, max_model_len, seed):
             print("vLLM logs to stdout; the protocol must not see this")
-            self.llm_engine = _Engine(max_num_seqs)
+            self.llm_engine = _Engine(max_num_seqs, dtype)
 ''')
 
 
@@ -197,6 +199,13 @@ def test_the_vllm_worker_drives_the_engine_loop(tiny_model_dir, fake_llama, tmp_
         assert sent == [list(r.prompt_token_ids) for r in wl.requests]
         if not wl.sequential:   # two seats: the last two requests waited for the first two
             assert min(res.ttft_s[2:]) > max(res.ttft_s[:2])
+    # --peer-dtype own: vLLM's dtype="auto", and what it became, in the report and the roofline
+    runner = VllmRunner(str(tiny_model_dir), sys.executable, None, 2, 64)
+    try:
+        assert runner.describe()["dtype"] == "bfloat16" and runner.kv_bytes_per_element == 2
+        assert runner.weight_bytes == 2 * sum(p.numel() for p in LLM(str(tiny_model_dir)).llm_engine.model.parameters())
+    finally:
+        runner.close()
 
 
 def test_the_command_line_runs_the_peer_and_writes_its_report(tiny_model_dir, fake_llama, tmp_path):

@@ -189,9 +189,11 @@ class EngineConfig:
     # phase 7: CUDA graphs (None: 1, 2, 4, 8, then every 8 up to max_num_seqs)
     enforce_eager: bool = False
     cudagraph_capture_sizes: list[int] | None = None
-    # phase 7 on a CPU: 1 compiles the decode step with torch.compile (vLLM's CompilationMode
-    # numbering: 0 NONE, 1 STOCK_TORCH_COMPILE); 0 runs it eagerly
-    compilation_mode: int = 0
+    # phase 7 on a CPU: 1 compiles the decode step with torch.compile before the first request
+    # (vLLM's CompilationMode numbering: 0 NONE, 1 STOCK_TORCH_COMPILE); 0 runs it eagerly;
+    # None (default): compiled in the background on a CPU while the engine serves eagerly, then
+    # switched to ($TINYVLLM_COMPILATION_MODE, when set, replaces the default)
+    compilation_mode: int | None = None
     # phase 8: tensor parallelism (ranks, each with its share of the weights and the KV cache)
     tensor_parallel_size: int = 1
     # phase 8 over several hosts (vLLM's names): host `node_rank` of `nnodes` runs
@@ -235,9 +237,11 @@ class EngineConfig:
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("quantization_group_size", self.quantization_group_size, (None, *QUANTIZATION_GROUP_SIZES))
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        if type(self.compilation_mode) is not int or self.compilation_mode not in (0, 1):
-            raise ValueError(f"compilation_mode must be 0 (eager) or 1 (torch.compile of the decode "
-                             f"step), got {self.compilation_mode!r}")
+        if self.compilation_mode is not None and (type(self.compilation_mode) is not int
+                                                  or self.compilation_mode not in (0, 1)):
+            raise ValueError(f"compilation_mode must be 0 (eager), 1 (torch.compile of the decode "
+                             f"step, before the first request) or None (compiled in the background), "
+                             f"got {self.compilation_mode!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise TypeError(f"speculative_config must be a dict or None, got {self.speculative_config!r}")
         sizes = self.cudagraph_capture_sizes

@@ -19,6 +19,7 @@ and `QuantizedLinear.choose_kernel` picks another kernel.
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import torch
@@ -49,9 +50,10 @@ def vnni_available() -> bool:
     return VNNI.available()
 
 
-class _Scratch:
-    """Space for x in integers, grown as needed and reused between calls (one per process: the
-    engine runs one product at a time)."""
+class _Scratch(threading.local):
+    """Space for x in integers, grown as needed and reused between calls (one per thread: a
+    thread runs one product at a time, and phase 7's background compile runs products beside
+    the serving loop's)."""
 
     def __init__(self):
         self.t: dict[str, torch.Tensor] = {}

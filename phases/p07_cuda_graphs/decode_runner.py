@@ -122,8 +122,9 @@ class DecodeRunner:
         self.model, self.buf, self.attention, self.fixed_shapes = model, buffers, attention, fixed_shapes
         self.model_forward = partial(decode_forward, model) if fused_model(model) else model
 
-    def run(self, bucket: int) -> torch.Tensor:
-        b = self.buf
+    def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
+        """The forward on the first `bucket` rows of `buf` (the runner's own buffers unless given)."""
+        b = self.buf if buf is None else buf
         hidden = self.model_forward(b.input_ids[:bucket], b.positions[:bucket],
                                     self.attention(b.metadata(bucket, self.fixed_shapes)))  # (bucket, D)
         return self.model.compute_logits(hidden)                                          # (bucket, V)

@@ -3,17 +3,18 @@ as CUDA graphs on a GPU and by a compiled forward on a CPU.
 
     model       each layer's q/k/v and gate/up projections fused into one product each, float or
                 phase 5's int8/int4 (`fuse_projections`: the same outputs bit for bit, fewer
-                operator calls); with `compilation_mode=1`, phase 5's quantized layers wrapped
-                so the compiler sees each as one operator (`make_opaque`)
+                operator calls); where the step is compiled, phase 5's quantized layers
+                wrapped so the compiler sees each as one operator (`make_opaque`)
     allocator   the phase before's, less the pool's last block: the scratch block that the
                 padded rows of a bucket write to, which no sequence ever owns
     runner      `StaticModelRunner`: a decode-only step (every request computes just its newest
                 token) runs on the persistent `InputBatch` and the `StaticDecodeBuffers`, padded
                 to a bucket of `cudagraph_capture_sizes`, through a decode runner: one CUDA graph
                 per bucket on a GPU (`CudaGraphDecodeRunner`), on a CPU the same forward eagerly
-                (`DecodeRunner`) or compiled by torch.compile (`compilation_mode=1`,
-                `CompiledDecodeRunner`). Each attends through the attention part the recipe
-                chose (phase 4's Triton kernels on a GPU). Every other step (prefill chunks,
+                (`DecodeRunner`) or compiled by torch.compile (`CompiledDecodeRunner`: by
+                default in the background while the engine serves eagerly, before the first
+                request with `compilation_mode=1`, never with 0). Each attends through the
+                attention part the recipe chose (phase 4's Triton kernels on a GPU). Every other step (prefill chunks,
                 drafts, more requests than the largest bucket) runs on the phase before's runner.
 
 The sampler is the one sampler: it takes the batch's parameters as tensors from the persistent
@@ -21,6 +22,8 @@ batch. `enforce_eager=True` leaves every part as phase 6 has it.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -45,6 +48,25 @@ def capture_sizes(setup: EngineSetup) -> list[int]:
     return c.cudagraph_capture_sizes or default_capture_sizes(c.max_num_seqs)
 
 
+def compile_when(setup: EngineSetup) -> str | None:
+    """When this engine compiles its decode step: "start" (compilation_mode=1), "background" (the
+    default on a CPU), or None (eager: compilation_mode=0, a GPU, enforce_eager, several ranks).
+    $TINYVLLM_COMPILATION_MODE (0 or 1), when set, stands for an unset compilation_mode."""
+    c = setup.config
+    mode = c.compilation_mode
+    if mode is None:
+        env = os.environ.get("TINYVLLM_COMPILATION_MODE", "")
+        if env not in ("", "0", "1"):
+            raise ValueError(f"TINYVLLM_COMPILATION_MODE must be 0 or 1 (or unset), got {env!r}")
+        if env:
+            mode = int(env)
+        elif setup.device.type == "cpu" and c.tensor_parallel_size == 1 and not c.enforce_eager:
+            return "background"
+    if not mode or c.enforce_eager or setup.device.type != "cpu" or c.tensor_parallel_size > 1:
+        return None
+    return "start"
+
+
 def check_static(setup: EngineSetup) -> None:
     c = setup.config
     if c.enforce_eager:
@@ -61,7 +83,7 @@ def make_model(setup: EngineSetup, parts: Parts):
     model = PHASE6.model(setup, parts)
     if not setup.config.enforce_eager:
         fuse_projections(model)
-        if setup.config.compilation_mode:
+        if compile_when(setup):
             make_opaque(model)
     return model
 
@@ -75,12 +97,15 @@ def make_allocator(setup: EngineSetup, parts: Parts):
 
 def make_decode_runner(setup: EngineSetup, parts: Parts, buffers: StaticDecodeBuffers):
     """What runs a decode step on the static buffers: a CUDA graph per bucket on a GPU; on a CPU
-    the same forward compiled by torch.compile (`compilation_mode=1`) or eagerly."""
+    the same forward compiled by torch.compile (in the background by default, at start with
+    `compilation_mode=1`) or eagerly (`compilation_mode=0`)."""
     attention = parts.attention
     if setup.device.type == "cuda" and getattr(attention, "func", None) not in NOT_CAPTURABLE:
         return CudaGraphDecodeRunner(parts.model, buffers, attention)
-    if setup.config.compilation_mode:
-        return CompiledDecodeRunner(parts.model, buffers, attention, capture_sizes(setup))
+    when = compile_when(setup)
+    if when:
+        return CompiledDecodeRunner(parts.model, buffers, attention, capture_sizes(setup),
+                                    background=when == "background")
     return DecodeRunner(parts.model, buffers, attention)
 
 

