@@ -13,63 +13,69 @@ Two kinds of call stay opaque inside the graph, each through an operator registe
 graph in two; an operator is called by the compiled graph as PyTorch's own are, and its *fake*
 version tells the compiler the output's shape without running it):
 
-- phase 5's quantized layers (`torch.ops.tinyvllm.opaque_linear(x, handle, out_features)`):
+- phase 5's quantized layers (`torch.ops.tinyvllm.opaque_linear(x, index, out_features)`):
   `make_opaque` wraps each `QuantizedLinear` so that, while compiling, it becomes this operator,
-  which runs the layer as it runs eagerly (its C product) on the rows it is given;
-- attention, `torch.ops.tinyvllm.unified_attention(q, k, v, context, layer_idx)`: it writes the
-  step's K/V into the cache and attends through the recipe's attention part for this step (any
-  phase's: paged, int8 KV, batch-invariant), found in a *forward context* set before the graph
-  runs. The KV cache is not an input of the graph: a compiled graph that mutates a tensor it
-  was given copies it back at every call (a cache of hundreds of MB).
+  which runs the model's layer number `index` as it runs eagerly (its C product);
+- attention, `torch.ops.tinyvllm.unified_attention(q, k, v, layer_idx)`: it writes the step's
+  K/V into the cache and attends through the recipe's attention part for this step (any phase's:
+  paged, int8 KV, batch-invariant). Both find what they need in the *forward context* (`_STEP`,
+  the thread's own) that the runner sets before the graph runs. The KV cache is not an input of
+  the graph: a compiled graph that mutates a tensor it was given copies it back at every call.
 
-Shapes: the graph is compiled twice (`warm_up`): once for batch 1 (what latency runs) and once
-for every larger bucket (the batch dimension marked dynamic). Inductor keeps what it compiled
-under `$TINYVLLM_CACHE/inductor`, so a second start reads it back instead of compiling for a
-minute; TorchDynamo's trace is redone at each start (seconds). Before each call TorchDynamo
-checks the graph's *guards* (that the inputs still have the shapes, dtypes and objects the
-graph was traced with), a fraction of a millisecond.
+Shapes: two graphs (`make_graph`), one for batch 1 (what latency runs) and one for every larger
+bucket (the batch dimension marked dynamic). Each is compiled ahead of its use
+(`torch.compile(...).aot_compile`) and saved whole, TorchDynamo's trace and guards with
+inductor's code, under `$TINYVLLM_CACHE/compiled` (`save_compiled_function`; the key: the
+model's shapes, this CPU, torch and the source), so an engine of the same model reads them back
+in about a second instead of tracing (seconds) and compiling (a minute). The guards are checked
+once when a graph is read; the runner calls each graph only with its own shape.
 
-When: `compilation_mode=1` compiles both graphs before the engine takes its first request, as
-vLLM does. By default (`compilation_mode=None`) a thread compiles them in the *background*
-while the engine serves: every decode step runs eagerly until both graphs are ready, then
-compiled; the first request never waits for the compiler. The thread compiles on rows of
-its own (`warm_buf`, padding in the scratch block), never on the buffers the serving loop
-fills, and the eager step and the compiled one give the same tokens (the checkpoint's tests),
-so the switch shows only in the speed. A compile that fails leaves the engine eager, warned once.
+When: `compilation_mode=1` makes both graphs before the engine takes its first request, as vLLM
+does. By default (`compilation_mode=None`) the first request never waits: a thread reads the
+saved graphs while the engine serves, and where none are saved yet it first has a worker
+process compile and save them (`compile_worker`: a compile in a thread would hold the
+interpreter's lock and patch `nn.Module.__call__` under the serving loop). Decode steps run
+eagerly until both graphs are ready, then compiled; the two give the same tokens (the
+checkpoint's tests), so the switch shows only in the speed. A compile that fails leaves the
+engine eager, warned once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import threading
-import types
 import warnings
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from phases.p05_quantization import QuantizedLinear
 from tinyvllm.download import cache_dir
+from tinyvllm.hardware import cpu_flags
 
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
+from .fused import decode_forward, fused_model
 
-# context id -> the attention of the step now running (vLLM's forward context)
-_FORWARD_CONTEXT: dict[int, object] = {}
-_context_ids = itertools.count()
-# handle -> a layer that a compiled graph runs as one operator (registries, not state)
-_OPAQUE_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_layer_ids = itertools.count()
+# The step now running in this thread (vLLM's forward context): its attention and the model's
+# opaque layers, found by the operators below while a compiled graph runs. A thread's own, so a
+# background compile and the serving loop never see each other's.
+_STEP = threading.local()
 # background compiles now running, and the interpreter's switch interval before the first began
 _compiling = {"count": 0, "interval": None}
 _compiling_lock = threading.Lock()
-# While a thread compiles, the serving thread gives up the GIL at every PyTorch operator and
-# then waits for the compiling thread to hand it back: at most the switch interval (5 ms by
-# default), for each of a step's thousands of operators. A short interval keeps those waits
-# short (measured on a 2-core AVX2 EPYC: a 16-token request beside the compile took 21 s with
-# 5 ms, 4-7 s with 20 us, 2 s with no compile).
+# While the thread imports the compiler and reads the saved graphs (Python, seconds), the serving
+# thread gives up the GIL at every PyTorch operator and then waits for the thread to hand it
+# back: at most the switch interval (5 ms by default). A short interval shortens those waits
+# (measured on a 2-core AVX2 EPYC, saved graphs read while a first request of 128 prompt tokens
+# came in: its first token in 4.8 s with 5 ms, 3.0 to 3.2 s with 20 us, 0.8 s with no thread).
 COMPILING_SWITCH_INTERVAL = 2e-5
 
 
@@ -87,53 +93,53 @@ def _switch_interval_while_compiling(start: bool) -> None:
 
 
 @torch.library.custom_op("tinyvllm::opaque_linear", mutates_args=())
-def opaque_linear(x: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """The layer `handle` names, run eagerly on x (N, I) -> (N, out_features)."""
-    return _OPAQUE_LAYERS[handle](x)
+def opaque_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
+    """The model's opaque layer number `index`, run eagerly on x (N, I) -> (N, out_features)."""
+    return _STEP.layers[index](x)
 
 
 @opaque_linear.register_fake
-def _(x, handle, out_features):
+def _(x, index, out_features):
     return x.new_empty(x.shape[0], out_features)
 
 
 class OpaqueLinear(nn.Module):
     """A layer the compiler does not look into: eagerly, the layer itself; while compiling, the
-    operator `opaque_linear`, which calls it."""
+    operator `opaque_linear`, which calls it by its number in the model."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, index: int):
         super().__init__()
-        self.layer, self.handle = layer, next(_layer_ids)
+        self.layer, self.index = layer, index
         self.out_features = layer.out_features
-        _OPAQUE_LAYERS[self.handle] = layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return torch.ops.tinyvllm.opaque_linear(x, self.handle, self.out_features)
+            return torch.ops.tinyvllm.opaque_linear(x, self.index, self.out_features)
         return self.layer(x)
 
 
 def make_opaque(model: nn.Module) -> int:
-    """Wrap every `QuantizedLinear` of `model` in an `OpaqueLinear`, in place; returns how many."""
-    count = 0
+    """Wrap every `QuantizedLinear` of `model` in an `OpaqueLinear`, in place, numbered in the
+    model's order (`model.opaque_layers`: the same numbers in every process); returns how many."""
+    layers = []
     for name, m in list(model.named_modules()):
         if type(m) is QuantizedLinear:
             parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m))
-            count += 1
-    return count
+            setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m, len(layers)))
+            layers.append(m)
+    model.opaque_layers = layers
+    return len(layers)
 
 
 @torch.library.custom_op("tinyvllm::unified_attention", mutates_args=())
-def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: int,
-                      layer_idx: int) -> torch.Tensor:
+def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
     """Write k, v (N, KVH, d) into the cache and attend with q (N, H, d) -> (N, H, d), through
-    the attention backend of the step that `context` names."""
-    return _FORWARD_CONTEXT[context](layer_idx, q, k, v).contiguous()
+    the attention backend of the step running in this thread."""
+    return _STEP.attention(layer_idx, q, k, v).contiguous()
 
 
 @unified_attention.register_fake
-def _(q, k, v, context, layer_idx):
+def _(q, k, v, layer_idx):
     return q.new_empty(q.shape)  # contiguous, as the real one returns
 
 
@@ -143,22 +149,61 @@ def use_inductor_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
+SOURCES = (Path(__file__).parents[2] / "tinyvllm", Path(__file__).parents[1])
+
+
+def compile_key(model: nn.Module, description: str) -> str:
+    """What a saved graph depends on: the model (its config, modules, parameters' and buffers'
+    shapes and dtypes), `description` (what else the engine says), this CPU's instruction sets
+    (inductor's loops are compiled for them), torch and Python, and the source of tinyvllm and
+    its phases (a changed line compiles again)."""
+    h = hashlib.sha256()
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    for part in (repr(getattr(model, "config", None)), description, " ".join(sorted(cpu_flags())),
+                 torch.__version__, sys.version,
+                 *(f"{n}:{type(m).__name__}" for n, m in model.named_modules()),
+                 *(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors)):
+        h.update(part.encode())
+    for root in SOURCES:
+        for f in sorted(root.rglob("*.py")):
+            h.update(f.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def compiled_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """What is compiled: the decode forward and the LM head, (B,) ids -> (B, V) logits."""
+    def attn(layer_idx, q, k, v):
+        return torch.ops.tinyvllm.unified_attention(q, k, v, layer_idx)
+
+    hidden = decode_forward(model, input_ids, positions, attn) if fused_model(model) else model(input_ids, positions, attn)
+    return model.compute_logits(hidden)
+
+
 class CompiledDecodeRunner(DecodeRunner):
     """`DecodeRunner` with the forward and the LM head compiled by torch.compile (inductor's C++
-    backend): one graph for batch 1, one for larger buckets, both compiled (or read from the
-    cache) by `warm_up` on the first two of `buckets`: before the engine starts, or with
-    `background=True` in a thread while `run` serves eagerly."""
+    backend): one graph for batch 1, one for every larger bucket, each read from the cache of
+    compiled graphs or compiled (and saved) by `warm_up` before the engine starts; or, with
+    `background`, the request a compile worker process is started with (if the cache lacks a
+    graph), by a thread that then reads the graphs while `run` serves eagerly. `description`:
+    what else the graphs depend on (part of the cache's key)."""
 
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, buckets: list[int],
-                 background: bool = False):
+                 background: dict | None = None, description: str = ""):
         super().__init__(model, buffers, attention)
         use_inductor_cache()
-        self.context = next(_context_ids)
-        self.compiled = None                  # made by warm_up (importing the compiler takes seconds)
+        self.opaque_layers = getattr(model, "opaque_layers", [])
+        self.key = compile_key(model, description)
+        self.graphs: dict[bool, object] = {}  # batch 1 (True), every larger bucket (False)
+        self.num_loaded = self.num_compiled = 0
         self.shapes_seen: set[bool] = set()   # batch 1 (True), larger (False)
-        self.ready = threading.Event()        # set when both graphs are compiled
+        self.ready = threading.Event()        # set when every graph is made
         self.compile_error: BaseException | None = None
-        b, buckets = self.buf, buckets[:2]
+        # a bucket of each shape: 1, and the smallest above 1
+        first = {}
+        for bucket in buckets:
+            first.setdefault(bucket == 1, bucket)
+        buckets = sorted(first.values())
+        b = self.buf
         self.warm_buf = StaticDecodeBuffers(buckets[-1], b.block_tables.shape[1], b.block_size,
                                             b.scratch_block, b.input_ids.device)
         for bucket in buckets:
@@ -167,8 +212,9 @@ class CompiledDecodeRunner(DecodeRunner):
             self.pad_warm_rows(bucket)
             with torch.inference_mode():
                 super().run(bucket, self.warm_buf)
+        self.worker: subprocess.Popen | None = None
         if background:
-            self.thread = threading.Thread(target=self.warm_up, args=(buckets, True),
+            self.thread = threading.Thread(target=self.warm_up, args=(buckets, background),
                                            name="tinyvllm-compile", daemon=True)
             _switch_interval_while_compiling(True)
             self.thread.start()
@@ -180,12 +226,17 @@ class CompiledDecodeRunner(DecodeRunner):
         self.warm_buf.fill(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                            torch.full((1, 1), self.buf.scratch_block), torch.ones(1, dtype=torch.int64), bucket)
 
-    def warm_up(self, buckets: list[int], background: bool = False) -> None:
-        """Compile (or load from the cache) the graphs of these buckets, on `warm_buf`'s rows,
-        then mark the runner ready. In the background a failure is warned and the engine stays
-        eager; before the start it is raised."""
+    def warm_up(self, buckets: list[int], background: dict | None = None) -> None:
+        """Make the graph of each bucket's shape, run it once on `warm_buf`'s rows, then mark the
+        runner ready. In the background (`background`: the compile worker's request) graphs the
+        cache lacks are compiled by the worker first, and only read here; a failure is warned
+        and the engine stays eager. Before the start a failure is raised."""
         try:
-            self.compile(buckets)
+            if background and not all(self.graph_path(b).is_file() for b in buckets):
+                self.compile_in_worker(background)
+            for bucket in buckets:
+                self.make_graph(bucket, compile=not background)
+                self.run(bucket, self.warm_buf)
         except Exception as e:
             if not background:
                 raise
@@ -198,16 +249,62 @@ class CompiledDecodeRunner(DecodeRunner):
             if background:
                 _switch_interval_while_compiling(False)
 
-    def compile(self, buckets: list[int]) -> None:
-        """Make the compiled function and compile a graph for each bucket."""
-        # TorchDynamo keeps compiled graphs per code object, 8 at most: a copy of `forward`'s
-        # code for each runner keeps every engine of a process within its own graphs
-        forward = types.FunctionType(CompiledDecodeRunner.forward.__code__.replace(), globals())
-        self.compiled = torch.compile(types.MethodType(forward, self), fullgraph=True,
-                                      options={"cpp_wrapper": True})
-        for bucket in buckets:
-            self.pad_warm_rows(bucket)
-            self.run(bucket, self.warm_buf)
+    def compile_in_worker(self, request: dict) -> None:
+        """Run `compile_worker` on `request` and wait for it (see its docstring for why a
+        process); it is killed if this engine is collected or the interpreter exits first."""
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(request, f)
+        try:
+            self.worker = subprocess.Popen([sys.executable, str(Path(__file__).with_name("compile_worker.py")), f.name],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            weakref.finalize(self, self.worker.kill)
+            _, err = self.worker.communicate()
+        finally:
+            os.unlink(f.name)
+        if self.worker.returncode != 0:
+            last = (err or "").strip().splitlines()[-1:] or ["no message"]
+            raise RuntimeError(f"the compile worker exited with {self.worker.returncode}: {last[0]}")
+
+    def graph_path(self, bucket: int) -> Path:
+        return cache_dir() / "compiled" / f"decode-{self.key}-{'b1' if bucket == 1 else 'dynamic'}.bin"
+
+    @torch.inference_mode()
+    def make_graph(self, bucket: int, compile: bool = True) -> None:
+        """The graph for `bucket`'s shape: read from the cache (TorchDynamo's trace, its guards
+        and inductor's code, saved by `save_compiled_function`: no tracing, a second or so), or
+        (`compile`) traced, compiled and saved (a minute or more). A saved graph whose guards
+        refuse this engine's inputs is compiled again."""
+        self.pad_warm_rows(bucket)
+        ids, positions = self.warm_buf.input_ids[:bucket], self.warm_buf.positions[:bucket]
+        path, graph = self.graph_path(bucket), None
+        if path.is_file():
+            try:
+                with open(path, "rb") as f:
+                    graph = torch.compiler.load_compiled_function(f)
+                if not graph.guard_check(self.model, ids, positions):
+                    graph = None
+            except Exception:   # saved by another torch, or damaged: compile again
+                graph = None
+        if graph is not None:
+            self.num_loaded += 1
+        elif not compile:
+            raise RuntimeError(f"no usable compiled graph at {path}")
+        else:
+            if bucket > 1:  # one graph for every bucket above 1
+                torch._dynamo.mark_dynamic(ids, 0)
+                torch._dynamo.mark_dynamic(positions, 0)
+            compiler = torch.compile(compiled_forward, fullgraph=True, options={"cpp_wrapper": True})
+            graph = compiler.aot_compile(((self.model, ids, positions), {}))
+            self.num_compiled += 1
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                graph.save_compiled_function(str(path))
+            except Exception as e:  # the engine runs the graph all the same; the next start compiles
+                warnings.warn(f"the compiled decode step could not be saved to {path}: {e}",
+                              RuntimeWarning, stacklevel=1)
+        # checked once here; the runner calls each graph only with its own shape
+        graph.disable_guard_check()
+        self.graphs[bucket == 1] = graph
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile has finished (True) or failed (False)."""
@@ -216,33 +313,22 @@ class CompiledDecodeRunner(DecodeRunner):
             thread.join(timeout)
         return self.ready.is_set()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """What is compiled: the decode forward and the LM head, (B,) ids -> (B, V) logits."""
-        context = self.context
-
-        def attn(layer_idx, q, k, v):
-            return torch.ops.tinyvllm.unified_attention(q, k, v, context, layer_idx)
-
-        return self.model.compute_logits(self.model_forward(input_ids, positions, attn))
-
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
         """The compiled decode on the first `bucket` rows of the buffers -> logits (bucket, V);
-        the eager one while the graphs are still compiling. `buf`: the compile's own rows."""
+        the eager one while the graphs are still being made. `buf`: the compile's own rows."""
         if buf is None and not self.ready.is_set():
             return super().run(bucket)
         b = self.buf if buf is None else buf
-        # >>> exercise compiled_run (2 stars): Run the compiled graph on the first `bucket` rows of b: batch 1 with every shape fixed, any larger bucket through one graph whose batch dimension is dynamic, and this step's attention in the forward context while it runs.
-        # hint: torch._dynamo.mark_dynamic(t, 0) on the ids and positions views when bucket > 1 (so the first graph compiled for a larger bucket is already dynamic, not static and recompiled); record bucket == 1 in shapes_seen; _FORWARD_CONTEXT[self.context] = self.attention(b.metadata(bucket)), removed in a finally; call self.compiled under torch.inference_mode().
-        # checked by: test_compiled_step_gives_eager_tokens, test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket, test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile, test_every_engine_of_a_process_runs_its_own_graphs
+        # >>> exercise compiled_run (2 stars): Run the graph made for this bucket's shape on the first `bucket` rows of b, with this step's attention and the model's opaque layers in the thread's forward context while it runs.
+        # hint: self.graphs[bucket == 1] (batch 1 has a graph of its own, every larger bucket shares one whose batch dimension is dynamic); record bucket == 1 in shapes_seen; set _STEP.attention = self.attention(b.metadata(bucket)) and _STEP.layers = self.opaque_layers, the attention removed in a finally; call graph(self.model, ids, positions) under torch.inference_mode().
+        # checked by: test_compiled_step_gives_eager_tokens, test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket, test_every_engine_of_a_process_runs_its_own_graphs
         ids, positions = b.input_ids[:bucket], b.positions[:bucket]
-        if bucket > 1:  # one graph for every bucket above 1
-            torch._dynamo.mark_dynamic(ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
+        graph = self.graphs[bucket == 1]
         self.shapes_seen.add(bucket == 1)
-        _FORWARD_CONTEXT[self.context] = self.attention(b.metadata(bucket))
+        _STEP.attention, _STEP.layers = self.attention(b.metadata(bucket)), self.opaque_layers
         try:
             with torch.inference_mode():
-                return self.compiled(ids, positions)
+                return graph(self.model, ids, positions)
         finally:
-            del _FORWARD_CONTEXT[self.context]
+            del _STEP.attention
         # <<< exercise compiled_run

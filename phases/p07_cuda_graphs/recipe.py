@@ -67,6 +67,17 @@ def compile_when(setup: EngineSetup) -> str | None:
     return "start"
 
 
+def compile_request(setup: EngineSetup, parts: Parts) -> dict:
+    """What `compile_worker` builds to compile this engine's graphs: the same model, phase and
+    arguments, compiled before its start, without what does not shape the graph (a draft model;
+    a KV pool: just the blocks one sequence of max_model_len needs, plus the scratch block)."""
+    c = setup.config
+    args = {k: v for k, v in setup.engine_args.items() if k not in ("kv_cache_memory", "gpu_memory_utilization")}
+    args.update(compilation_mode=1, speculative_config=None, max_model_len=setup.max_model_len,
+                num_kv_blocks=cdiv(setup.max_model_len, c.block_size) + 1)
+    return {"model": str(setup.model_path), "phase": parts.phase, "engine_args": args}
+
+
 def check_static(setup: EngineSetup) -> None:
     c = setup.config
     if c.enforce_eager:
@@ -105,7 +116,8 @@ def make_decode_runner(setup: EngineSetup, parts: Parts, buffers: StaticDecodeBu
     when = compile_when(setup)
     if when:
         return CompiledDecodeRunner(parts.model, buffers, attention, capture_sizes(setup),
-                                    background=when == "background")
+                                    background=compile_request(setup, parts) if when == "background" else None,
+                                    description=str(setup.dtype))
     return DecodeRunner(parts.model, buffers, attention)
 
 

@@ -21,7 +21,6 @@ import threading
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from phases.p07_cuda_graphs.compiled import CompiledDecodeRunner
 from phases.p07_cuda_graphs.decode_runner import DecodeRunner
@@ -29,8 +28,13 @@ from tinyvllm import LLM, SamplingParams
 
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-NEW_GRAPH = ("a step compiled a graph of its own: the two graphs of the start must serve every bucket "
+NEW_GRAPH = ("a step made a graph of its own: the two graphs of the start must serve every bucket "
              "(batch 1, and every larger bucket through one graph whose batch dimension is marked dynamic)")
+
+
+def graphs_made(runner) -> tuple[int, set]:
+    """How many graphs the runner compiled or read, and which shapes (batch 1: True)."""
+    return runner.num_compiled + runner.num_loaded, set(runner.graphs)
 
 
 def tokens(llm, prompts, params=GREEDY):
@@ -44,12 +48,13 @@ def test_compiled_step_gives_eager_tokens(make_llm, tiny_model_dir, quantization
     eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True, **kw)
     engine = compiled.llm_engine
     assert isinstance(engine.runner.decode_runner, CompiledDecodeRunner)
-    before, graphs = engine.runner.num_static_steps, counters["stats"]["unique_graphs"]
+    before = engine.runner.num_static_steps
+    assert graphs_made(engine.runner.decode_runner) == (2, {True, False})        # made at start
     assert tokens(compiled, PROMPTS[:1]) == tokens(eager, PROMPTS[:1])          # batch 1
     assert tokens(compiled, PROMPTS) == tokens(eager, PROMPTS)                  # buckets 8, 4, 2, 1
     assert engine.runner.num_static_steps - before >= 2 * (GREEDY.max_tokens - 1)   # the decodes ran compiled
     assert engine.runner.decode_runner.shapes_seen == {True, False}, "run must record bucket == 1 in shapes_seen"
-    assert counters["stats"]["unique_graphs"] == graphs, NEW_GRAPH               # compiled at start
+    assert graphs_made(engine.runner.decode_runner) == (2, {True, False}), NEW_GRAPH
 
 
 def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm, tiny_model_dir):
@@ -60,7 +65,6 @@ def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm,
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params)
-    graphs = counters["stats"]["unique_graphs"]
     engine.step()                                   # the prefills
     engine.step()                                   # a decode step: the buffers hold 5 real rows
     for bucket in (1, 2, 4, 8, 2, 1):
@@ -72,20 +76,19 @@ def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm,
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] == graphs, NEW_GRAPH   # the two graphs of the start
+    assert graphs_made(runner) == (2, {True, False}), NEW_GRAPH   # the two graphs of the start
     engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
 
 
 def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_model_dir):
-    """Without batch 1 among the buckets the engine starts with one graph: its batch dimension is
-    marked dynamic before the first compile (found dynamic only by a recompile, bucket 2 would
-    cost a static graph of its own first)."""
-    before = counters["stats"]["unique_graphs"]
+    """Without batch 1 among the buckets the engine starts with one graph, whose batch dimension
+    is dynamic: it serves buckets 2, 4 and 8."""
     llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, compilation_mode=1, cudagraph_capture_sizes=[2, 4, 8])
-    assert counters["stats"]["unique_graphs"] - before == 1, (
-        "buckets 2 and 4 compiled two graphs at start: mark the batch dimension dynamic (bucket > 1) "
-        "before the compiled call, so the first graph serves every bucket above 1")
-    assert llm.llm_engine.runner.decode_runner.shapes_seen == {False}
+    runner = llm.llm_engine.runner.decode_runner
+    assert graphs_made(runner) == (1, {False})
+    eager = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, enforce_eager=True)
+    assert tokens(llm, PROMPTS) == tokens(eager, PROMPTS)                  # buckets 8, 4, 2
+    assert runner.shapes_seen == {False} and graphs_made(runner) == (1, {False})
 
 
 @pytest.mark.parametrize("value", [2, -1, "1", 1.0, True])
@@ -103,15 +106,25 @@ def test_a_bad_request_leaves_the_compiled_engine_running(make_llm, tiny_model_d
     assert len(tokens(llm, PROMPTS[:3])) == 3
 
 
-def test_every_engine_of_a_process_runs_its_own_graphs(tiny_model_dir):
-    """TorchDynamo allows 8 graphs per code object; six engines of two graphs each, one after
-    another, all still compile theirs (a runner past the limit would run eagerly, compiling none)."""
-    for _ in range(6):
-        before = counters["stats"]["unique_graphs"]
-        llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=4, compilation_mode=1)
-        assert counters["stats"]["unique_graphs"] - before == 2
-        assert len(tokens(llm, PROMPTS[:3])) == 3
-        assert counters["stats"]["unique_graphs"] - before == 2
+def test_every_engine_of_a_process_runs_its_own_graphs(tiny_model_dir, tiny_model_dir_llama3, tmp_path,
+                                                      monkeypatch):
+    """The graphs are saved ($TINYVLLM_CACHE/compiled): a second engine of the same model and
+    arguments reads them instead of compiling; an engine of another model (other shapes, tied
+    embeddings) compiles its own. Engines of both, their steps interleaved, each keep their tokens:
+    a graph finds its attention and layers in the forward context of its own step."""
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))
+    first = LLM(str(tiny_model_dir), phase=7, max_num_seqs=4, compilation_mode=1)
+    second = LLM(str(tiny_model_dir), phase=7, max_num_seqs=4, compilation_mode=1)
+    other = LLM(str(tiny_model_dir_llama3), phase=7, max_num_seqs=4, compilation_mode=1)
+    made = [(e.llm_engine.runner.decode_runner.num_compiled, e.llm_engine.runner.decode_runner.num_loaded)
+            for e in (first, second, other)]
+    assert made == [(2, 0), (0, 2), (2, 0)]
+    assert len(list((tmp_path / "compiled").glob("decode-*.bin"))) == 4
+    want = {d: tokens(LLM(str(d), phase=7, max_num_seqs=4, enforce_eager=True), PROMPTS[:3])
+            for d in (tiny_model_dir, tiny_model_dir_llama3)}
+    for llm, d in ((first, tiny_model_dir), (other, tiny_model_dir_llama3), (second, tiny_model_dir),
+                   (other, tiny_model_dir_llama3)):
+        assert tokens(llm, PROMPTS[:3]) == want[d]
 
 
 def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, capsys):
@@ -122,7 +135,7 @@ def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, cap
                                 "--steps", "3", "--profile", "--json", str(out)])
     assert [r["batch"] for r in report["rows"]] == [1, 3]
     for row in report["rows"]:
-        assert row["cache"] in ("empty", "filled") and row["weights"] == "int8"
+        assert row["cache"] in ("compiled", "read") and row["weights"] == "int8"
         assert row["llm_s"] > 0 and 0 < row["engine_ms"] < row["step_ms"]
         parts = [row[k] for k in ("products_ms", "attention_ms", "guards_ms", "rest_ms")]
         assert parts[0] > 0 and parts[1] > 0 and sum(parts) > 0
@@ -150,12 +163,14 @@ def test_compiled_step_with_preemption_seeds_penalties_int8_kv_and_drafts(tiny_m
     assert engine.runner.num_static_steps > 10 and engine.scheduler.num_preemptions > 0
 
 
-def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir, monkeypatch):
+def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir, monkeypatch, tmp_path):
     """`LLM()` as users get it on a CPU (compilation_mode unset): requests are served at once, by
-    the eager step, while a thread compiles; once both graphs are ready, decode steps run compiled,
-    and the tokens never change. The compile is held back until the first requests are served
-    (so that they are served eagerly whatever the machine's speed), then runs beside requests."""
+    the eager step, while a worker process compiles and a thread reads the graphs it saved; then
+    decode steps run compiled, and the tokens never change. The compile is held back until the
+    first requests are served (so they are served eagerly whatever the machine's speed), then runs
+    beside more. A second engine finds the graphs saved and reads them, with no worker."""
     monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))    # no graph saved yet
     go = threading.Event()
     warm_up = CompiledDecodeRunner.warm_up
     monkeypatch.setattr(CompiledDecodeRunner, "warm_up", lambda self, *a: (go.wait(60), warm_up(self, *a)))
@@ -168,29 +183,33 @@ def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir
     assert sys.getswitchinterval() < interval        # the serving thread waits less for the GIL
     assert tokens(llm, PROMPTS) == want and runner.shapes_seen == set()      # served eagerly
     go.set()
-    served = 0
-    while not runner.ready.is_set():                  # eager steps beside the compile
+    for _ in range(2):                                # eager steps beside the compile
         assert tokens(llm, PROMPTS) == want
-        served += 1
-    assert runner.wait_until_compiled(60) and runner.compile_error is None
+    assert runner.wait_until_compiled(300) and runner.compile_error is None
     assert sys.getswitchinterval() == interval
-    graphs = counters["stats"]["unique_graphs"]
+    assert runner.worker.returncode == 0 and (runner.num_compiled, runner.num_loaded) == (0, 2)
     assert tokens(llm, PROMPTS) == want               # now compiled
-    assert runner.shapes_seen == {True, False}
-    assert counters["stats"]["unique_graphs"] == graphs, NEW_GRAPH
+    assert runner.shapes_seen == {True, False} and graphs_made(runner) == (2, {True, False}), NEW_GRAPH
+    monkeypatch.setattr(CompiledDecodeRunner, "warm_up", warm_up)
+    again = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8).llm_engine.runner.decode_runner
+    assert again.wait_until_compiled(60) and again.worker is None and again.num_loaded == 2
 
 
-def test_a_failed_background_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, recwarn):
+def test_a_failed_background_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, recwarn, tmp_path):
+    """A compile worker that fails (here: it cannot build the model) is warned, with its last
+    line, and the engine serves on with the eager step."""
+    from phases.p07_cuda_graphs import recipe
+
     monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no C++ compiler")
-
-    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))
+    request = recipe.compile_request
+    monkeypatch.setattr(recipe, "compile_request",
+                        lambda setup, parts: {**request(setup, parts), "model": str(tmp_path / "gone")})
     llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8)
     runner = llm.llm_engine.runner.decode_runner
-    assert runner.wait_until_compiled(60) is False and isinstance(runner.compile_error, RuntimeError)
-    assert any("compiling the decode step failed (RuntimeError: no C++ compiler)" in str(w.message)
+    assert runner.wait_until_compiled(120) is False and isinstance(runner.compile_error, RuntimeError)
+    assert runner.worker.returncode != 0
+    assert any("compiling the decode step failed (RuntimeError: the compile worker exited with" in str(w.message)
                for w in recwarn.list)
     eager = make_eager(tiny_model_dir)
     assert tokens(llm, PROMPTS) == tokens(eager, PROMPTS)

@@ -3,9 +3,9 @@
     python -m phases.p07_cuda_graphs.tools.compile_time [--model DIR] [--quantization int8]
         [--batch 1 2] [--steps 20] [--profile] [--json FILE]
 
-In this process (run it twice: the first run with an empty `$TINYVLLM_CACHE/inductor` compiles,
-the second reads the cache): `LLM()`, which compiles or loads both graphs (batch 1, and every
-larger bucket), then for each --batch, that many requests: their prefill, the first decode step
+In this process (run it twice: the first run compiles and saves both graphs in
+`$TINYVLLM_CACHE/compiled`, the second reads them): `LLM(compilation_mode=1)`, which compiles or
+reads both graphs (batch 1, and every larger bucket; `cache` says which it did), then for each --batch, that many requests: their prefill, the first decode step
 and the median of `--steps` more steps (and of the engine's time around the compiled
 forward in each), a row each. --profile runs five more steps under
 torch.profiler and splits their time: the product operators, the attention operator,
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
@@ -86,12 +85,11 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     use_inductor_cache()
-    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    cache = "filled" if cache.is_dir() and any(cache.iterdir()) else "empty"
     start = time.perf_counter()
     llm = LLM(args.model, phase=7, compilation_mode=1, quantization=args.quantization)
-    llm_s = round(time.perf_counter() - start, 2)   # loads the weights, compiles or loads both graphs
+    llm_s = round(time.perf_counter() - start, 2)   # loads the weights, compiles or reads both graphs
     engine = llm.llm_engine
+    cache = "read" if engine.runner.decode_runner.num_compiled == 0 else "compiled"
     params = SamplingParams(max_tokens=args.steps + 16, temperature=0, ignore_eos=True)
     rows = []
     for batch in args.batch:

@@ -1,0 +1,38 @@
+"""Compile phase 7's decode step in a process of its own, for an engine that serves meanwhile.
+
+    python phases/p07_cuda_graphs/compile_worker.py REQUEST.json
+
+REQUEST.json names the model, the phase and the engine arguments. This process builds the same
+model with `compilation_mode=1`, which compiles both graphs and saves them to the cache of
+compiled graphs (`$TINYVLLM_CACHE/compiled`), then exits; the engine's thread reads them there.
+It runs as a file, not a module of its package, so that a learner's workspace (tinyvllm learn)
+can stand in for the phases before any is imported: the worker compiles the engine's own code.
+
+Why a process and not a thread: compiling is Python (TorchDynamo reads the forward's bytecode
+operator by operator), so a thread beside the serving loop holds the interpreter's lock most of
+the time; and while it traces, torch.fx patches `nn.Module.__call__` for the whole process, so
+the serving thread's own modules would be traced. A process shares neither: only the cores,
+at a lower priority than the engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    request = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    os.nice(10)   # the serving engine first (its thread count stays: a graph's guards check it)
+    if os.environ.get("TINYVLLM_WORKSPACE"):   # a learner's copies of the phases: theirs compile
+        from phases.workspace import use_workspace
+        use_workspace(os.environ["TINYVLLM_WORKSPACE"])
+    from tinyvllm import LLM
+    LLM(request["model"], phase=request["phase"], **request["engine_args"])  # compiles and saves
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
