@@ -68,6 +68,8 @@ ENGINE_COLUMNS = {
     "TPOT ms": ("TPOT ms (median)", lambda e: _num(_median_ms(e, "tpot_s"))),
     "TTFT p99 ms": ("TTFT ms (p99)", lambda e: _num(None if not e.get("ttft_s") else e["ttft_s"]["p99"] * 1e3)),
     "start-up s": ("start-up s (first token)", lambda e: _num((e.get("startup") or {}).get("first_token_s"), digits=2)),
+    "compile wait s": ("rounds waited for the compile, s",
+                       lambda e: _num((e.get("startup") or {}).get("compile_wait_s"), digits=1)),
     "wall s": ("wall s", lambda e: _num(e["wall_s"], digits=2)),
     "TTFT cold ms": ("TTFT cold ms", lambda e: _num(e.get("ttft_cold_s"), 1e3)),
     "TTFT cached ms": ("TTFT cached ms", lambda e: _num(e.get("ttft_cached_s"), 1e3)),

@@ -27,7 +27,11 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
-    """'auto' means float32 on a CPU (exact, and fast enough) and bfloat16 on a GPU."""
+    """'auto' means float32 on a CPU and bfloat16 on a GPU. On an AVX2 CPU measurement backs
+    float32 (docs/assets/bench/dtype-avx2-bf16-latency.json: no bfloat16 arithmetic, so a
+    prefill took 5 times float32's and a bfloat16 matmul ran at 0.9 GFLOP/s); a CPU that computes
+    bfloat16 natively (AVX512-BF16, AMX) has no committed report yet, and keeps float32 until one
+    shows bfloat16 faster there."""
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
