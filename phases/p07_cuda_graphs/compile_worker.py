@@ -1,8 +1,8 @@
 """Compile phase 7's decode step in a process of its own, for an engine that serves meanwhile.
 
-    python phases/p07_cuda_graphs/compile_worker.py REQUEST.json
+    python phases/p07_cuda_graphs/compile_worker.py REQUEST
 
-REQUEST.json names the model, the phase and the engine arguments. This process builds the same
+REQUEST (JSON) names the model, the phase and the engine arguments. This process builds the same
 model with `compilation_mode=1`, which compiles both graphs and saves them to the cache of
 compiled graphs (`$TINYVLLM_CACHE/compiled`), then exits; the engine's thread reads them there.
 It runs as a file, not a module of its package, so that a learner's workspace (tinyvllm learn)
@@ -20,17 +20,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    request = json.loads(Path((argv or sys.argv[1:])[0]).read_text())
+    request = json.loads((argv or sys.argv[1:])[0])
     os.nice(10)   # the serving engine first (its thread count stays: a graph's guards check it)
     if os.environ.get("TINYVLLM_WORKSPACE"):   # a learner's copies of the phases: theirs compile
         from phases.workspace import use_workspace
         use_workspace(os.environ["TINYVLLM_WORKSPACE"])
-    from tinyvllm import LLM
-    LLM(request["model"], phase=request["phase"], **request["engine_args"])  # compiles and saves
+    import phases
+    phases.make_engine(request["phase"], request["model"], **request["engine_args"])  # compiles, saves
     return 0
 
 

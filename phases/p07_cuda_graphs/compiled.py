@@ -16,7 +16,7 @@ version tells the compiler the output's shape without running it):
 - phase 5's quantized layers (`torch.ops.tinyvllm.opaque_linear(x, index, out_features)`):
   `make_opaque` wraps each `QuantizedLinear` so that, while compiling, it becomes this operator,
   which runs the model's layer number `index` as it runs eagerly (its C product);
-- attention, `torch.ops.tinyvllm.unified_attention(q, k, v, layer_idx)`: it writes the step's
+- attention, `torch.ops.tinyvllm.unified_attention(layer_idx, q, k, v)`: it writes the step's
   K/V into the cache and attends through the recipe's attention part for this step (any phase's:
   paged, int8 KV, batch-invariant). Both find what they need in the *forward context* (`_STEP`,
   the thread's own) that the runner sets before the graph runs. The KV cache is not an input of
@@ -42,14 +42,15 @@ engine eager, warned once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
+import types
 import warnings
 import weakref
 from pathlib import Path
@@ -68,28 +69,6 @@ from .fused import decode_forward, fused_model
 # opaque layers, found by the operators below while a compiled graph runs. A thread's own, so a
 # background compile and the serving loop never see each other's.
 _STEP = threading.local()
-# background compiles now running, and the interpreter's switch interval before the first began
-_compiling = {"count": 0, "interval": None}
-_compiling_lock = threading.Lock()
-# While the thread imports the compiler and reads the saved graphs (Python, seconds), the serving
-# thread gives up the GIL at every PyTorch operator and then waits for the thread to hand it
-# back: at most the switch interval (5 ms by default). A short interval shortens those waits
-# (measured on a 2-core AVX2 EPYC, saved graphs read while a first request of 128 prompt tokens
-# came in: its first token in 4.8 s with 5 ms, 3.0 to 3.2 s with 20 us, 0.8 s with no thread).
-COMPILING_SWITCH_INTERVAL = 2e-5
-
-
-def _switch_interval_while_compiling(start: bool) -> None:
-    with _compiling_lock:
-        if start:
-            if _compiling["count"] == 0:
-                _compiling["interval"] = sys.getswitchinterval()
-                sys.setswitchinterval(COMPILING_SWITCH_INTERVAL)
-            _compiling["count"] += 1
-        else:
-            _compiling["count"] -= 1
-            if _compiling["count"] == 0:
-                sys.setswitchinterval(_compiling["interval"])
 
 
 @torch.library.custom_op("tinyvllm::opaque_linear", mutates_args=())
@@ -132,14 +111,14 @@ def make_opaque(model: nn.Module) -> int:
 
 
 @torch.library.custom_op("tinyvllm::unified_attention", mutates_args=())
-def unified_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def unified_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Write k, v (N, KVH, d) into the cache and attend with q (N, H, d) -> (N, H, d), through
     the attention backend of the step running in this thread."""
     return _STEP.attention(layer_idx, q, k, v).contiguous()
 
 
 @unified_attention.register_fake
-def _(q, k, v, layer_idx):
+def _(layer_idx, q, k, v):
     return q.new_empty(q.shape)  # contiguous, as the real one returns
 
 
@@ -152,31 +131,25 @@ def use_inductor_cache() -> None:
 SOURCES = (Path(__file__).parents[2] / "tinyvllm", Path(__file__).parents[1])
 
 
-def compile_key(model: nn.Module, description: str) -> str:
+def compile_key(model: nn.Module) -> str:
     """What a saved graph depends on: the model (its config, modules, parameters' and buffers'
-    shapes and dtypes), `description` (what else the engine says), this CPU's instruction sets
+    shapes and dtypes), this CPU's instruction sets
     (inductor's loops are compiled for them), torch and Python, and the source of tinyvllm and
     its phases (a changed line compiles again)."""
-    h = hashlib.sha256()
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    for part in (repr(getattr(model, "config", None)), description, " ".join(sorted(cpu_flags())),
-                 torch.__version__, sys.version,
-                 *(f"{n}:{type(m).__name__}" for n, m in model.named_modules()),
-                 *(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors)):
-        h.update(part.encode())
-    for root in SOURCES:
-        for f in sorted(root.rglob("*.py")):
-            h.update(f.read_bytes())
-    return h.hexdigest()[:24]
+    parts = [repr(getattr(model, "config", None)), sorted(cpu_flags()), torch.__version__,
+             sys.version, [(n, type(m).__name__) for n, m in model.named_modules()],
+             [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors],
+             [f.read_bytes() for root in SOURCES for f in sorted(root.rglob("*.py"))]]
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 
 def compiled_forward(model: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """What is compiled: the decode forward and the LM head, (B,) ids -> (B, V) logits."""
-    def attn(layer_idx, q, k, v):
-        return torch.ops.tinyvllm.unified_attention(q, k, v, layer_idx)
-
-    hidden = decode_forward(model, input_ids, positions, attn) if fused_model(model) else model(input_ids, positions, attn)
-    return model.compute_logits(hidden)
+    attn = torch.ops.tinyvllm.unified_attention   # (layer_idx, q, k, v), as eager attention is called
+    if fused_model(model):
+        return model.compute_logits(decode_forward(model, input_ids, positions, attn))
+    return model.compute_logits(model(input_ids, positions, attn))
 
 
 class CompiledDecodeRunner(DecodeRunner):
@@ -184,47 +157,34 @@ class CompiledDecodeRunner(DecodeRunner):
     backend): one graph for batch 1, one for every larger bucket, each read from the cache of
     compiled graphs or compiled (and saved) by `warm_up` before the engine starts; or, with
     `background`, the request a compile worker process is started with (if the cache lacks a
-    graph), by a thread that then reads the graphs while `run` serves eagerly. `description`:
-    what else the graphs depend on (part of the cache's key)."""
+    graph), by a thread that then reads the graphs while `run` serves eagerly."""
 
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, buckets: list[int],
-                 background: dict | None = None, description: str = ""):
+                 background: dict | None = None):
         super().__init__(model, buffers, attention)
         use_inductor_cache()
         self.opaque_layers = getattr(model, "opaque_layers", [])
-        self.key = compile_key(model, description)
+        self.key = compile_key(model)
         self.graphs: dict[bool, object] = {}  # batch 1 (True), every larger bucket (False)
         self.num_loaded = self.num_compiled = 0
         self.shapes_seen: set[bool] = set()   # batch 1 (True), larger (False)
         self.ready = threading.Event()        # set when every graph is made
         self.compile_error: BaseException | None = None
-        # a bucket of each shape: 1, and the smallest above 1
-        first = {}
-        for bucket in buckets:
-            first.setdefault(bucket == 1, bucket)
-        buckets = sorted(first.values())
+        buckets = sorted({b == 1: b for b in reversed(buckets)}.values())  # 1, the smallest above 1
         b = self.buf
+        # rows of the runner's own, padding (token 0 in the scratch block, no request's)
         self.warm_buf = StaticDecodeBuffers(buckets[-1], b.block_tables.shape[1], b.block_size,
                                             b.scratch_block, b.input_ids.device)
+        self.warm_buf.fill(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                           torch.full((1, 1), b.scratch_block), torch.ones(1, dtype=torch.int64), buckets[-1])
         for bucket in buckets:
             # eagerly first, so what a first call makes (a C kernel built and loaded, a weight
             # packed) is made here, not traced, as a CUDA graph is captured after a warm-up run
-            self.pad_warm_rows(bucket)
             with torch.inference_mode():
                 super().run(bucket, self.warm_buf)
         self.worker: subprocess.Popen | None = None
-        if background:
-            self.thread = threading.Thread(target=self.warm_up, args=(buckets, background),
-                                           name="tinyvllm-compile", daemon=True)
-            _switch_interval_while_compiling(True)
-            self.thread.start()
-        else:
-            self.warm_up(buckets)
-
-    def pad_warm_rows(self, bucket: int) -> None:
-        """`warm_buf`'s first `bucket` rows: padding (token 0 in the scratch block, no request's)."""
-        self.warm_buf.fill(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-                           torch.full((1, 1), self.buf.scratch_block), torch.ones(1, dtype=torch.int64), bucket)
+        self.thread = threading.Thread(target=self.warm_up, args=(buckets, background), daemon=True)
+        self.thread.start() if background else self.warm_up(buckets)
 
     def warm_up(self, buckets: list[int], background: dict | None = None) -> None:
         """Make the graph of each bucket's shape, run it once on `warm_buf`'s rows, then mark the
@@ -241,26 +201,21 @@ class CompiledDecodeRunner(DecodeRunner):
             if not background:
                 raise
             self.compile_error = e
+            if self.worker and self.worker.returncode < 0:   # killed: the engine or the interpreter went
+                return                                        # away first, nothing to warn about
             warnings.warn(f"compiling the decode step failed ({type(e).__name__}: {e}); the engine "
                           f"goes on with the eager step", RuntimeWarning, stacklevel=1)
         else:
             self.ready.set()
-        finally:
-            if background:
-                _switch_interval_while_compiling(False)
 
     def compile_in_worker(self, request: dict) -> None:
         """Run `compile_worker` on `request` and wait for it (see its docstring for why a
         process); it is killed if this engine is collected or the interpreter exits first."""
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(request, f)
-        try:
-            self.worker = subprocess.Popen([sys.executable, str(Path(__file__).with_name("compile_worker.py")), f.name],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            weakref.finalize(self, self.worker.kill)
-            _, err = self.worker.communicate()
-        finally:
-            os.unlink(f.name)
+        worker = str(Path(__file__).with_name("compile_worker.py"))
+        self.worker = subprocess.Popen([sys.executable, worker, json.dumps(request)], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.PIPE, text=True)
+        weakref.finalize(self, self.worker.kill)
+        _, err = self.worker.communicate()
         if self.worker.returncode != 0:
             last = (err or "").strip().splitlines()[-1:] or ["no message"]
             raise RuntimeError(f"the compile worker exited with {self.worker.returncode}: {last[0]}")
@@ -274,17 +229,12 @@ class CompiledDecodeRunner(DecodeRunner):
         and inductor's code, saved by `save_compiled_function`: no tracing, a second or so), or
         (`compile`) traced, compiled and saved (a minute or more). A saved graph whose guards
         refuse this engine's inputs is compiled again."""
-        self.pad_warm_rows(bucket)
         ids, positions = self.warm_buf.input_ids[:bucket], self.warm_buf.positions[:bucket]
         path, graph = self.graph_path(bucket), None
-        if path.is_file():
-            try:
-                with open(path, "rb") as f:
-                    graph = torch.compiler.load_compiled_function(f)
-                if not graph.guard_check(self.model, ids, positions):
-                    graph = None
-            except Exception:   # saved by another torch, or damaged: compile again
-                graph = None
+        with contextlib.suppress(Exception):   # none saved, or another torch's, or damaged: compile
+            with open(path, "rb") as f:
+                graph = torch.compiler.load_compiled_function(f)
+            graph = graph if graph.guard_check(self.model, ids, positions) else None
         if graph is not None:
             self.num_loaded += 1
         elif not compile:
@@ -293,24 +243,25 @@ class CompiledDecodeRunner(DecodeRunner):
             if bucket > 1:  # one graph for every bucket above 1
                 torch._dynamo.mark_dynamic(ids, 0)
                 torch._dynamo.mark_dynamic(positions, 0)
-            compiler = torch.compile(compiled_forward, fullgraph=True, options={"cpp_wrapper": True})
-            graph = compiler.aot_compile(((self.model, ids, positions), {}))
+            # a code object of its own, floats as constants and no size made dynamic but the one
+            # marked: TorchDynamo otherwise makes what changed since another engine's compile (its
+            # shapes, its eps) symbolic, which aot_compile cannot restart from
+            forward = types.FunctionType(compiled_forward.__code__.replace(), compiled_forward.__globals__)
+            compiler = torch.compile(forward, fullgraph=True, options={"cpp_wrapper": True})
+            with torch._dynamo.config.patch(specialize_float=True, automatic_dynamic_shapes=False):
+                graph = compiler.aot_compile(((self.model, ids, positions), {}))
             self.num_compiled += 1
-            try:
+            with contextlib.suppress(OSError):   # unsaved, the next start compiles again
                 path.parent.mkdir(parents=True, exist_ok=True)
                 graph.save_compiled_function(str(path))
-            except Exception as e:  # the engine runs the graph all the same; the next start compiles
-                warnings.warn(f"the compiled decode step could not be saved to {path}: {e}",
-                              RuntimeWarning, stacklevel=1)
         # checked once here; the runner calls each graph only with its own shape
         graph.disable_guard_check()
         self.graphs[bucket == 1] = graph
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile has finished (True) or failed (False)."""
-        thread = getattr(self, "thread", None)
-        if thread is not None:
-            thread.join(timeout)
+        if self.thread.ident is not None:   # started: compiling in the background
+            self.thread.join(timeout)
         return self.ready.is_set()
 
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:

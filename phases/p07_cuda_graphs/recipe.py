@@ -14,8 +14,9 @@ as CUDA graphs on a GPU and by a compiled forward on a CPU.
                 (`DecodeRunner`) or compiled by torch.compile (`CompiledDecodeRunner`: by
                 default in the background while the engine serves eagerly, before the first
                 request with `compilation_mode=1`, never with 0). Each attends through the
-                attention part the recipe chose (phase 4's Triton kernels on a GPU). Every other step (prefill chunks,
-                drafts, more requests than the largest bucket) runs on the phase before's runner.
+                attention part the recipe chose (phase 4's Triton kernels on a GPU). Every
+                other step (prefill chunks, drafts, more requests than the largest bucket) runs
+                on the phase before's runner.
 
 The sampler is the one sampler: it takes the batch's parameters as tensors from the persistent
 batch. `enforce_eager=True` leaves every part as phase 6 has it.
@@ -24,8 +25,6 @@ batch. `enforce_eager=True` leaves every part as phase 6 has it.
 from __future__ import annotations
 
 import os
-
-import torch
 
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.block_allocator import cdiv
@@ -52,19 +51,13 @@ def compile_when(setup: EngineSetup) -> str | None:
     """When this engine compiles its decode step: "start" (compilation_mode=1), "background" (the
     default on a CPU), or None (eager: compilation_mode=0, a GPU, enforce_eager, several ranks).
     $TINYVLLM_COMPILATION_MODE (0 or 1), when set, stands for an unset compilation_mode."""
-    c = setup.config
-    mode = c.compilation_mode
-    if mode is None:
-        env = os.environ.get("TINYVLLM_COMPILATION_MODE", "")
-        if env not in ("", "0", "1"):
-            raise ValueError(f"TINYVLLM_COMPILATION_MODE must be 0 or 1 (or unset), got {env!r}")
-        if env:
-            mode = int(env)
-        elif setup.device.type == "cpu" and c.tensor_parallel_size == 1 and not c.enforce_eager:
-            return "background"
-    if not mode or c.enforce_eager or setup.device.type != "cpu" or c.tensor_parallel_size > 1:
+    c, env = setup.config, os.environ.get("TINYVLLM_COMPILATION_MODE", "")
+    if c.compilation_mode is None and env not in ("", "0", "1"):
+        raise ValueError(f"TINYVLLM_COMPILATION_MODE must be 0 or 1 (or unset), got {env!r}")
+    mode = c.compilation_mode if c.compilation_mode is not None else int(env) if env else None
+    if mode == 0 or c.enforce_eager or setup.device.type != "cpu" or c.tensor_parallel_size > 1:
         return None
-    return "start"
+    return "background" if mode is None else "start"
 
 
 def compile_request(setup: EngineSetup, parts: Parts) -> dict:
@@ -116,8 +109,7 @@ def make_decode_runner(setup: EngineSetup, parts: Parts, buffers: StaticDecodeBu
     when = compile_when(setup)
     if when:
         return CompiledDecodeRunner(parts.model, buffers, attention, capture_sizes(setup),
-                                    background=compile_request(setup, parts) if when == "background" else None,
-                                    description=str(setup.dtype))
+                                    background=compile_request(setup, parts) if when == "background" else None)
     return DecodeRunner(parts.model, buffers, attention)
 
 
