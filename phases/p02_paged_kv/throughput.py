@@ -13,7 +13,7 @@ THROUGHPUT_CHECKPOINTS = (
         claimed_gain=8.91,
         claim_source="docs/assets/bench/latency.json (SmolLM2-135M, 128 + 128 tokens, 2-core EPYC): "
                      "31.2 vs 3.5 tok/s, 8.91x; latency-256.json (256 new tokens): 12.5x",
-        min_gain=3.0,
+        min_gain=3.0, rounds=2,  # rounds within 4% of each other on the AVX2 EPYC
         bench_command=(WIDE_CMD + "tinyvllm bench latency --model /tmp/wide-tiny --phases 1-2 "
                        "--input-len 32 --output-len 128 --repeat 3")),
 )

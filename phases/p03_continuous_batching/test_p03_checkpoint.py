@@ -339,13 +339,13 @@ def test_batch_invariant_refuses_what_it_cannot_keep(tiny_model_dir):
 @needs_bi
 @pytest.mark.slow
 def test_batch_invariant_default_model_under_preemption(default_model_dir):
-    """The default model: 8 prompts of 40-160 tokens, 24 greedy tokens each, with a pool small
+    """The default model: 6 prompts of 40-160 tokens, 24 greedy tokens each, with a pool small
     enough to preempt, against one request at a time: the same tokens and log-probabilities, to
     the bit, in the batch-invariant mode (in the default mode a CPU's float rounding may change
     a near-tie: the lesson)."""
     rng = random.Random(5)
     prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(rng.randint(40, 160))]}
-               for _ in range(8)]
+               for _ in range(6)]
     alone = _tokens_and_logprobs(LLM(str(default_model_dir), phase=3, batch_invariant=True, max_num_seqs=1,
                                      kv_cache_memory=2**26), prompts)
     tight = LLM(str(default_model_dir), phase=3, batch_invariant=True, num_kv_blocks=24)
