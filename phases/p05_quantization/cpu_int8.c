@@ -106,7 +106,8 @@ void int8_matmul(const float *x, const int8_t *q, const float *scale, float *y,
  *     sum_i x_i w_i = scale * sum_i x_i q_i + zero * sum_i x_i
  * so the inner loop is again integer (xq . q in int32), and the group's sum of x, the same for
  * every output row, is computed once per row of x. x is stored split in its even and odd columns,
- * so the low nibbles of 16 bytes meet xe[j..j+16] and the high nibbles xo[j..j+16] as they are. */
+ * so the low nibbles of 32 bytes meet x's even columns and the high nibbles its odd ones as they
+ * are. */
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -114,50 +115,95 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* xq (M, I) int16, xsum (M, I / g) int32 and xs (M,) are scratch space the caller provides */
-void int4_matmul(const float *x, const uint8_t *q, const float *scale, const float *zero, float *y,
-                 int16_t *xq, int32_t *xsum, float *xs, int64_t M, int64_t O, int64_t I, int64_t g) {
-    int64_t G = I / g, half = I / 2;
-    for (int64_t m = 0; m < M; m++) {  /* x in int16, even columns then odd ones; sums per group */
-        const float *xm = x + m * I;
-        int16_t *xe = xq + m * I, *xo = xe + half;
-        float top = 0.f;
-        for (int64_t i = 0; i < I; i++) top = fmaxf(top, fabsf(xm[i]));
-        float s = top > 0.f ? top / 32767.f : 1.f, inv = 1.f / s;
-        xs[m] = s;
-        for (int64_t j = 0; j < half; j++) {
-            xe[j] = (int16_t)lrintf(xm[2 * j] * inv);
-            xo[j] = (int16_t)lrintf(xm[2 * j + 1] * inv);
-        }
-        for (int64_t gi = 0; gi < G; gi++) {
-            int32_t t = 0;
-            for (int64_t j = gi * g / 2; j < (gi + 1) * g / 2; j++) t += xe[j] + xo[j];
-            xsum[m * G + gi] = t;
+/* R output rows (R = 4, or 1 for the last rows) of int4 against one row of x, 64 columns (32
+ * bytes of weights) a chunk. x is stored per chunk as int8 parts of its int16 values (xq = 256 h
+ * + l, both in [-128, 127]): h of the even columns, h of the odd ones, then l's two. The nibbles
+ * stay bytes (no widening to int16): _mm256_maddubs_epi16 multiplies 32 unsigned nibbles by 32
+ * signed bytes and adds them in pairs, twice the multiply-adds of _mm256_madd_epi16 per
+ * instruction (on a CPU whose 256-bit operations are two 128-bit ones, AMD's first EPYC, the
+ * int16 loop could not keep up with memory). The sums are exact: 256 * (q . h) + (q . l) is
+ * q . xq, the int16 kernel's. Each chunk's int32 sums go to float with their group's scale
+ * (lanes 0-3 are columns 0-31, lanes 4-7 columns 32-63: two groups of 32, or one of 64 or 128);
+ * the zero points' term, sum_g zero_g * xsum_g, goes 8 groups at a time after. */
+static inline __attribute__((always_inline)) void int4_rows(
+        const uint8_t *q, const float *scale, const float *zero, const int8_t *xc, const float *xsumf,
+        int64_t G, int64_t g, int64_t I, int64_t half, const int R, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+    __m256 f[4], zf[4];
+    for (int r = 0; r < R; r++) f[r] = zf[r] = _mm256_setzero_ps();
+    for (int64_t c = 0; c * 64 < I; c++) {
+        const int8_t *xp = xc + c * 128;
+        __m256i he = _mm256_loadu_si256((const __m256i *)xp), ho = _mm256_loadu_si256((const __m256i *)(xp + 32));
+        __m256i le = _mm256_loadu_si256((const __m256i *)(xp + 64)), lo_ = _mm256_loadu_si256((const __m256i *)(xp + 96));
+        int64_t g0 = c * 64 / g, g1 = (c * 64 + 32) / g;
+        int full = c * 64 + 64 <= I;
+        for (int r = 0; r < R; r++) {
+            const uint8_t *qr = q + r * half + c * 32;
+            _mm_prefetch((const char *)(qr + 512), _MM_HINT_T0);
+            __m256i v = full ? _mm256_loadu_si256((const __m256i *)qr)
+                             : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128((const __m128i *)qr));
+            __m256i qe = _mm256_and_si256(v, low4), qo = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(qe, he), _mm256_maddubs_epi16(qo, ho));
+            __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(qe, le), _mm256_maddubs_epi16(qo, lo_));
+            __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(h, k256), _mm256_madd_epi16(l, ones));
+            const float *sr = scale + r * G;
+            __m256 sv = _mm256_set_m128(_mm_set1_ps(sr[full ? g1 : g0]), _mm_set1_ps(sr[g0]));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), sv, f[r]);
         }
     }
-    const __m128i low4 = _mm_set1_epi8(0x0F);
-    #pragma omp parallel for schedule(static) if (O * I >= 50000)
-    for (int64_t o = 0; o < O; o++) {
-        const uint8_t *qr = q + o * half;
-        const float *sr = scale + o * G, *zr = zero + o * G;
-        for (int64_t m = 0; m < M; m++) {
-            const int16_t *xe = xq + m * I, *xo = xe + half;
-            __m256 facc = _mm256_setzero_ps();
-            float zacc = 0.f;
-            for (int64_t gi = 0; gi < G; gi++) {
-                __m256i acc = _mm256_setzero_si256();
-                for (int64_t b = gi * g / 2; b < (gi + 1) * g / 2; b += 16) {
-                    _mm_prefetch((const char *)(qr + b + 256), _MM_HINT_T0);
-                    __m128i v = _mm_loadu_si128((const __m128i *)(qr + b));
-                    __m256i lo = _mm256_cvtepu8_epi16(_mm_and_si128(v, low4));
-                    __m256i hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), low4));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xe + b))));
-                    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xo + b))));
-                }
-                facc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc), _mm256_set1_ps(sr[gi]), facc);
-                zacc += zr[gi] * (float)xsum[m * G + gi];
+    int64_t gi = 0;
+    for (; gi + 8 <= G; gi += 8) {
+        __m256 xv = _mm256_loadu_ps(xsumf + gi);
+        for (int r = 0; r < R; r++) zf[r] = _mm256_fmadd_ps(_mm256_loadu_ps(zero + r * G + gi), xv, zf[r]);
+    }
+    for (int r = 0; r < R; r++) {
+        float z = hsum_ps(zf[r]);
+        for (int64_t t = gi; t < G; t++) z += zero[r * G + t] * xsumf[t];
+        out[r] = hsum_ps(f[r]) + z;
+    }
+}
+
+/* x (M, I) float32 -> xc (M, C, 128) int8 (C = ceil(I / 64) chunks, the last one padded with
+ * zeros), xsum (M, I / g) float and xs (M,): scratch space the caller provides */
+void int4_matmul(const float *x, const uint8_t *q, const float *scale, const float *zero, float *y,
+                 int8_t *xc, float *xsum, float *xs, int64_t M, int64_t O, int64_t I, int64_t g) {
+    int64_t G = I / g, half = I / 2, C = (I + 63) / 64;
+    for (int64_t m = 0; m < M; m++) {  /* each row of x in int16 (two int8 parts), sums per group */
+        const float *xm = x + m * I;
+        float top = 0.f;
+        for (int64_t i = 0; i < I; i++) top = fmaxf(top, fabsf(xm[i]));
+        /* |xq| <= 32639 keeps h = (xq + 128) >> 8 within [-127, 127] */
+        float s = top > 0.f ? top / 32639.f : 1.f, inv = 1.f / s;
+        xs[m] = s;
+        int8_t *xr = xc + m * C * 128;
+        for (int64_t gi = 0; gi < G; gi++) {
+            int32_t sum = 0;
+            for (int64_t i = gi * g; i < (gi + 1) * g; i += 2) {
+                int32_t ve = (int32_t)lrintf(xm[i] * inv), he = (ve + 128) >> 8;
+                int32_t vo = (int32_t)lrintf(xm[i + 1] * inv), ho = (vo + 128) >> 8;
+                int8_t *xp = xr + (i / 64) * 128 + (i % 64) / 2;
+                xp[0] = (int8_t)he, xp[32] = (int8_t)ho, xp[64] = (int8_t)(ve - 256 * he), xp[96] = (int8_t)(vo - 256 * ho);
+                sum += ve + vo;
             }
-            y[m * O + o] = (hsum_ps(facc) + zacc) * xs[m];
+            xsum[m * G + gi] = (float)sum;
+        }
+    }
+    int64_t blocks = (O + 3) / 4;
+    #pragma omp parallel for schedule(static) if (O * I >= 50000)
+    for (int64_t bk = 0; bk < blocks; bk++) {
+        int64_t o = 4 * bk;
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xr = xc + m * C * 128;
+            float d[4];
+            if (o + 4 <= O) {
+                int4_rows(q + o * half, scale + o * G, zero + o * G, xr, xsum + m * G, G, g, I, half, 4, d);
+                for (int r = 0; r < 4; r++) y[m * O + o + r] = d[r] * xs[m];
+            } else {
+                for (int64_t r = o; r < O; r++) {
+                    int4_rows(q + r * half, scale + r * G, zero + r * G, xr, xsum + m * G, G, g, I, half, 1, d);
+                    y[m * O + r] = d[0] * xs[m];
+                }
+            }
         }
     }
 }

@@ -31,7 +31,7 @@ HERE = Path(__file__).parent
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
-AVX2 = CKernel(HERE / "cpu_int8.c", ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
+AVX2 = CKernel(HERE / "cpu_int8.c", ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
                {"int8_matmul": [P] * 6 + [I64] * 3, "int4_matmul": [P] * 8 + [I64] * 4},
                fallback="another int8/int4 kernel is used")
 VNNI = CKernel(HERE / "cpu_vnni.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
@@ -89,8 +89,8 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
     m, i = x.shape
     y = torch.empty(m, packed.shape[0])
     lib.int4_matmul(x.data_ptr(), packed.data_ptr(), scale.data_ptr(), zero.data_ptr(), y.data_ptr(),
-                    _scratch.get("xq16", m * i, torch.int16).data_ptr(),
-                    _scratch.get("xsum", m * (i // group_size), torch.int32).data_ptr(),
+                    _scratch.get("xc", m * 128 * -(-i // 64), torch.int8).data_ptr(),
+                    _scratch.get("xsum", m * (i // group_size), torch.float32).data_ptr(),
                     _scratch.get("xs", m, torch.float32).data_ptr(), m, packed.shape[0], i, group_size)
     return y
 

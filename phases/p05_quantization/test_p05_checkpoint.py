@@ -119,9 +119,11 @@ def test_cpu_int8_odd_shapes_and_long_rows(out_features, in_features):
 
 
 @cpu_int8_here
-@pytest.mark.parametrize("out_features,in_features,group", [(7, 64, 32), (13, 2176, 128), (50, 4224, 64)])
+@pytest.mark.parametrize("out_features,in_features,group", [(7, 64, 32), (5, 96, 32), (13, 2176, 128),
+                                                                (50, 4224, 64)])
 def test_cpu_int4_groups_and_odd_shapes(out_features, in_features, group):
-    """cpu_int4 (the same C file): every group size, output rows in any number, long rows."""
+    """cpu_int4 (the same C file): every group size, output rows in any number, long rows, a
+    row that ends halfway through the kernel's 64-column chunk (96 = 64 + 32)."""
     torch.manual_seed(in_features)
     w, b = torch.randn(out_features, in_features) * 0.05, torch.randn(out_features)
     layer = QuantizedLinear(w, b, "int4", group, kernel="cpu_int4")
