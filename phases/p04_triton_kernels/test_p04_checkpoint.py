@@ -10,15 +10,19 @@ kernels' checks are in test_p04_kernels.py).
 
 from __future__ import annotations
 
+import dataclasses
+import types
+
 import pytest
 import torch
 
-from phases.p02_paged_kv import paged_attention
+from phases.p02_paged_kv import KVCache, PagedAttention, paged_attention
 from phases.p04_triton_kernels import (
     CpuPagedAttention,
     TritonPagedAttention,
     cpu_paged_attention,
 )
+from phases.p04_triton_kernels.cpu_attention import DECODE
 from phases.p04_triton_kernels.tools.kernel_cases import (
     DECODES,
     MIXED,
@@ -41,6 +45,36 @@ def test_cpu_path_equals_phase3_attention(batch, bs, d, group, kvh):
     ref = paged_attention(q, k_cache, v_cache, meta)
     out = cpu_paged_attention(q, k, v, k_cache, v_cache, meta)
     # float32, one fused kernel against another order of the same sums: a few ulps
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+
+@pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+@pytest.mark.parametrize("bs,d,group,kvh", [(16, 64, 3, 3), (16, 36, 1, 2), (32, 80, 8, 1)])
+@pytest.mark.parametrize("columns", ["all", "some"])
+def test_decode_step_in_c_equals_phase2(bs, d, group, kvh, columns):
+    """A step of decodes only through the backend: cpu_attention.c writes the new K/V and attends
+    in one call; phase 2's write and decode_attention give the same cache and, to float32's
+    rounding of another summing order, the same output. The block tables also as phase 7's
+    static buffers hand them: the first columns of a wider table (a view, rows apart)."""
+    meta, k_cache, v_cache, g = make_batch([("bs+3", 1), ("3*bs", 1), (1, 1), ("2*bs+9", 1)], bs, kvh, d,
+                                           torch.float32, "cpu")
+    if columns == "some":
+        wide = torch.zeros(len(meta.seq_lens), meta.block_tables.shape[1] + 5, dtype=torch.int64)
+        wide[:, : meta.block_tables.shape[1]] = meta.block_tables
+        meta = dataclasses.replace(meta, decode_block_tables=wide[:, : meta.block_tables.shape[1]])
+    n = len(meta.slot_mapping)
+    q = torch.randn(n, group * kvh, d, generator=g)
+    k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
+    caches = []
+    for _ in range(2):
+        cache = types.SimpleNamespace(kv=torch.stack((k_cache, v_cache))[None].clone())
+        cache.layer = lambda i, c=cache: (c.kv[i, 0], c.kv[i, 1])
+        cache.write = types.MethodType(KVCache.write, cache)
+        caches.append(cache)
+    out = CpuPagedAttention(caches[0], meta)(0, q, k, v)
+    ref = PagedAttention(caches[1], meta)(0, q, k, v)
+    assert torch.equal(caches[0].kv, caches[1].kv)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
