@@ -130,12 +130,13 @@ static inline __attribute__((always_inline)) void int4_rows(
         int64_t G, int64_t g, int64_t I, int64_t half, const int R, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
     __m256 f[4], zf[4];
+    const int gshift = __builtin_ctzll((unsigned long long)g);
     for (int r = 0; r < R; r++) f[r] = zf[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c * 64 < I; c++) {
         const int8_t *xp = xc + c * 128;
         __m256i he = _mm256_loadu_si256((const __m256i *)xp), ho = _mm256_loadu_si256((const __m256i *)(xp + 32));
         __m256i le = _mm256_loadu_si256((const __m256i *)(xp + 64)), lo_ = _mm256_loadu_si256((const __m256i *)(xp + 96));
-        int64_t g0 = c * 64 / g, g1 = (c * 64 + 32) / g;
+        int64_t g0 = (c * 64) >> gshift, g1 = (c * 64 + 32) >> gshift;  /* g a power of two: no division */
         int full = c * 64 + 64 <= I;
         for (int r = 0; r < R; r++) {
             const uint8_t *qr = q + r * half + c * 32;
