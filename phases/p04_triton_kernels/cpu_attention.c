@@ -14,8 +14,9 @@
  *
  * Every row's result depends only on its own sequence (the same numbers at any batch size).
  * Shapes: q (B, H, d); k_new, v_new (B, KVH, d); the caches (num_blocks, block_size, KVH, d);
- * block_tables (B rows M apart) and seq_lens (B,) int64, seq_lens counting the new token; slots (B,) the
- * new token's slot. scores: B * H * T floats of scratch, T >= the longest sequence.
+ * block_tables (B rows M apart) and seq_lens (B,) int64, seq_lens counting the new token; slots
+ * (B,) the new token's slot, or NULL where the K/V is already written (decodes beside a
+ * prefill). scores: B * H * T floats of scratch, T >= the longest sequence.
  *
  * Built by cpu_attention.py with `cc -O3 -mavx2 -mfma -fopenmp`, called through ctypes.
  */
@@ -59,7 +60,7 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
                             const int64_t *seq_lens, float *out, float *scores, int64_t B, int64_t H,
                             int64_t KVH, int64_t d, int64_t block_size, int64_t M, int64_t T, float scale) {
     int64_t row = KVH * d;  /* floats per token in a cache */
-    for (int64_t b = 0; b < B; b++) {  /* the step's K/V into their slots */
+    for (int64_t b = 0; slots && b < B; b++) {  /* the step's K/V into their slots, if given */
         memcpy(k_cache + slots[b] * row, k_new + b * row, row * sizeof(float));
         memcpy(v_cache + slots[b] * row, v_new + b * row, row * sizeof(float));
     }

@@ -12,10 +12,10 @@ kernels. What it changes from phase 2's `paged_attention`:
   keys, so query i sees keys 0 .. Tk - Tq + i. A prompt with nothing cached (Tq == Tk) takes
   SDPA's own `is_causal=True`, which skips the tiles above the diagonal without any mask tensor.
 - A prompt with nothing cached attends over the K/V it just computed: no read of the cache.
-- A step of decodes only (most steps) is one call of `cpu_attention.c` per layer: the new K/V
-  written and attended in place, no padded gather, no mask, a few microseconds where PyTorch's
-  ten operator calls take a few hundred (float32 cache, AVX2; elsewhere phase 2's
-  `decode_attention`). Decodes beside a prefill chunk take phase 2's `decode_attention` too.
+- Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
+  the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
+  about ten operator calls (float32 cache, AVX2; elsewhere phase 2's). In a step of decodes only
+  the same call first writes the new K/V.
 
 Shapes follow phase 2: q (N, H, d); k_cache, v_cache (num_blocks, block_size, KVH, d).
 """
@@ -41,22 +41,40 @@ DECODE = CKernel(Path(__file__).with_name("cpu_attention.c"),
                  fallback="decode steps attend through phase 2's decode_attention")
 
 
-def c_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """A step of decodes only, one call of cpu_attention.c: write k, v (B, KVH, d) into their
-    slots, then attend with q (B, H, d) over each sequence's blocks -> (B, H, d)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+def c_decode_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """cpu_attention.c can attend here: float32 and a cache in one piece, on an AVX2 CPU."""
+    return q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous() and DECODE.available()
+
+
+def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                       k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+    """The decode rows' attention in one call of cpu_attention.c: q (B, H, d), the query of each
+    of meta's decode rows -> (B, H, d). Given k, v (B, KVH, d) (a step of decodes only), the same
+    call first writes them into meta.slot_mapping's slots."""
+    q = q.contiguous()
     (b, h, d), (block_size, kvh) = q.shape, k_cache.shape[1:3]
     tables, lens = meta.decode_block_tables, meta.decode_seq_lens.contiguous()   # int64
     if tables.stride(1) != 1:
         tables = tables.contiguous()
+    write = k is not None
+    if write:
+        k, v = k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     scores = torch.empty(b * h * meta.max_decode_seq_len)
     (DECODE.lib or DECODE.load()).paged_decode_attention(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        meta.slot_mapping.data_ptr(), tables.data_ptr(), lens.data_ptr(), out.data_ptr(), scores.data_ptr(),
-        b, h, kvh, d, block_size, tables.stride(0), meta.max_decode_seq_len, 1 / math.sqrt(d))
+        q.data_ptr(), k.data_ptr() if write else None, v.data_ptr() if write else None, k_cache.data_ptr(),
+        v_cache.data_ptr(), meta.slot_mapping.data_ptr() if write else None, tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), scores.data_ptr(), b, h, kvh, d, block_size, tables.stride(0), meta.max_decode_seq_len,
+        1 / math.sqrt(d))
     return out
+
+
+def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The decode rows' attention (their K/V already in the cache): cpu_attention.c where it
+    runs, phase 2's `decode_attention` elsewhere."""
+    if c_decode_runs(q, k_cache):
+        return c_decode_attention(q, k_cache, v_cache, meta)
+    return decode_attention(q, k_cache, v_cache, *meta.decode_inputs(k_cache.shape[1], q.dtype))
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -91,7 +109,7 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     """
     block_size = k_cache.shape[1]
     if not meta.prefill_rows:  # only decodes (most steps)
-        return decode_attention(q, k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype))
+        return decode_rows(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     starts, lens = meta.query_start_loc, meta.seq_lens
     for b in meta.prefill_rows:
@@ -105,7 +123,7 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
         out[rows] = prefill_attention(q[rows], kb, vb)
     if len(meta.decode_token_idx):
         idx = meta.decode_token_idx
-        out[idx] = decode_attention(q[idx], k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype))
+        out[idx] = decode_rows(q[idx], k_cache, v_cache, meta)
     return out
 
 
@@ -116,8 +134,8 @@ class CpuPagedAttention(PagedAttention):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.meta.prefill_rows:
             k_cache, v_cache = self.cache.layer(layer_idx)
-            if q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous() and DECODE.available():
-                return c_decode_attention(q, k, v, k_cache, v_cache, self.meta)
+            if c_decode_runs(q, k_cache):   # the write and the attention in one call
+                return c_decode_attention(q, k_cache, v_cache, self.meta, k, v)
             return super().__call__(layer_idx, q, k, v)
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer_idx)
