@@ -18,7 +18,8 @@
  * (B,) the new token's slot, or NULL where the K/V is already written (decodes beside a
  * prefill). scores: B * H * T floats of scratch, T >= the longest sequence.
  *
- * Built by cpu_attention.py with `cc -O3 -mavx2 -mfma -fopenmp`, called through ctypes.
+ * Built by cpu_attention.py with `cc -O3 -mavx2 -mfma -fno-math-errno -fopenmp`, called through
+ * ctypes.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -48,11 +49,25 @@ static inline void dots(const float *q, const float *k, int64_t stride, int64_t 
     }
 }
 
-static inline void axpy(float *y, float a, const float *x, int64_t d) {
-    int64_t i = 0;
-    __m256 av = _mm256_set1_ps(a);
-    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(av, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < d; i++) y[i] += a * x[i];
+/* o += sum_t p[t] v_t over the n keys of one block (v the first, `row` floats apart): o's D values
+ * stay in registers for the block (D = 64 or 128: a multiple of 8 the compiler unrolls), so a key
+ * costs D / 8 loads and multiply-adds, no stores */
+static inline __attribute__((always_inline)) void block_weighted_sum(float *o, const float *p, const float *v,
+                                                                    int64_t n, int64_t row, const int D) {
+    __m256 acc[D / 8];
+    for (int i = 0; i < D / 8; i++) acc[i] = _mm256_loadu_ps(o + 8 * i);
+    for (int64_t t = 0; t < n; t++, v += row) {
+        __m256 pv = _mm256_set1_ps(p[t]);
+        for (int i = 0; i < D / 8; i++) acc[i] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8 * i), acc[i]);
+    }
+    for (int i = 0; i < D / 8; i++) _mm256_storeu_ps(o + 8 * i, acc[i]);
+}
+
+static void block_weighted_sum_any(float *o, const float *p, const float *v, int64_t n, int64_t row, int64_t d) {
+    if (d == 64) return block_weighted_sum(o, p, v, n, row, 64);
+    if (d == 128) return block_weighted_sum(o, p, v, n, row, 128);
+    for (int64_t t = 0; t < n; t++, v += row)
+        for (int64_t i = 0; i < d; i++) o[i] += p[t] * v[i];
 }
 
 void paged_decode_attention(const float *q, const float *k_new, const float *v_new, float *k_cache,
@@ -85,10 +100,10 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
             for (int64_t t = 0; t < n; t++) sg[t] *= inv;
             memset(o + g * d, 0, d * sizeof(float));
         }
-        for (int64_t t0 = 0; t0 < n; t0 += block_size) {
+        for (int64_t t0 = 0; t0 < n; t0 += block_size) {   /* a block's values, once per query head */
             const float *v = v_cache + table[t0 / block_size] * block_size * row + h * d;
-            for (int64_t t = t0; t < n && t < t0 + block_size; t++, v += row)
-                for (int64_t g = 0; g < G; g++) axpy(o + g * d, s[g * T + t], v, d);
+            int64_t m = n - t0 < block_size ? n - t0 : block_size;
+            for (int64_t g = 0; g < G; g++) block_weighted_sum_any(o + g * d, s + g * T + t0, v, m, row, d);
         }
     }
 }

@@ -50,7 +50,7 @@ def test_cpu_path_equals_phase3_attention(batch, bs, d, group, kvh):
 
 
 @pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
-@pytest.mark.parametrize("bs,d,group,kvh", [(16, 64, 3, 3), (16, 36, 1, 2), (32, 80, 8, 1)])
+@pytest.mark.parametrize("bs,d,group,kvh", [(16, 64, 3, 3), (16, 36, 1, 2), (32, 80, 8, 1), (16, 128, 2, 2)])
 @pytest.mark.parametrize("columns", ["all", "some"])
 def test_decode_step_in_c_equals_phase2(bs, d, group, kvh, columns):
     """A step of decodes only through the backend: cpu_attention.c writes the new K/V and attends
