@@ -43,7 +43,8 @@ DECODE = CKernel(Path(__file__).with_name("cpu_attention.c"),
 
 def c_decode_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """cpu_attention.c can attend here: float32 and a cache in one piece, on an AVX2 CPU."""
-    return q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous() and DECODE.available()
+    lib = DECODE.lib if DECODE.tried else DECODE.load()   # built and loaded at the first call only
+    return lib is not None and q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous()
 
 
 def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -419,3 +419,15 @@ def test_step_parts_times_every_way(tiny_model_dir, capsys):
             + (["cpu_int8_vnni"] if cpu_int8.vnni_available() else []))
     assert [line.split()[0] for line in out.splitlines()[1:]] == ways
     assert quant.QuantizedLinear.choose_kernel is chosen and "_step_parts" not in quant.KERNEL_FNS
+
+
+@cpu_int8_here
+def test_bench_kernels_times_a_decode_step(monkeypatch, capsys):
+    """The tool's --step mode: every product of a step with its own weights, per kernel that runs
+    here (shapes made small for the test)."""
+    from phases.p05_quantization.tools import bench_kernels
+
+    monkeypatch.setattr(bench_kernels, "STEP_SHAPES", [(96, 64), (64, 128)] * 2)
+    bench_kernels.main(["--step", "int4", "--rows", "1", "--repeat", "1", "--group-size", "32"])
+    out = capsys.readouterr().out
+    assert "a decode step's 4 products, int4, 1 rows: cpu_int4 " in out and "reference" not in out

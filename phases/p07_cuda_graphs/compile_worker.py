@@ -25,10 +25,7 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     request = json.loads((argv or sys.argv[1:])[0])
     os.nice(10)   # the serving engine first (its thread count stays: a graph's guards check it)
-    if os.environ.get("TINYVLLM_WORKSPACE"):   # a learner's copies of the phases: theirs compile
-        from phases.workspace import use_workspace
-        use_workspace(os.environ["TINYVLLM_WORKSPACE"])
-    import phases
+    import phases   # with $TINYVLLM_WORKSPACE set, a learner's copies of the phases stand in: theirs compile
     phases.make_engine(request["phase"], request["model"], **request["engine_args"])  # compiles, saves
     return 0
 

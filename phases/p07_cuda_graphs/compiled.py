@@ -69,6 +69,10 @@ from .fused import decode_forward, fused_model
 # opaque layers, found by the operators below while a compiled graph runs. A thread's own, so a
 # background compile and the serving loop never see each other's.
 _STEP = threading.local()
+# Saved graphs are read once the first request has its first token (its first decode step), or
+# after this many seconds with none: reading imports TorchDynamo and inductor (seconds of Python
+# holding the interpreter's lock), which beside the first prefill delayed the first token.
+READ_AFTER_S = 10.0
 
 
 # The operators: a schema and a kernel each, registered with torch.library.Library (not
@@ -78,10 +82,9 @@ _LIBRARY = torch.library.Library("tinyvllm", "FRAGMENT")
 
 
 def _operator(schema: str, kernel, fake) -> None:
-    name = schema.split("(")[0]
     _LIBRARY.define(schema)
-    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"tinyvllm::{name}", fake, lib=_LIBRARY)
+    _LIBRARY.impl(schema.split("(")[0], kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake("tinyvllm::" + schema.split("(")[0], fake, lib=_LIBRARY)
 
 
 def opaque_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -99,8 +102,7 @@ class OpaqueLinear(nn.Module):
 
     def __init__(self, layer: nn.Module, index: int):
         super().__init__()
-        self.layer, self.index = layer, index
-        self.out_features = layer.out_features
+        self.layer, self.index, self.out_features = layer, index, layer.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -177,7 +179,8 @@ class CompiledDecodeRunner(DecodeRunner):
         self.graphs: dict[bool, object] = {}  # batch 1 (True), every larger bucket (False)
         self.num_loaded = self.num_compiled = 0
         self.shapes_seen: set[bool] = set()   # batch 1 (True), larger (False)
-        self.ready = threading.Event()        # set when every graph is made
+        # set when every graph is made; at the first eager decode step (or by a waiter)
+        self.ready, self.decoding = threading.Event(), threading.Event()
         self.compile_error: BaseException | None = None
         buckets = sorted({b == 1: b for b in reversed(buckets)}.values())  # 1, the smallest above 1
         b = self.buf
@@ -203,6 +206,8 @@ class CompiledDecodeRunner(DecodeRunner):
         try:
             if background and not all(self.graph_path(b).is_file() for b in buckets):
                 self.compile_in_worker(background)
+            # saved graphs: read once the first request decodes, not beside its prefill
+            self.decoding.wait(READ_AFTER_S if background else 0)
             for bucket in buckets:
                 self.make_graph(bucket, compile=not background)
                 self.run(bucket, self.warm_buf)
@@ -210,10 +215,10 @@ class CompiledDecodeRunner(DecodeRunner):
             if not background:
                 raise
             self.compile_error = e
-            if self.worker and self.worker.returncode < 0:   # killed: the engine or the interpreter went
-                return                                        # away first, nothing to warn about
-            warnings.warn(f"compiling the decode step failed ({type(e).__name__}: {e}); the engine "
-                          f"goes on with the eager step", RuntimeWarning, stacklevel=1)
+            # a killed worker: the engine or the interpreter went away first, nothing to warn about
+            if not (self.worker and self.worker.returncode < 0):
+                warnings.warn(f"compiling the decode step failed ({type(e).__name__}: {e}); the engine "
+                              f"goes on with the eager step", RuntimeWarning, stacklevel=1)
         else:
             self.ready.set()
 
@@ -269,6 +274,7 @@ class CompiledDecodeRunner(DecodeRunner):
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile has finished (True) or failed (False)."""
+        self.decoding.set()                 # saved graphs: read them now
         if self.thread.ident is not None:   # started: compiling in the background
             self.thread.join(timeout)
         return self.ready.is_set()
@@ -277,6 +283,7 @@ class CompiledDecodeRunner(DecodeRunner):
         """The compiled decode on the first `bucket` rows of the buffers -> logits (bucket, V);
         the eager one while the graphs are still being made. `buf`: the compile's own rows."""
         if buf is None and not self.ready.is_set():
+            self.decoding.set()
             return super().run(bucket)
         b = self.buf if buf is None else buf
         # >>> exercise compiled_run (2 stars): Run the graph made for this bucket's shape on the first `bucket` rows of b, with this step's attention and the model's opaque layers in the thread's forward context while it runs.

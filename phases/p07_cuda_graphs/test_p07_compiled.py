@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -179,7 +180,8 @@ def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir
     the eager step, while a worker process compiles and a thread reads the graphs it saved; then
     decode steps run compiled, and the tokens never change. The compile is held back until the
     first requests are served (so they are served eagerly whatever the machine's speed), then runs
-    beside more. A second engine finds the graphs saved and reads them, with no worker."""
+    beside more. A second engine finds the graphs saved and reads them, with no worker, once its
+    first request decodes."""
     monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
     monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))    # no graph saved yet
     go = threading.Event()
@@ -199,8 +201,12 @@ def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir
     assert tokens(llm, PROMPTS) == want               # now compiled
     assert runner.shapes_seen == {True, False} and graphs_made(runner) == (2, {True, False}), NEW_GRAPH
     monkeypatch.setattr(CompiledDecodeRunner, "warm_up", warm_up)
-    again = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8).llm_engine.runner.decode_runner
-    assert again.wait_until_compiled(60) and again.worker is None and again.num_loaded == 2
+    llm2 = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8)
+    again = llm2.llm_engine.runner.decode_runner
+    time.sleep(0.5)    # the graphs are saved, but read only once a request decodes: not beside its prefill
+    assert again.worker is None and again.num_loaded == 0 and not again.ready.is_set()
+    assert tokens(llm2, PROMPTS[:1]) == want[:1]
+    assert again.ready.wait(60) and again.num_loaded == 2 and again.compile_error is None
 
 
 def test_a_failed_background_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, recwarn, tmp_path):
@@ -227,7 +233,6 @@ def test_a_stopped_compile_worker_leaves_the_engine_eager_and_quiet(tiny_model_d
     """A worker killed before it finishes (its engine collected, the interpreter exiting: a
     `tinyvllm generate` that ends before the compile) stops the background compile without a
     warning; the engine serves on eagerly."""
-    import time
 
     monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
     monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))

@@ -1,12 +1,19 @@
 """Time every CPU matrix product for int8 and int4 weights on the default model's shapes.
 
     python -m phases.p05_quantization.tools.bench_kernels [--rows 1 4 32] [--repeat 7] [--group-size 64]
+    python -m phases.p05_quantization.tools.bench_kernels --step int4 [--rows 1] [--group-size 32]
 
 For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
 LM head 49152x576) and each row count, the best-of-`repeat` time of: float32 through
 tinyvllm's `Linear` (MKL or oneDNN, by rows and CPU vendor), and each `QuantizedLinear` kernel
 that can run on this CPU. Each kernel's largest error against the reference path (dequantize,
 then matmul) is printed beside it.
+
+Each shape's weight is used again and again, so a small one is read from the CPU's caches. With
+`--step METHOD`, the products of one decode step of phase 7 instead (per layer q/k/v fused,
+o, gate/up fused, down; 30 layers and the LM head: 121 products), each layer with its own
+weights, so that every weight comes from memory, as in the engine: the best of `repeat` steps,
+for each kernel of METHOD that runs here.
 """
 
 from __future__ import annotations
@@ -34,16 +41,34 @@ def best_ms(fn, repeat: int) -> float:
     return 1e3 * best(times(fn, repeat))
 
 
+STEP_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+
+
+def step_ms(method: str, kernel: str, rows: int, group_size: int, repeat: int) -> float:
+    """One decode step's products (`STEP_SHAPES`), each with weights of its own."""
+    layers = [QuantizedLinear(torch.randn(o, i) * 0.02, None, method, group_size, kernel=kernel)
+              for o, i in STEP_SHAPES]
+    xs = {i: torch.randn(rows, i) for i in {i for _, i in STEP_SHAPES}}
+    return best_ms(lambda: [q(xs[q.in_features]) for q in layers], repeat)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32])
     p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--step", choices=list(QuantizedLinear.KERNELS), default=None)
     a = p.parse_args(argv)
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {cpu_vendor()} CPU of the kind {cpu_kind()} (capability "
           f"{torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads; ms, best of {a.repeat}")
+    if a.step:
+        for n in a.rows:
+            print(f"a decode step's {len(STEP_SHAPES)} products, {a.step}, {n} rows: " + " | ".join(
+                f"{k} {step_ms(a.step, k, n, a.group_size, a.repeat):.2f}" for k in QuantizedLinear.KERNELS[a.step]
+                if k != "reference" and RUNS_HERE.get(k, lambda: True)()), flush=True)
+        return
     for name in a.shapes:
         o, i = SHAPES[name]
         w = torch.randn(o, i) * 0.02
