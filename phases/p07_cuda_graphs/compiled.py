@@ -32,9 +32,10 @@ once when a graph is read; the runner calls each graph only with its own shape.
 
 When: `compilation_mode=1` makes both graphs before the engine takes its first request, as vLLM
 does. By default (`compilation_mode=None`) the first request never waits: a thread reads the
-saved graphs while the engine serves, and where none are saved yet it first has a worker
-process compile and save them (`compile_worker`: a compile in a thread would hold the
-interpreter's lock and patch `nn.Module.__call__` under the serving loop). Decode steps run
+saved graphs while the engine serves (once the first request decodes: not beside its prefill),
+and where none are saved yet it first has a worker process compile and save them
+(`compile_worker`: a compile in a thread would hold the interpreter's lock and patch
+`nn.Module.__call__` under the serving loop). Decode steps run
 eagerly until both graphs are ready, then compiled; the two give the same tokens (the
 checkpoint's tests), so the switch shows only in the speed. A compile that fails leaves the
 engine eager, warned once.
