@@ -29,6 +29,7 @@ checkpoint's weights for its kernels: rows (O, I), or cpu_vnni.c's panels.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -257,6 +258,14 @@ class QuantizedLinear(nn.Module):
         if kernel == "reference":
             return self.reference_forward(x)
         return KERNEL_FNS[kernel](self, x)
+
+    def kernel_call(self):
+        """This layer's product as one callable, x (N, I) on a CPU -> (N, O), with its kernel
+        chosen once: tinyvllm's C kernels serve any number of rows, so a caller that runs the
+        layer at every step (phase 7's compiled graph) skips `forward`'s checks and choice;
+        the other kernels, chosen by the number of rows, keep `forward`."""
+        kernel = self.choose_kernel(1)
+        return partial(KERNEL_FNS[kernel], self) if kernel.startswith("cpu_") else self.forward
 
     def packed(self, kernel: str):
         """The weight in `kernel`'s layout, made once (a second, integer copy of the weight)."""

@@ -431,3 +431,17 @@ def test_bench_kernels_times_a_decode_step(monkeypatch, capsys):
     bench_kernels.main(["--step", "int4", "--rows", "1", "--repeat", "1", "--group-size", "32"])
     out = capsys.readouterr().out
     assert "a decode step's 4 products, int4, 1 rows: cpu_int4 " in out and "reference" not in out
+
+
+@pytest.mark.parametrize("method,kernel", [("int4", "auto"), ("int8", "auto"), ("int4", "reference")])
+def test_kernel_call_gives_forward_s_result(method, kernel):
+    """`kernel_call`: the layer's product with its kernel chosen once (what phase 7's compiled
+    graph calls), the same numbers as `forward` at any row count; a kernel chosen by the number
+    of rows is `forward` itself."""
+    torch.manual_seed(3)
+    layer = QuantizedLinear(torch.randn(40, 64) * 0.05, torch.randn(40), method, 32, kernel=kernel)
+    call = layer.kernel_call()
+    for rows in (1, 5):
+        x = torch.randn(rows, 64)
+        assert torch.equal(call(x), layer(x))
+    assert (call == layer.forward) == (not layer.choose_kernel(1).startswith("cpu_"))

@@ -113,14 +113,15 @@ class OpaqueLinear(nn.Module):
 
 def make_opaque(model: nn.Module) -> int:
     """Wrap every `QuantizedLinear` of `model` in an `OpaqueLinear`, in place, numbered in the
-    model's order (`model.opaque_layers`: the same numbers in every process); returns how many."""
+    model's order (`model.opaque_layers`: each one's product as a callable, `kernel_call`; the
+    same numbers in every process); returns how many."""
     layers = []
     for name, m in list(model.named_modules()):
         if type(m) is QuantizedLinear:
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m, len(layers)))
             layers.append(m)
-    model.opaque_layers = layers
+    model.opaque_layers = [m.kernel_call() for m in layers]
     return len(layers)
 
 

@@ -297,7 +297,15 @@ def check(phase: int, folder: Path, pytest_args: list[str] = (), out=None, verbo
             print(f"pytest stopped before running any check (exit {proc.returncode}); see {log}", file=out)
             return proc.returncode or 1
         cases = _read_report(xml)
-    results = grade(tasks, cases, unwritten(phase, folder))
+    return report(phase, cases, unwritten(phase, folder), out, log)
+
+
+def report(phase: int, cases: list[Case], blank_tasks: set[str], out, log: Path | str = "pytest's output") -> int:
+    """Print the grade of each of phase `phase`'s tasks, the speed checkpoint's verdict and the
+    other checks, from pytest's `cases` (`log`: where its full output went); 0 when every task
+    and every other check passed."""
+    tasks = exercises(phase)
+    results = grade(tasks, cases, blank_tasks)
     marks = {"passed": "ok  ", "failed": "FAIL", "not written": "todo", "waits": "wait", "not run": "--  "}
     print(f"\nPhase {phase}, {len(tasks)} tasks:", file=out)
     for e, status, detail in results:
