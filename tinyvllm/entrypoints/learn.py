@@ -278,7 +278,6 @@ def check(phase: int, folder: Path, pytest_args: list[str] = (), out=None, verbo
     if not copy.is_dir():
         raise FileNotFoundError(f"no copy of phase {phase} in {folder}; make one with: "
                                 f"tinyvllm learn start {phase}" + _dir_flag(folder))
-    tasks = exercises(phase)
     with tempfile.TemporaryDirectory() as tmp:
         xml = Path(tmp) / "report.xml"
         log = folder / f"check-{phase_package(phase)}.log"
