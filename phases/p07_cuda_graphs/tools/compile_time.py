@@ -16,17 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
-from pathlib import Path
 
-import torch
 
 from phases.p07_cuda_graphs.compiled import use_inductor_cache
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.entrypoints.bench.machine import machine_info
 from tinyvllm.entrypoints.bench.timing import elapsed, median
+
+from .report import write_report
 
 PROMPT = "Write a short story about a robot who learns to paint."
 PARTS = {  # profiler event -> part (see profile_split for which time each counts)
@@ -109,11 +106,7 @@ def main(argv=None) -> dict:
         engine.abort_request(rids)
         rows.append(row)
         print(json.dumps(row))
-    report = {"command": "python -m phases.p07_cuda_graphs.tools.compile_time " + shlex.join(argv or sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d"), "machine": machine_info(torch.device("cpu")), "rows": rows}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return report
+    return write_report("compile_time", argv, {"rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
-import sys
 import time
-from pathlib import Path
 
-import torch
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.entrypoints.bench.machine import machine_info
+
+from .report import write_report
 
 
 
@@ -58,11 +55,7 @@ def main(argv=None) -> dict:
                                            "by_worker": getattr(runner, "worker", None) is not None}
     row["then_16_tokens_s"] = tokens(16)
     print(json.dumps(row))
-    report = {"command": "python -m phases.p07_cuda_graphs.tools.start_time " + shlex.join(argv or sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d"), "machine": machine_info(torch.device("cpu")), "row": row}
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return report
+    return write_report("start_time", argv, {"row": row}, args.json)
 
 
 if __name__ == "__main__":
