@@ -208,3 +208,23 @@ void int4_matmul(const float *x, const uint8_t *q, const float *scale, const flo
         }
     }
 }
+
+/* int4 back to float32, w (O, I) = q * scale + zero group by group: for many rows of x the
+ * product is bound by multiply-adds, not by memory, and a BLAS's float32 product does more of them
+ * per cycle than the integer loop above, so the caller unpacks the weight and hands it to one. */
+void int4_dequant(const uint8_t *q, const float *scale, const float *zero, float *w,
+                  int64_t O, int64_t I, int64_t g) {
+    int64_t G = I / g, half = I / 2;
+    #pragma omp parallel for schedule(static) if (O * I >= 50000)
+    for (int64_t o = 0; o < O; o++) {
+        const uint8_t *qr = q + o * half;
+        float *wr = w + o * I;
+        for (int64_t gi = 0; gi < G; gi++) {
+            const float s = scale[o * G + gi], z = zero[o * G + gi];
+            for (int64_t j = gi * g / 2; j < (gi + 1) * g / 2; j++) {
+                wr[2 * j] = (float)(qr[j] & 15) * s + z;
+                wr[2 * j + 1] = (float)(qr[j] >> 4) * s + z;
+            }
+        }
+    }
+}

@@ -32,7 +32,8 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 AVX2 = CKernel(HERE / "cpu_int8.c", ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
-               {"int8_matmul": [P] * 6 + [I64] * 3, "int4_matmul": [P] * 8 + [I64] * 4},
+               {"int8_matmul": [P] * 6 + [I64] * 3, "int4_matmul": [P] * 8 + [I64] * 4,
+                "int4_dequant": [P] * 4 + [I64] * 3},
                fallback="another int8/int4 kernel is used")
 VNNI = CKernel(HERE / "cpu_vnni.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                                      "-fopenmp", "-shared", "-fPIC"], AVX512_VNNI_FLAGS,
@@ -40,14 +41,8 @@ VNNI = CKernel(HERE / "cpu_vnni.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512
                fallback="another int8 kernel is used")
 
 
-def available() -> bool:
-    """cpu_int8 and cpu_int4 can run here (an AVX2 CPU and a C compiler)."""
-    return AVX2.available()
-
-
-def vnni_available() -> bool:
-    """cpu_int8_vnni can run here (AVX512-VNNI and a C compiler)."""
-    return VNNI.available()
+available = AVX2.available        # cpu_int8, cpu_int4 and dequant_sgemm can run here (AVX2 and a C compiler)
+vnni_available = VNNI.available   # cpu_int8_vnni can run here (AVX512-VNNI and a C compiler)
 
 
 class _Scratch(threading.local):
@@ -94,6 +89,14 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
                     _scratch.get("xs", m, torch.float32).data_ptr(), m, packed.shape[0], i, group_size)
     return y
 
+
+def int4_dequant(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int) -> torch.Tensor:
+    """q (O, I/2) uint8 (two int4 values a byte), scale and zero (O, I/g) -> the weight in
+    float32 (O, I), in scratch space that the next call reuses."""
+    o, i = q.shape[0], 2 * q.shape[1]
+    w = _scratch.get("wf", o * i, torch.float32)[: o * i]
+    (AVX2.lib or AVX2.load()).int4_dequant(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(), o, i, g)
+    return w.view(o, i)
 
 # -- AVX512-VNNI ---------------------------------------------------------------------------------
 

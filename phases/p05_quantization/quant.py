@@ -21,7 +21,9 @@ with hypothesis in test_quant.py).
 ordinary matmul. `forward` takes the fastest kernel measured on this kind of CPU for the format
 (`choose_kernel`, `bench_kernels.py` and the lesson): tinyvllm's own `cpu_int8_vnni`
 (cpu_vnni.c) for int8 where the CPU has AVX512-VNNI, `cpu_int8` and `cpu_int4` (cpu_int8.c) on
-any other AVX2 CPU; every kernel is tested against the reference. The int8 weight is stored in
+any other AVX2 CPU, and for int4 from many rows on (a prompt's prefill) `dequant_sgemm`, the
+weight unpacked to float32 in C for PyTorch's float32 product; every kernel is tested against
+the reference. The int8 weight is stored in
 the layout of the kernel that reads it, as vLLM's `process_weights_after_loading` repacks a
 checkpoint's weights for its kernels: rows (O, I), or cpu_vnni.c's panels.
 """
@@ -35,9 +37,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyvllm.hardware import cpu_kind
+
 from . import cpu_int8
 
 INT4_GROUP_SIZES = (32, 64, 128)
+
+# CPU kind: the row count from which int4's `dequant_sgemm` beats `cpu_int4` in the default
+# model's layers (bench_kernels.py --rows 32 64 96 128 on an AVX2 AMD EPYC: 10.5 against 13.3 ms
+# a layer at 64 rows). Not measured on the other kinds, so not chosen there. Nor for a layer of
+# more than DEQUANT_MAX_WEIGHTS: the LM head's float32 copy would take 113 MB, for 1.3x at 128 rows.
+DEQUANT_FROM_ROWS, DEQUANT_MAX_WEIGHTS = {"avx2": 64}, 1 << 22
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,9 +80,8 @@ def check_group_size(in_features: int, group_size: int, name: str = "") -> None:
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"quantization_group_size must be one of {list(INT4_GROUP_SIZES)}, got {group_size}")
     if in_features % group_size:
-        raise ValueError(
-            f"quantization_group_size={group_size} does not divide the input size {in_features} of "
-            f"layer {name or '?'}; choose one of {list(INT4_GROUP_SIZES)} that divides it")
+        raise ValueError(f"quantization_group_size={group_size} does not divide the input size {in_features} of "
+                         f"layer {name or '?'}; choose one of {list(INT4_GROUP_SIZES)} that divides it")
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -147,7 +156,7 @@ class QuantizedLinear(nn.Module):
     """
 
     KERNELS = {"int8": ("reference", "cpu_int8", "cpu_int8_vnni", "fbgemm_w8a8", "int8pack_mm"),
-               "int4": ("reference", "cpu_int4", "int4pack_mm")}
+               "int4": ("reference", "cpu_int4", "int4pack_mm", "dequant_sgemm")}
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
                  group_size: int = 128, kernel: str | None = None):
@@ -157,7 +166,7 @@ class QuantizedLinear(nn.Module):
         kernel = kernel or ("auto" if weight.device.type == "cpu" else "reference")
         if kernel not in ("auto", *self.KERNELS[method]):
             raise ValueError(f"kernel for {method} must be 'auto' or one of {self.KERNELS[method]}, got {kernel!r}")
-        if kernel in ("cpu_int8", "cpu_int4") and not cpu_int8.available():
+        if kernel in ("cpu_int8", "cpu_int4", "dequant_sgemm") and not cpu_int8.available():
             raise ValueError(f"kernel={kernel!r} needs an AVX2 CPU and a C compiler (cpu_int8.py); use 'auto'")
         if kernel == "cpu_int8_vnni" and not vnni_fits(weight.shape[1]):
             raise ValueError(f"kernel={kernel!r} needs a CPU with AVX512-VNNI, a C compiler and at most "
@@ -219,6 +228,9 @@ class QuantizedLinear(nn.Module):
           from 1 to 256 rows in every layer but the LM head at one row);
         - int4 on any AVX2 CPU, AVX-512 ones included: `cpu_int4` (faster than PyTorch's int4
           kernel and the reference at every row count, on every CPU measured);
+        - int4 from `dequant_from_rows()` rows on (on an AVX2 EPYC, 64): `dequant_sgemm`, the
+          weight unpacked to float32 in C for PyTorch's float32 product. With that many rows the
+          integer loop is bound by its multiply-adds, and the float32 product does more per cycle;
         - where none of them can be built: int8, fbgemm's int8 (W8A8, x in a coarse and a fine
           int8 part); int4, PyTorch's int4 kernel at one row, dequantize-then-matmul from two on.
         """
@@ -227,10 +239,17 @@ class QuantizedLinear(nn.Module):
         if self.layout == "vnni":
             return "cpu_int8_vnni"
         if cpu_int8.available():
+            if num_rows >= (self.dequant_from_rows() or num_rows + 1):
+                return "dequant_sgemm"
             return "cpu_int8" if self.method == "int8" else "cpu_int4"
         if self.method == "int8":
             return "fbgemm_w8a8" if fbgemm_available() else ("int8pack_mm" if num_rows == 1 else "reference")
         return "int4pack_mm" if num_rows == 1 else "reference"
+
+    def dequant_from_rows(self) -> int | None:
+        """From how many rows "auto" takes `dequant_sgemm` on this CPU (None: never)."""
+        small = self.method == "int4" and self.out_features * self.in_features <= DEQUANT_MAX_WEIGHTS
+        return DEQUANT_FROM_ROWS.get(cpu_kind()) if small and self.kernel == "auto" else None
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.method == "int4" else f", layout={self.layout}"
@@ -262,10 +281,14 @@ class QuantizedLinear(nn.Module):
     def kernel_call(self):
         """This layer's product as one callable, x (N, I) on a CPU -> (N, O), with its kernel
         chosen once: tinyvllm's C kernels serve any number of rows, so a caller that runs the
-        layer at every step (phase 7's compiled graph) skips `forward`'s checks and choice;
-        the other kernels, chosen by the number of rows, keep `forward`."""
-        kernel = self.choose_kernel(1)
-        return partial(KERNEL_FNS[kernel], self) if kernel.startswith("cpu_") else self.forward
+        layer at every step (phase 7's compiled graph) skips `forward`'s checks and choice (but
+        the switch to `dequant_sgemm` at `dequant_from_rows()`); the other kernels, chosen by the
+        number of rows, keep `forward`."""
+        kernel, many = self.choose_kernel(1), self.dequant_from_rows()
+        if not kernel.startswith("cpu_"):
+            return self.forward
+        return partial(KERNEL_FNS[kernel], self) if many is None else lambda x: KERNEL_FNS[
+            kernel if len(x) < many else "dequant_sgemm"](self, x)
 
     def packed(self, kernel: str):
         """The weight in `kernel`'s layout, made once (a second, integer copy of the weight)."""
@@ -320,26 +343,27 @@ def _fbgemm_w8a8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _cpu_int8(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     rows = layer.qweight if layer.layout == "rows" else layer.packed("cpu_int8")
-    y = cpu_int8.int8_matmul(x if x.dtype == torch.float32 else x.float(), rows, layer.scale)
+    y = cpu_int8.int8_matmul(x.float(), rows, layer.scale)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _cpu_int8_vnni(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     wp = layer.qweight if layer.layout == "vnni" else layer.packed("cpu_int8_vnni")
-    y = cpu_int8.vnni_int8_matmul(x if x.dtype == torch.float32 else x.float(), wp, layer.scale,
-                                      layer.out_features)
+    y = cpu_int8.vnni_int8_matmul(x.float(), wp, layer.scale, layer.out_features)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
 def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    y = cpu_int8.int4_matmul(x if x.dtype == torch.float32 else x.float(), layer.qweight, layer.scale,
-                                 layer.zero, layer.group_size)
+    y = cpu_int8.int4_matmul(x.float(), layer.qweight, layer.scale, layer.zero, layer.group_size)
     return y if layer.bias is None else y.add_(layer.bias)
 
 
-def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    rows = layer.qweight if layer.layout == "rows" else layer.packed("cpu_int8")
-    y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), rows, layer.scale.to(x.dtype))
+def _dequant_sgemm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size), layer.bias)
+
+
+def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:  # a layer stored as rows
+    y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), layer.int8_rows(), layer.scale.to(x.dtype))
     return y if layer.bias is None else y + layer.bias
 
 
@@ -360,7 +384,7 @@ def _int4pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8a8": _fbgemm_w8a8,
               "int8pack_mm": _int8pack_mm,
-              "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm}
+              "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm, "dequant_sgemm": _dequant_sgemm}
 PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4,
            "cpu_int8_vnni": lambda layer: cpu_int8.vnni_pack(layer.int8_rows()),
            "cpu_int8": QuantizedLinear.int8_rows}  # the rows of a layer stored for cpu_int8_vnni

@@ -77,16 +77,19 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None)
 BATCH_INVARIANT_KERNELS = ("cpu_int8", "cpu_int4", "cpu_int8_vnni")
 
 
-def check_batch_invariant_quantized(model: nn.Module, kv_cache_dtype: str) -> None:
-    """Raise ValueError naming `batch_invariant` where this phase's parts would break it."""
+def make_batch_invariant_quantized(model: nn.Module, kv_cache_dtype: str) -> None:
+    """Raise ValueError naming `batch_invariant` where this phase's parts would break it; pin
+    every layer to the integer kernel it runs at one row."""
     if kv_cache_dtype != "auto":
         raise ValueError(f"batch_invariant=True attends over a float KV cache; kv_cache_dtype="
                          f"{kv_cache_dtype!r} is not supported with it (use 'auto')")
-    kernels = {m.choose_kernel(1) for m in model.modules() if isinstance(m, QuantizedLinear)}
-    if not kernels <= set(BATCH_INVARIANT_KERNELS):
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    for m in layers:  # one kernel at every row count: no `dequant_sgemm` for a prefill
+        m.kernel = m.choose_kernel(1)
+    if not {m.kernel for m in layers} <= set(BATCH_INVARIANT_KERNELS):
         raise ValueError(f"batch_invariant=True with quantization needs tinyvllm's own CPU kernels "
                          f"{list(BATCH_INVARIANT_KERNELS)} (an x86 CPU with AVX2 and a C compiler); this "
-                         f"engine's layers would run {sorted(kernels)}")
+                         f"engine's layers would run {sorted({m.kernel for m in layers})}")
 
 
 def check_fp8(setup: EngineSetup) -> None:
@@ -104,7 +107,7 @@ def make_model(setup: EngineSetup, parts: Parts) -> nn.Module:
     if c.quantization is not None:
         quantize_model(model, c.quantization, c.quantization_group_size)
     if c.batch_invariant:
-        check_batch_invariant_quantized(model, c.kv_cache_dtype)
+        make_batch_invariant_quantized(model, c.kv_cache_dtype)
     return model
 
 

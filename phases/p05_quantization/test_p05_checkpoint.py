@@ -79,7 +79,7 @@ def test_int4_packed_layout():
 @pytest.mark.parametrize("method,kernel", [(m, k) for m, ks in QuantizedLinear.KERNELS.items() for k in ks])
 @pytest.mark.parametrize("rows", [1, 3, 33])
 def test_each_cpu_kernel_matches_the_reference(method, kernel, rows):
-    if kernel in ("cpu_int8", "cpu_int4") and not cpu_int8.available():
+    if kernel in ("cpu_int8", "cpu_int4", "dequant_sgemm") and not cpu_int8.available():
         pytest.skip(f"{kernel} needs an AVX2 CPU and a C compiler")
     if kernel == "cpu_int8_vnni" and not cpu_int8.vnni_available():
         pytest.skip(NO_VNNI)
@@ -190,11 +190,12 @@ def test_the_kernel_chosen_follows_the_cpu_kind_and_a_failed_build_falls_back(mo
     if kind == "avx512_vnni" and cpu_int8.vnni_available():
         assert layer.choose_kernel(1) == layer.choose_kernel(512) == "cpu_int8_vnni"
     elif kind in ("avx2", "avx512_vnni") and cpu_int8.available():
-        assert layer.choose_kernel(1) == layer.choose_kernel(64) == "cpu_int8"
+        assert layer.choose_kernel(1) == layer.choose_kernel(512) == "cpu_int8"
     else:
         assert layer.choose_kernel(1) == fallback
     if cpu_int8.available():
-        assert int4.choose_kernel(1) == int4.choose_kernel(64) == "cpu_int4"
+        assert int4.choose_kernel(1) == int4.choose_kernel(63) == "cpu_int4"
+        assert int4.choose_kernel(64) == ("dequant_sgemm" if kind == "avx2" else "cpu_int4")
     monkeypatch.setenv("CC", "false")    # a compiler that always fails
     for lib in (cpu_int8.AVX2, cpu_int8.VNNI):
         with pytest.raises(subprocess.CalledProcessError):
@@ -445,3 +446,42 @@ def test_kernel_call_gives_forward_s_result(method, kernel):
         x = torch.randn(rows, 64)
         assert torch.equal(call(x), layer(x))
     assert (call == layer.forward) == (not layer.choose_kernel(1).startswith("cpu_"))
+
+
+@cpu_int8_here
+def test_many_rows_switch_to_dequant_sgemm_also_in_kernel_call(monkeypatch):
+    """From `dequant_from_rows()` rows on, "auto" (and the callable phase 7's graph runs) takes
+    `dequant_sgemm`; below, the integer loop, and so does a layer larger than
+    `DEQUANT_MAX_WEIGHTS` at any row count. The two round x differently, so the results tell
+    them apart."""
+    from phases.p05_quantization import quant
+
+    torch.manual_seed(6)
+    monkeypatch.setitem(quant.DEQUANT_FROM_ROWS, cpu_kind(), 4)
+    layer = QuantizedLinear(torch.randn(24, 64) * 0.05, None, "int4", 32)
+    call = layer.kernel_call()
+    few, many = torch.randn(3, 64), torch.randn(4, 64)
+    loop = QuantizedLinear.from_quantized(layer.qweight, layer.scale, layer.zero, None, "int4", 32, kernel="cpu_int4")
+    assert layer.choose_kernel(3) == "cpu_int4" and layer.choose_kernel(4) == "dequant_sgemm"
+    assert torch.equal(call(few), loop(few)) and torch.equal(call(many), layer(many))
+    assert not torch.equal(call(many), loop(many))
+    monkeypatch.setattr(quant, "DEQUANT_MAX_WEIGHTS", 24 * 64 - 1)   # a layer as large as the LM head
+    assert layer.choose_kernel(4) == "cpu_int4" and torch.equal(layer.kernel_call()(many), loop(many))
+
+
+@cpu_int8_here
+def test_batch_invariant_keeps_the_integer_loop_at_every_row_count(tiny_model_dir, monkeypatch):
+    """batch_invariant=True with int4: a prompt long enough for `dequant_sgemm` (here from 8 rows)
+    still gets, as a prefill, the bits its tokens got as decodes."""
+    from phases.p05_quantization import quant
+
+    monkeypatch.setitem(quant.DEQUANT_FROM_ROWS, cpu_kind(), 8)
+    llm = LLM(str(tiny_model_dir), phase=5, quantization="int4", batch_invariant=True)
+    assert {m.kernel for m in llm.llm_engine.model.modules() if isinstance(m, QuantizedLinear)} == {"cpu_int4"}
+    prompt = [5, 17, 99, 3, 42, 7, 8, 61, 2]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    decoded = [lp[t].logprob for lp, t in zip(out.logprobs, out.token_ids)]
+    again = llm.generate({"prompt_token_ids": prompt + out.token_ids},
+                         SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert decoded == [again.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(out.token_ids)]

@@ -1,6 +1,7 @@
 """Time every CPU matrix product for int8 and int4 weights on the default model's shapes.
 
     python -m phases.p05_quantization.tools.bench_kernels [--rows 1 4 32] [--repeat 7] [--group-size 64]
+        [--kernels cpu_int4 dequant_sgemm]
     python -m phases.p05_quantization.tools.bench_kernels --step int4 [--rows 1] [--group-size 32]
 
 For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
@@ -31,7 +32,7 @@ from ..quant import QuantizedLinear
 
 # tinyvllm's C kernels need the CPU's instructions: those that cannot run here are left out
 RUNS_HERE = {"cpu_int8": cpu_int8.available, "cpu_int4": cpu_int8.available,
-             "cpu_int8_vnni": cpu_int8.vnni_available}
+             "cpu_int8_vnni": cpu_int8.vnni_available, "dequant_sgemm": cpu_int8.available}
 
 SHAPES = {"q_proj/o_proj": (576, 576), "k_proj/v_proj": (192, 576), "gate/up_proj": (1536, 576),
           "down_proj": (576, 1536), "lm_head": (49152, 576)}
@@ -59,7 +60,12 @@ def main(argv=None) -> None:
     p.add_argument("--group-size", type=int, default=64)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--step", choices=list(QuantizedLinear.KERNELS), default=None)
+    p.add_argument("--kernels", nargs="+", default=None, help="only these kernels (default: all that run here)")
     a = p.parse_args(argv)
+
+    def wanted(k: str) -> bool:
+        return RUNS_HERE.get(k, lambda: True)() and (a.kernels is None or k in a.kernels)
+
     torch.manual_seed(0)
     print(f"torch {torch.__version__}, {cpu_vendor()} CPU of the kind {cpu_kind()} (capability "
           f"{torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads; ms, best of {a.repeat}")
@@ -67,7 +73,7 @@ def main(argv=None) -> None:
         for n in a.rows:
             print(f"a decode step's {len(STEP_SHAPES)} products, {a.step}, {n} rows: " + " | ".join(
                 f"{k} {step_ms(a.step, k, n, a.group_size, a.repeat):.2f}" for k in QuantizedLinear.KERNELS[a.step]
-                if k != "reference" and RUNS_HERE.get(k, lambda: True)()), flush=True)
+                if k != "reference" and wanted(k)), flush=True)
         return
     for name in a.shapes:
         o, i = SHAPES[name]
@@ -75,7 +81,7 @@ def main(argv=None) -> None:
         lin = Linear(i, o, bias=False).requires_grad_(False)
         lin.weight.copy_(w)
         layers = {f"{m}:{k}": QuantizedLinear(w, None, m, a.group_size, kernel=k)
-                  for m, ks in QuantizedLinear.KERNELS.items() for k in ks if RUNS_HERE.get(k, lambda: True)()}
+                  for m, ks in QuantizedLinear.KERNELS.items() for k in ks if wanted(k)}
         for n in a.rows:
             x = torch.randn(n, i)
             row = [f"float32 {best_ms(lambda: lin(x), a.repeat):.2f}"]
