@@ -102,12 +102,16 @@ void int8_matmul(const float *x, const int8_t *q, const float *scale, float *y,
 }
 
 /* int4, groups of g input columns (g = 32, 64 or 128), asymmetric: w = q * scale + zero, with
- * q in [0, 15], column 2j in the low nibble of byte j and 2j+1 in the high one. Per group,
- *     sum_i x_i w_i = scale * sum_i x_i q_i + zero * sum_i x_i
- * so the inner loop is again integer (xq . q in int32), and the group's sum of x, the same for
- * every output row, is computed once per row of x. x is stored split in its even and odd columns,
- * so the low nibbles of 32 bytes meet x's even columns and the high nibbles its odd ones as they
- * are. */
+ * q in [0, 15], column 2j in the low nibble of byte j and 2j+1 in the high one. x is rounded to
+ * int8 per block of 32 columns, each block with its own scale (x ~ xq * xs, as llama.cpp's Q8_1
+ * blocks), so per block of 32 (inside a group)
+ *     sum_i x_i w_i ~ xs * scale * sum_i xq_i q_i + zero * sum_i x_i
+ * the inner loop is integer (xq . q in int32), and the group's sum of x, the same for every
+ * output row, is computed once per row of x (from xq, so the result is the rounded x times the
+ * rounded weight, exactly up to float sums). Rounding x to 8 bits per 32 values costs far less
+ * accuracy than the 4-bit weights already do (the lesson), and halves the multiply-adds of
+ * keeping x's 16 bits. x is stored split in its even and odd columns, so the low nibbles of 32
+ * bytes meet x's even columns and the high nibbles its odd ones as they are. */
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -116,26 +120,23 @@ static inline float hsum_ps(__m256 v) {
 }
 
 /* R output rows (R = 4, or 1 for the last rows) of int4 against one row of x, 64 columns (32
- * bytes of weights) a chunk. x is stored per chunk as int8 parts of its int16 values (xq = 256 h
- * + l, both in [-128, 127]): h of the even columns, h of the odd ones, then l's two. The nibbles
- * stay bytes (no widening to int16): _mm256_maddubs_epi16 multiplies 32 unsigned nibbles by 32
- * signed bytes and adds them in pairs, twice the multiply-adds of _mm256_madd_epi16 per
- * instruction (on a CPU whose 256-bit operations are two 128-bit ones, AMD's first EPYC, the
- * int16 loop could not keep up with memory). The sums are exact: 256 * (q . h) + (q . l) is
- * q . xq, the int16 kernel's. Each chunk's int32 sums go to float with their group's scale
- * (lanes 0-3 are columns 0-31, lanes 4-7 columns 32-63: two groups of 32, or one of 64 or 128);
- * the zero points' term, sum_g zero_g * xsum_g, goes 8 groups at a time after. */
+ * bytes of weights, two blocks of x) a chunk. The nibbles stay bytes: _mm256_maddubs_epi16
+ * multiplies 32 unsigned nibbles by 32 signed bytes of x and adds them in pairs (at most
+ * 2 * 15 * 127 a pair, and two such sums added: far from int16's limit). Each chunk's int32 sums
+ * go to float with their block's scale times their group's (lanes 0-3 are columns 0-31, lanes
+ * 4-7 columns 32-63: two groups of 32, or one of 64 or 128); the zero points' term,
+ * sum_g zero_g * xsum_g, goes 8 groups at a time after. */
 static inline __attribute__((always_inline)) void int4_rows(
-        const uint8_t *q, const float *scale, const float *zero, const int8_t *xc, const float *xsumf,
-        int64_t G, int64_t g, int64_t I, int64_t half, const int R, float *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), k256 = _mm256_set1_epi16(256);
+        const uint8_t *q, const float *scale, const float *zero, const int8_t *xc, const float *xsc,
+        const float *xsumf, int64_t G, int64_t g, int64_t I, int64_t half, const int R, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 f[4], zf[4];
     const int gshift = __builtin_ctzll((unsigned long long)g);
     for (int r = 0; r < R; r++) f[r] = zf[r] = _mm256_setzero_ps();
     for (int64_t c = 0; c * 64 < I; c++) {
-        const int8_t *xp = xc + c * 128;
-        __m256i he = _mm256_loadu_si256((const __m256i *)xp), ho = _mm256_loadu_si256((const __m256i *)(xp + 32));
-        __m256i le = _mm256_loadu_si256((const __m256i *)(xp + 64)), lo_ = _mm256_loadu_si256((const __m256i *)(xp + 96));
+        const int8_t *xp = xc + c * 64;
+        __m256i xe = _mm256_loadu_si256((const __m256i *)xp), xo = _mm256_loadu_si256((const __m256i *)(xp + 32));
+        __m256 xs = _mm256_set_m128(_mm_set1_ps(xsc[2 * c + 1]), _mm_set1_ps(xsc[2 * c]));
         int64_t g0 = (c * 64) >> gshift, g1 = (c * 64 + 32) >> gshift;  /* g a power of two: no division */
         int full = c * 64 + 64 <= I;
         for (int r = 0; r < R; r++) {
@@ -144,12 +145,11 @@ static inline __attribute__((always_inline)) void int4_rows(
             __m256i v = full ? _mm256_loadu_si256((const __m256i *)qr)
                              : _mm256_set_m128i(_mm_setzero_si128(), _mm_loadu_si128((const __m128i *)qr));
             __m256i qe = _mm256_and_si256(v, low4), qo = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-            __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(qe, he), _mm256_maddubs_epi16(qo, ho));
-            __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(qe, le), _mm256_maddubs_epi16(qo, lo_));
-            __m256i s32 = _mm256_add_epi32(_mm256_madd_epi16(h, k256), _mm256_madd_epi16(l, ones));
+            __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(qe, xe), _mm256_maddubs_epi16(qo, xo));
+            __m256i s32 = _mm256_madd_epi16(s16, ones);
             const float *sr = scale + r * G;
             __m256 sv = _mm256_set_m128(_mm_set1_ps(sr[full ? g1 : g0]), _mm_set1_ps(sr[g0]));
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), sv, f[r]);
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, xs), f[r]);
         }
     }
     int64_t gi = 0;
@@ -164,29 +164,31 @@ static inline __attribute__((always_inline)) void int4_rows(
     }
 }
 
-/* x (M, I) float32 -> xc (M, C, 128) int8 (C = ceil(I / 64) chunks, the last one padded with
- * zeros), xsum (M, I / g) float and xs (M,): scratch space the caller provides */
+/* x (M, I) float32 -> xc (M, C, 64) int8 (C = ceil(I / 64) chunks: even columns, then odd ones;
+ * the last chunk's missing half zeros), xsc (M, 2C) the blocks' scales, xsum (M, I / g) float:
+ * scratch space the caller provides. I is a multiple of g, so of 32. */
 void int4_matmul(const float *x, const uint8_t *q, const float *scale, const float *zero, float *y,
-                 int8_t *xc, float *xsum, float *xs, int64_t M, int64_t O, int64_t I, int64_t g) {
+                 int8_t *xc, float *xsc, float *xsum, int64_t M, int64_t O, int64_t I, int64_t g) {
     int64_t G = I / g, half = I / 2, C = (I + 63) / 64;
-    for (int64_t m = 0; m < M; m++) {  /* each row of x in int16 (two int8 parts), sums per group */
+    for (int64_t m = 0; m < M; m++) {  /* each block of 32 of each row of x in int8, sums per group */
         const float *xm = x + m * I;
-        float top = 0.f;
-        for (int64_t i = 0; i < I; i++) top = fmaxf(top, fabsf(xm[i]));
-        /* |xq| <= 32639 keeps h = (xq + 128) >> 8 within [-127, 127] */
-        float s = top > 0.f ? top / 32639.f : 1.f, inv = 1.f / s;
-        xs[m] = s;
-        int8_t *xr = xc + m * C * 128;
-        for (int64_t gi = 0; gi < G; gi++) {
+        for (int64_t b = 0; b < 2 * C; b++) {
+            int8_t *xp = xc + m * C * 64 + (b / 2) * 64 + (b % 2) * 16;
+            float top = 0.f, *s = xsc + m * 2 * C + b;
+            for (int64_t k = 0; b * 32 < I && k < 32; k++) top = fmaxf(top, fabsf(xm[b * 32 + k]));
+            float inv = top > 0.f ? 127.f / top : 0.f;
+            *s = top / 127.f;
             int32_t sum = 0;
-            for (int64_t i = gi * g; i < (gi + 1) * g; i += 2) {
-                int32_t ve = (int32_t)lrintf(xm[i] * inv), he = (ve + 128) >> 8;
-                int32_t vo = (int32_t)lrintf(xm[i + 1] * inv), ho = (vo + 128) >> 8;
-                int8_t *xp = xr + (i / 64) * 128 + (i % 64) / 2;
-                xp[0] = (int8_t)he, xp[32] = (int8_t)ho, xp[64] = (int8_t)(ve - 256 * he), xp[96] = (int8_t)(vo - 256 * ho);
+            for (int64_t k = 0; k < 32; k += 2) {
+                int32_t ve = b * 32 < I ? (int32_t)lrintf(xm[b * 32 + k] * inv) : 0;
+                int32_t vo = b * 32 < I ? (int32_t)lrintf(xm[b * 32 + k + 1] * inv) : 0;
+                xp[k / 2] = (int8_t)ve, xp[32 + k / 2] = (int8_t)vo;
                 sum += ve + vo;
             }
-            xsum[m * G + gi] = (float)sum;
+            if (b * 32 < I) {
+                float *gs = xsum + m * G + (b * 32) / g;
+                *gs = ((b * 32) % g ? *gs : 0.f) + *s * (float)sum;
+            }
         }
     }
     int64_t blocks = (O + 3) / 4;
@@ -194,16 +196,13 @@ void int4_matmul(const float *x, const uint8_t *q, const float *scale, const flo
     for (int64_t bk = 0; bk < blocks; bk++) {
         int64_t o = 4 * bk;
         for (int64_t m = 0; m < M; m++) {
-            const int8_t *xr = xc + m * C * 128;
-            float d[4];
+            const int8_t *xr = xc + m * C * 64;
+            const float *sc = xsc + m * 2 * C;
             if (o + 4 <= O) {
-                int4_rows(q + o * half, scale + o * G, zero + o * G, xr, xsum + m * G, G, g, I, half, 4, d);
-                for (int r = 0; r < 4; r++) y[m * O + o + r] = d[r] * xs[m];
+                int4_rows(q + o * half, scale + o * G, zero + o * G, xr, sc, xsum + m * G, G, g, I, half, 4, y + m * O + o);
             } else {
-                for (int64_t r = o; r < O; r++) {
-                    int4_rows(q + r * half, scale + r * G, zero + r * G, xr, xsum + m * G, G, g, I, half, 1, d);
-                    y[m * O + r] = d[0] * xs[m];
-                }
+                for (int64_t r = o; r < O; r++)
+                    int4_rows(q + r * half, scale + r * G, zero + r * G, xr, sc, xsum + m * G, G, g, I, half, 1, y + m * O + r);
             }
         }
     }

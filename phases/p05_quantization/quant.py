@@ -291,7 +291,8 @@ class QuantizedLinear(nn.Module):
             kernel if len(x) < many else "dequant_sgemm"](self, x)
 
     def packed(self, kernel: str):
-        """The weight in `kernel`'s layout, made once (a second, integer copy of the weight)."""
+        """The weight in `kernel`'s layout (a second, integer copy of it), or for cpu_int4 its product
+        as a function of x; made once."""
         if kernel not in self._packed:
             self._packed[kernel] = PACKERS[kernel](self)
         return self._packed[kernel]
@@ -354,7 +355,7 @@ def _cpu_int8_vnni(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    y = cpu_int8.int4_matmul(x.float(), layer.qweight, layer.scale, layer.zero, layer.group_size)
+    y = layer.packed("cpu_int4")(x.float())
     return y if layer.bias is None else y.add_(layer.bias)
 
 
@@ -385,6 +386,7 @@ def _int4pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8a8": _fbgemm_w8a8,
               "int8pack_mm": _int8pack_mm,
               "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm, "dequant_sgemm": _dequant_sgemm}
-PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4,
+PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4,  # cpu_int4: the weight's caller
+           "cpu_int4": lambda layer: cpu_int8.int4_matmul(layer.qweight, layer.scale, layer.zero, layer.group_size),
            "cpu_int8_vnni": lambda layer: cpu_int8.vnni_pack(layer.int8_rows()),
            "cpu_int8": QuantizedLinear.int8_rows}  # the rows of a layer stored for cpu_int8_vnni
