@@ -70,10 +70,13 @@ class KVCache:
         # them), and a masked NaN from uninitialized memory would still give 0 * NaN = NaN
         self.kv = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size,
                               model.num_key_value_heads, model.head_dim, dtype=dtype, device=device)
+        # each layer's (k_cache, v_cache) views, made once: indexing self.kv costs microseconds,
+        # and a decode step asks for every layer's
+        self.views = [tuple(layer.unbind(0)) for layer in self.kv]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each (num_blocks, block_size, KVH, d)."""
-        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        return self.views[layer_idx]
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V: k, v (N, KVH, d) into the rows `slot_mapping` (N,)."""
