@@ -80,15 +80,17 @@ def int4_matmul(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g
     """The product with one int4 weight, packed (O, I/2) uint8 (two values a byte), scale and
     zero (O, I/g) float32, as a function of x (M, I) float32 -> (M, O) float32. Its pointers and
     sizes are looked up once: a decode step calls each layer's product once, 121 times for the
-    default model, and this keeps each call's Python to about 10 us (from about 25)."""
-    fn, (o, half), tensors = (AVX2.lib or AVX2.load()).int4_matmul, packed.shape, (packed, scale, zero)
-    w, c, groups = [t.data_ptr() for t in tensors], -(-half // 32), 2 * half // group_size
-    per_row = 64 * c + 4 * 2 * c + 4 * groups              # x's bytes, its blocks' scales, its group sums
+    default model, and this keeps each call's Python to about 10 us (from about 25). (No ctypes
+    object in the closure: phase 7 saves the graphs that call it, and pickles what they hold. The
+    library is loaded: `available()` came first.)"""
+    (o, i), tensors = (packed.shape[0], 2 * packed.shape[1]), (packed, scale, zero)
+    w, c, groups = [t.data_ptr() for t in tensors], -(-i // 64), i // group_size
 
     def call(x: torch.Tensor, keep=tensors) -> torch.Tensor:  # keep: the weight outlives its pointers
         m, y = x.shape[0], torch.empty(x.shape[0], o)
-        s = _scratch.get("int4", m * per_row, torch.uint8).data_ptr()
-        fn(x.contiguous().data_ptr(), *w, y.data_ptr(), s, s + m * 64 * c, s + m * 72 * c, m, o, 2 * half, group_size)
+        # per row of x: its bytes, its blocks' scales, its groups' sums
+        s = _scratch.get("int4", m * (64 * c + 4 * 2 * c + 4 * groups), torch.uint8).data_ptr()
+        AVX2.lib.int4_matmul(x.contiguous().data_ptr(), *w, y.data_ptr(), s, s + m * 64 * c, s + m * 72 * c, m, o, i, group_size)
         return y
     return call
 

@@ -44,9 +44,10 @@ from . import cpu_int8
 INT4_GROUP_SIZES = (32, 64, 128)
 
 # CPU kind: the row count from which int4's `dequant_sgemm` beats `cpu_int4` in the default
-# model's layers (bench_kernels.py --rows 32 64 96 128 on an AVX2 AMD EPYC: 10.5 against 13.3 ms
-# a layer at 64 rows). Not measured on the other kinds, so not chosen there. Nor for a layer of
-# more than DEQUANT_MAX_WEIGHTS: the LM head's float32 copy would take 113 MB, for 1.3x at 128 rows.
+# model's layers (bench_kernels.py --rows 32 64 96 128 on an AVX2 AMD EPYC, a layer's products:
+# 9.4 against 10.2 ms at 64 rows, 16.0 against 20.2 at 128). Not measured on the other kinds, so
+# not chosen there. Nor for a layer of more than DEQUANT_MAX_WEIGHTS: the LM head, whose float32
+# copy would take 113 MB, and which `cpu_int4` multiplies faster at every row count measured.
 DEQUANT_FROM_ROWS, DEQUANT_MAX_WEIGHTS = {"avx2": 64}, 1 << 22
 
 
