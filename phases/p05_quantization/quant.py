@@ -289,7 +289,7 @@ class QuantizedLinear(nn.Module):
         if not kernel.startswith("cpu_"):
             return self.forward
         return partial(KERNEL_FNS[kernel], self) if many is None else lambda x: KERNEL_FNS[
-            kernel if len(x) < many else "dequant_sgemm"](self, x)
+            kernel if x.shape[0] < many else "dequant_sgemm"](self, x)
 
     def packed(self, kernel: str):
         """The weight in `kernel`'s layout (a second, integer copy of it), or for cpu_int4 its product
