@@ -97,7 +97,9 @@ def test_quantization_keeps_the_biases_and_the_norms_float(tiny_qwen3_dir, quant
     with torch.inference_mode():  # the hidden states: every projection, norm and bias
         want = ref.llm_engine.model(ids, torch.arange(len(ids)), NaiveAttention())
         got = model(ids, torch.arange(len(ids)), NaiveAttention())
-    assert ((want - got).norm() / want.norm()) < 0.02
+    # int8's kernels keep about 15 bits of x; cpu_int4 rounds x to int8 per block of 32 (phase 5):
+    # 2.5% here, where the rounding of the int4 weights themselves moves these states by 32%
+    assert ((want - got).norm() / want.norm()) < {"int8": 0.02, "int4": 0.06}[quantization]
 
 
 def test_compiled_decode_step_gives_transformers_greedy_tokens(tiny_qwen3_dir):
