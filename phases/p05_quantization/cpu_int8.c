@@ -8,10 +8,11 @@
  * value), so the inner loop is integer: _mm256_madd_epi16 multiplies 16 int16 pairs and adds them
  * in pairs into 8 int32 lanes, one instruction for 16 multiply-adds. Every 2048 columns the int32
  * sums go to a float sum, which keeps them far from overflowing (2048 / 8 * 32767 * 127 < 2^31).
- * Four output rows share each load of x, and the weight is prefetched 512 bytes ahead (measured:
- * the 211 products of a decode step of the default model at one row, 16.8 -> 13.8 ms). The
- * output rows are split between OpenMP threads (PyTorch's own libgomp, already loaded: the same
- * threads, the same count) for every layer of 50,000 weights or more.
+ * Four output rows share each load of x, and the weight is prefetched 2 KB ahead (measured: the
+ * 211 products of a decode step of the default model at one row, 16.8 -> 13.8 ms with 512 bytes
+ * ahead; the 121 of phase 7's fused step 17.5-19.0 -> 14.8-15.3 ms with 2 KB, on AMD's first
+ * EPYC). The output rows are split between OpenMP threads (PyTorch's own libgomp, already
+ * loaded: the same threads, the same count) for every layer of 50,000 weights or more.
  *
  * Built by cpu_int8.py with `cc -O3 -mavx2 -mfma -fopenmp`, called through ctypes.
  */
@@ -56,11 +57,11 @@ static void dot4(const int16_t *x, const int8_t *q, int64_t n, float out[4]) {
         __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
         for (; i + 16 <= end; i += 16) {
             __m256i xv = _mm256_loadu_si256((const __m256i *)(x + i));
-            /* ask for each row's bytes 512 ahead: at one row of x the loop waits on memory */
-            _mm_prefetch((const char *)(q + i + 512), _MM_HINT_T0);
-            _mm_prefetch((const char *)(q + n + i + 512), _MM_HINT_T0);
-            _mm_prefetch((const char *)(q + 2 * n + i + 512), _MM_HINT_T0);
-            _mm_prefetch((const char *)(q + 3 * n + i + 512), _MM_HINT_T0);
+            /* ask for each row's bytes 2 KB ahead: at one row of x the loop waits on memory */
+            _mm_prefetch((const char *)(q + i + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + n + i + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + 2 * n + i + 2048), _MM_HINT_T0);
+            _mm_prefetch((const char *)(q + 3 * n + i + 2048), _MM_HINT_T0);
             a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + i)))));
             a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + n + i)))));
             a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 2 * n + i)))));
