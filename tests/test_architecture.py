@@ -207,13 +207,15 @@ def _code_lines(path: Path) -> int:
 
 def test_a_recipe_file_is_short_and_a_phase_s_code_within_budget():
     """A phase's recipe.py says which parts it replaces (under 250 lines, as phase 1's engine.py,
-    the loop); the phase's engine code (tools, tests and C excluded; lines of code, not comments
-    or docstrings) stays within 600."""
+    the loop); the phase's engine code (tools, tests, the throughput checkpoints that
+    tests/test_throughput.py runs, and C excluded; lines of code, not comments or docstrings)
+    stays within 600."""
     for folder in sorted((REPO / "phases").glob("p0*")):
         for short in ("recipe.py", "engine.py"):
             path = folder / short
             if path.exists():
                 assert len(path.read_text().splitlines()) < 250, f"{path} is long: move a part out of it"
         assert (folder / "recipe.py").exists(), f"{folder.name} has no recipe.py"
-        code = sum(_code_lines(p) for p in folder.glob("*.py") if not p.name.startswith("test_"))
+        code = sum(_code_lines(p) for p in folder.glob("*.py")
+                   if not p.name.startswith("test_") and p.name != "throughput.py")
         assert code <= 600, f"phases.{folder.name}: {code} lines of engine code"

@@ -4,8 +4,10 @@ A few of tinyvllm's CPU kernels are short C files beside the phase that teaches 
 batch-invariant kernels, phase 5's int8/int4 products). Each is compiled once per machine with
 the system's C compiler (`CC`, default `cc`) into `$TINYVLLM_CACHE/kernels/` (default
 ~/.cache/tinyvllm), the library named after a hash of its source and flags, so an edit or
-another compiler builds a new one. It is loaded only where the CPU has the instructions it was
-compiled for; where it cannot be built, `load()` warns once and returns None, and the caller
+another compiler builds a new one. A C++ file (phase 7's operators) is compiled by `CXX` (default
+`c++`), with the folders it searches given apart from its flags (`search`: PyTorch's headers and
+libraries, wherever the environment keeps them) so that they are not in the name. It is loaded
+only where the CPU has the instructions it was compiled for; where it cannot be built, `load()` warns once and returns None, and the caller
 takes another path.
 """
 
@@ -17,7 +19,7 @@ import os
 import subprocess
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinyvllm.hardware import has_flags
@@ -32,6 +34,7 @@ class CKernel:
     needs: frozenset[str]          # CPU flags (/proc/cpuinfo) it needs
     signatures: dict[str, list]
     fallback: str = "another kernel is used"   # what happens where it cannot be built (the warning)
+    search: dict[str, str] = field(default_factory=dict)   # CPATH, LIBRARY_PATH, ...: not in the key
     lib: ctypes.CDLL | None = None
     tried: bool = False
 
@@ -40,7 +43,7 @@ class CKernel:
         from tinyvllm.download import cache_dir
 
         src = self.source.read_bytes()
-        cc = os.environ.get("CC", "cc")
+        cc = os.environ.get("CXX", "c++") if self.source.suffix == ".cpp" else os.environ.get("CC", "cc")
         key = hashlib.sha256(src + " ".join([cc, *self.flags]).encode()).hexdigest()[:16]
         out = (cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
         if not out.exists():
@@ -49,7 +52,7 @@ class CKernel:
             os.close(fd)
             try:
                 subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, "-lm"], check=True,
-                               capture_output=True, text=True)
+                               capture_output=True, text=True, env={**os.environ, **self.search})
                 os.replace(tmp, out)
             finally:
                 if os.path.exists(tmp):
@@ -79,3 +82,18 @@ class CKernel:
 
     def available(self) -> bool:
         return self.load() is not None
+
+    def address(self, name: str) -> int:
+        """Where the loaded library's function `name` starts, for a caller in C or C++."""
+        return ctypes.cast(getattr(self.lib, name), ctypes.c_void_p).value
+
+
+def torch_extension(source: Path, needs: frozenset[str], signatures: dict[str, list], fallback: str) -> CKernel:
+    """A C++ file of PyTorch operator kernels (torch/library.h), built against the installed
+    PyTorch: its headers and libraries (their folders kept out of the name, its version in it)."""
+    import torch
+
+    root = Path(torch.__file__).parent
+    return CKernel(source, ["-O2", "-std=c++20", "-shared", "-fPIC", f"-DTORCH_VERSION={torch.__version__}",
+                            "-Wl,--no-as-needed", "-ltorch_cpu", "-lc10"], needs, signatures, fallback,
+                   search={"CPATH": str(root / "include"), "LIBRARY_PATH": str(root / "lib")})

@@ -44,6 +44,7 @@ engine eager, warned once.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import itertools
 import json
@@ -59,9 +60,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from phases.p05_quantization import QuantizedLinear
+from phases.p04_triton_kernels.cpu_attention import DECODE, CpuPagedAttention, c_decode_runs
+from phases.p05_quantization import QuantizedLinear, cpu_int8
+from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir
-from tinyvllm.hardware import cpu_flags
+from tinyvllm.hardware import AVX2_FLAGS, cpu_flags
 
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 from .fused import decode_forward, fused_model
@@ -83,9 +86,11 @@ _LIBRARY = torch.library.Library("tinyvllm", "FRAGMENT")
 
 
 def _operator(schema: str, kernel, fake) -> None:
-    _LIBRARY.define(schema)
-    _LIBRARY.impl(schema.split("(")[0], kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake("tinyvllm::" + schema.split("(")[0], fake, lib=_LIBRARY)
+    for twin in ("", "_eager"):  # cpu_ops.cpp's C++ kernels call the *_eager twin for what they leave
+        name, _, args = schema.partition("(")
+        _LIBRARY.define(f"{name}{twin}({args}")
+        _LIBRARY.impl(name + twin, kernel, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"tinyvllm::{name}{twin}", fake, lib=_LIBRARY)
 
 
 def opaque_linear(x: torch.Tensor, index: int, out_features: int) -> torch.Tensor:
@@ -122,6 +127,7 @@ def make_opaque(model: nn.Module) -> int:
             setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m, len(layers)))
             layers.append(m)
     model.opaque_layers = [m.kernel_call() for m in layers]
+    model.native_layers = torch.tensor([layer_row(m) for m in layers], dtype=torch.int64).view(-1, 10)
     return len(layers)
 
 
@@ -133,6 +139,53 @@ def unified_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch
 
 _operator("unified_attention(int layer_idx, Tensor q, Tensor k, Tensor v) -> Tensor", unified_attention,
           lambda layer_idx, q, k, v: q.new_empty(q.shape))  # contiguous, as the real one returns
+
+
+# The two operators' C++ kernels (cpu_ops.cpp, see its comment): registered for the CPU dispatch
+# key, they run in place of the Python ones above, which they call for what they do not serve.
+NATIVE = torch_extension(Path(__file__).with_name("cpu_ops.cpp"), AVX2_FLAGS,
+                         {"use_step": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]},
+                         "the compiled step calls its operators through Python")
+
+
+def layer_row(m) -> list[int]:
+    """A phase 5 layer (`QuantizedLinear`) as cpu_ops.cpp reads it: the C product its kernel
+    runs, 4 or 8 bits, the weight's pointers (values, scales, zero points, bias), its sizes and
+    group, the row count from which `dequant_sgemm` serves instead; zeros where its kernel is
+    none of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the layer from Python)."""
+    kernel = m.choose_kernel(1)
+    if kernel not in ("cpu_int4", "cpu_int8") or kernel == "cpu_int8" and m.layout != "rows":
+        return [0] * 10
+    four = kernel == "cpu_int4"
+    return [cpu_int8.AVX2.address("int4_matmul" if four else "int8_matmul"), 4 if four else 8,
+            *(0 if t is None else t.data_ptr() for t in (m.qweight, m.scale, m.zero if four else None, m.bias)),
+            m.out_features, m.in_features, m.group_size if four else 1, m.dequant_from_rows() or 1 << 62]
+
+
+def attention_row(attention) -> torch.Tensor | None:
+    """The step's attention as cpu_ops.cpp reads it, where it is decodes through phase 4's
+    `CpuPagedAttention` with its C kernel over a float32 cache: the C function, the step's
+    slots, block table (and its row stride), lengths and longest length (the static buffers'
+    tensors, contiguous: read in place), the block size, KV heads, and where the cache starts
+    and each layer's K and V lie in it. None for any other step or attention part."""
+    if type(attention) is not CpuPagedAttention or attention.meta.prefill_rows:
+        return None
+    meta, kv = attention.meta, attention.cache.kv        # kv: (layers, 2, blocks, block_size, KVH, d)
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    if not c_decode_runs(kv, kv) or tables.stride(1) != 1 or not lens.is_contiguous():
+        return None
+    return torch.tensor([DECODE.address("paged_decode_attention"), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+                         tables.stride(0), lens.data_ptr(), meta.max_decode_seq_len, *kv.shape[3:5], kv.data_ptr(),
+                         *kv.stride()[:2]])
+
+
+def use_step(layers: torch.Tensor | None, attention=None) -> None:
+    """Hand cpu_ops.cpp this thread's step: the model's layer table (a `layer_row` per opaque
+    layer) and its `attention_row`; with None, take it back (before the tables can go)."""
+    if NATIVE.lib is not None:
+        _STEP.row = row = None if layers is None else attention_row(attention)   # alive while read
+        NATIVE.lib.use_step(None if layers is None else layers.data_ptr(), 0 if layers is None else len(layers),
+                            None if row is None else row.data_ptr())
 
 
 def use_inductor_cache() -> None:
@@ -177,6 +230,7 @@ class CompiledDecodeRunner(DecodeRunner):
         super().__init__(model, buffers, attention)
         use_inductor_cache()
         self.opaque_layers = getattr(model, "opaque_layers", [])
+        self.native_layers = getattr(model, "native_layers", None)   # the same layers, for cpu_ops.cpp
         self.key = compile_key(model)
         self.graphs: dict[bool, object] = {}  # batch 1 (True), every larger bucket (False)
         self.num_loaded = self.num_compiled = 0
@@ -213,6 +267,7 @@ class CompiledDecodeRunner(DecodeRunner):
             for bucket in buckets:
                 self.make_graph(bucket, compile=not background)
                 self.run(bucket, self.warm_buf)
+            NATIVE.load()   # the operators' C++ kernels: built once per machine, loaded here
         except Exception as e:
             if not background:
                 raise
@@ -289,15 +344,17 @@ class CompiledDecodeRunner(DecodeRunner):
             return super().run(bucket)
         b = self.buf if buf is None else buf
         # >>> exercise compiled_run (2 stars): Run the graph made for this bucket's shape on the first `bucket` rows of b, with this step's attention and the model's opaque layers in the thread's forward context while it runs.
-        # hint: self.graphs[bucket == 1] (batch 1 has a graph of its own, every larger bucket shares one whose batch dimension is dynamic); record bucket == 1 in shapes_seen; set _STEP.attention = self.attention(b.metadata(bucket)) and _STEP.layers = self.opaque_layers, the attention removed in a finally; call graph(self.model, ids, positions) under torch.inference_mode().
+        # hint: self.graphs[bucket == 1] (batch 1 has a graph of its own, every larger bucket shares one whose batch dimension is dynamic); record bucket == 1 in shapes_seen; set _STEP.attention = self.attention(b.metadata(bucket)) and _STEP.layers = self.opaque_layers, and the same step to the C++ kernels with use_step(self.native_layers, _STEP.attention); both taken back in a finally (use_step(None)); call graph(self.model, ids, positions) under torch.inference_mode().
         # checked by: test_compiled_step_gives_eager_tokens, test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket, test_every_engine_of_a_process_runs_its_own_graphs
         ids, positions = b.input_ids[:bucket], b.positions[:bucket]
         graph = self.graphs[bucket == 1]
         self.shapes_seen.add(bucket == 1)
         _STEP.attention, _STEP.layers = self.attention(b.metadata(bucket)), self.opaque_layers
+        use_step(self.native_layers, _STEP.attention)   # the same step, for cpu_ops.cpp
         try:
             with torch.inference_mode():
                 return graph(self.model, ids, positions)
         finally:
+            use_step(None)
             del _STEP.attention
         # <<< exercise compiled_run

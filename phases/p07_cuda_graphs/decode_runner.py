@@ -138,8 +138,7 @@ class CudaGraphDecodeRunner(DecodeRunner):
         super().__init__(model, buffers, attention, fixed_shapes=True)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
-        self.num_captures = 0
+        self.pool, self.num_captures = None, 0
 
     def capture(self, bucket: int) -> None:
         stream = torch.cuda.Stream()

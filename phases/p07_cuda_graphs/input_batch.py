@@ -138,16 +138,3 @@ class InputBatch:
             else:
                 rows.append(self.add(s))
         return rows
-
-    # -- checks --------------------------------------------------------------------------------
-    def state(self) -> dict[str, object]:
-        """Every row's valid contents, keyed by seq_id (for comparing with a batch built from
-        scratch: row order may differ, contents may not)."""
-        out = {}
-        for r in range(self.num_reqs):
-            n, nb = int(self.num_tokens[r]), int(self.num_blocks[r])
-            out[self.seqs[r].seq_id] = (
-                self.token_ids[r, :n].tolist(), int(self.num_computed[r]), self.block_table[r, :nb].tolist(),
-                float(self.temperature[r]), int(self.top_k[r]), float(self.top_p[r]), float(self.min_p[r]),
-                self.generators[r])
-        return out

@@ -23,6 +23,9 @@ import time
 import pytest
 import torch
 
+from phases.p04_triton_kernels.cpu_attention import CpuPagedAttention
+from phases.p05_quantization import QuantizedLinear
+from phases.p07_cuda_graphs import compiled
 from phases.p07_cuda_graphs.compiled import CompiledDecodeRunner
 from phases.p07_cuda_graphs.decode_runner import DecodeRunner
 from tinyvllm import LLM, SamplingParams
@@ -79,6 +82,73 @@ def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm,
         torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=1e-5, atol=1e-5)
     assert graphs_made(runner) == (2, {True, False}), NEW_GRAPH   # the two graphs of the start
     engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
+
+
+def needs_native():
+    if not compiled.NATIVE.available():
+        pytest.skip("cpu_ops.cpp needs AVX2 and a C++ compiler with PyTorch's headers")
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_a_compiled_step_never_enters_python(make_llm, tiny_model_dir, quantization, monkeypatch):
+    """With cpu_ops.cpp built, the graph's operators run phase 5's products and phase 4's decode
+    attention from C++: neither operator's Python kernel runs in a compiled step, and its logits
+    and the K/V it writes are the eager step's. Without the step's tables (`use_step` a no-op)
+    every call goes through Python, as where the C++ cannot be built."""
+    needs_native()
+    kw = {"quantization": quantization} if quantization else {}
+    engine = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1, **kw).llm_engine
+    runner = engine.runner.decode_runner
+    eager = DecodeRunner(runner.model, runner.buf, runner.attention)
+    calls = []
+    monkeypatch.setattr(runner, "opaque_layers", [lambda x, f=f: calls.append("linear") or f(x) for f in runner.opaque_layers])
+    attend = CpuPagedAttention.__call__
+    monkeypatch.setattr(CpuPagedAttention, "__call__", lambda self, *a: calls.append("attention") or attend(self, *a))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"n{i}", prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    engine.step()
+    engine.step()
+    layers = len(runner.opaque_layers)
+    for bucket, tables in ((1, True), (8, True), (2, False)):
+        if not tables:
+            monkeypatch.setattr(compiled, "use_step", lambda *args: None)
+        kv = engine.kv_cache.kv.clone()
+        want = eager.run(bucket)
+        kv_eager = engine.kv_cache.kv.clone()
+        engine.kv_cache.kv.copy_(kv)
+        calls.clear()
+        got = runner.run(bucket)
+        every_call = ["attention"] * runner.model.config.num_hidden_layers + ["linear"] * layers
+        assert sorted(calls) == ([] if tables else sorted(every_call))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=1e-5, atol=1e-5)
+    engine.abort_request([f"n{i}" for i in range(len(PROMPTS))])
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_cpp_product_is_the_layers_own(method):
+    """cpu_ops.cpp's `opaque_linear` runs a layer's C product from its row of the layer table,
+    bias included: the layer's own numbers, bit for bit. A layer without a row, or a call with
+    rows enough for `dequant_sgemm`, goes to the Python kernel."""
+    needs_native()
+    torch.manual_seed(0)
+    layers = [QuantizedLinear(torch.randn(96, 64), torch.randn(96), method, group_size=32) for _ in range(2)]
+    table = torch.tensor([compiled.layer_row(m) for m in layers])
+    table[1] = 0
+    python = []
+    compiled._STEP.layers = [lambda x, m=m: python.append(x.shape[0]) or m(x) for m in layers]
+    compiled.use_step(table)
+    try:
+        for rows in (1, 3, 64):
+            x = torch.randn(rows, 64)
+            for i, m in enumerate(layers):
+                assert torch.equal(torch.ops.tinyvllm.opaque_linear(x, i, 96), m(x))
+    finally:
+        compiled.use_step(None)
+        del compiled._STEP.layers
+    many = layers[0].dequant_from_rows() or 1 << 62
+    in_python = [rows for rows in (1, 3, 64) for i in range(2) if i == 1 or table[0, 0] == 0 or rows >= many]
+    assert python == in_python
 
 
 def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_model_dir):

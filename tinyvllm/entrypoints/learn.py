@@ -68,11 +68,11 @@ def phase_package(phase: int) -> str:
 
 
 def phase_files(phase: int) -> list[Path]:
-    """The reference files a learner's copy of `phase` holds: its modules, C sources and README
+    """The reference files a learner's copy of `phase` holds: its modules, C and C++ sources and README
     (not its tests or tools/, which stay in the repository and grade the copy), then the
     foundation modules the phase teaches (phases/workspace.py's FOUNDATION_COPIES)."""
     folder = REPO / "phases" / phase_package(phase)
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".py", ".c", ".md")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix in (".py", ".c", ".cpp", ".md")
                    and not p.name.startswith("test_"))
     foundation = foundation_files(phase_package(phase))
     if {p.name for p in foundation} & {p.name for p in files}:
