@@ -7,8 +7,8 @@ the system's C compiler (`CC`, default `cc`) into `$TINYVLLM_CACHE/kernels/` (de
 another compiler builds a new one. A C++ file (phase 7's operators) is compiled by `CXX` (default
 `c++`), with the folders it searches given apart from its flags (`search`: PyTorch's headers and
 libraries, wherever the environment keeps them) so that they are not in the name. It is loaded
-only where the CPU has the instructions it was compiled for; where it cannot be built, `load()` warns once and returns None, and the caller
-takes another path.
+only where the CPU has the instructions it was compiled for; where it cannot be built, `load()`
+warns once and returns None, and the caller takes another path.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class CKernel:
             os.close(fd)
             try:
                 subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, "-lm"], check=True,
-                               capture_output=True, text=True, env={**os.environ, **self.search})
+                               capture_output=True, text=True, env=self.environment())
                 os.replace(tmp, out)
             finally:
                 if os.path.exists(tmp):
@@ -75,6 +75,13 @@ class CKernel:
                     warnings.warn(f"tinyvllm: could not build {self.source.name} ({detail}); "
                                   f"{self.fallback}")
         return self.lib
+
+    def environment(self) -> dict[str, str]:
+        """The compiler's environment: this process's, with `search`'s folders first."""
+        env = dict(os.environ)
+        for name, folder in self.search.items():
+            env[name] = os.pathsep.join(p for p in (folder, env.get(name)) if p)
+        return env
 
     def supported(self) -> bool:
         """This CPU has the instructions the file is compiled for."""
