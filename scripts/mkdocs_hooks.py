@@ -40,9 +40,9 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS_SECTION = "Notebooks"
 LAB_SECTION = "Lab notes"
 OPTIONAL_PAGES = ("benchmarks.md",)
-SOURCE_GLOBS = ("tinyvllm/*.py", "tinyvllm/entrypoints/*.py", "phases/*.py", "phases/*/*.py", "phases/*/tools/*.py", "phases/*/*.c", "tests/*.py",
+SOURCE_GLOBS = ("tinyvllm/*.py", "tinyvllm/entrypoints/*.py", "phases/*.py", "phases/*/*.py", "phases/*/tools/*.py", "phases/*/*.c", "phases/*/*.cpp", "tests/*.py",
                 "conftest.py", "scripts/*.sh", "scripts/*.py", "Makefile", "pyproject.toml", "mkdocs.yml")
-LANGUAGES = {".py": "python", ".c": "c", ".sh": "bash", ".toml": "toml", ".yml": "yaml", "Makefile": "make"}
+LANGUAGES = {".py": "python", ".c": "c", ".cpp": "cpp", ".sh": "bash", ".toml": "toml", ".yml": "yaml", "Makefile": "make"}
 SOURCE_PREFIX = "source/"
 
 # [text](target) and ![alt](target); the target has no spaces (our files have none)
