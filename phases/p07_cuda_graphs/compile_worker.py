@@ -25,7 +25,9 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     request = json.loads((argv or sys.argv[1:])[0])
     os.nice(10)   # the serving engine first (its thread count stays: a graph's guards check it)
-    import phases   # with $TINYVLLM_WORKSPACE set, a learner's copies of the phases stand in: theirs compile
+    # with $TINYVLLM_WORKSPACE set, a learner's copies of the phases stand in: theirs compile
+    import phases.p07_cuda_graphs.compiled
+    phases.p07_cuda_graphs.compiled.NATIVE.tried = True   # its C++ kernels serve the engine that asked: not built here
     phases.make_engine(request["phase"], request["model"], **request["engine_args"])  # compiles, saves
     return 0
 

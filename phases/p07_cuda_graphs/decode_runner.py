@@ -136,8 +136,7 @@ class CudaGraphDecodeRunner(DecodeRunner):
 
     def __init__(self, model, buffers: StaticDecodeBuffers, attention):
         super().__init__(model, buffers, attention, fixed_shapes=True)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs, self.outputs = {}, {}   # bucket -> its torch.cuda.CUDAGraph, its output tensor
         self.pool, self.num_captures = None, 0
 
     def capture(self, bucket: int) -> None:
