@@ -264,3 +264,38 @@ def hf_gguf():
                                                      dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def hf_reference(request):
+    """`reference(compute, *args)`: transformers' answer `compute(model, tokenizer, *args)` on the
+    default model's GGUF file (`hf_gguf`), computed once per machine and kept in the cache
+    (`$TINYVLLM_CACHE/references/`) under a hash of the versions of transformers and torch, the
+    GGUF file (name, size, time), the source of `compute` and `args` (the inputs: token ids,
+    texts). Loading the reference and generating its tokens took 45 s of every run of the 2-core
+    CPU's suite; a new version, file, input or computation computes it again."""
+    import hashlib
+    import inspect
+
+    import transformers
+
+    from tinyvllm.download import cache_dir, ensure_gguf
+
+    gguf = ensure_gguf(quiet=True)
+    stat = gguf.stat()
+    base = (transformers.__version__, torch.__version__, gguf.name, stat.st_size, stat.st_mtime_ns)
+
+    def reference(compute, *args):
+        digest = hashlib.sha256(repr((base, inspect.getsource(compute), args)).encode()).hexdigest()
+        path = cache_dir() / "references" / f"{compute.__name__}-{digest[:16]}.pt"
+        if path.is_file():
+            return torch.load(path, weights_only=True)
+        with torch.no_grad():
+            value = compute(*request.getfixturevalue("hf_gguf"), *args)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(value, tmp)
+        tmp.replace(path)  # atomic: a run beside this one reads the whole file or none
+        return value
+
+    return reference

@@ -52,22 +52,34 @@ def test_unpermute_inverts_llama_cpp_permutation():
     assert (unpermute_qk(permute(w, 4), 4) == w).all()
 
 
-@pytest.mark.slow  # transformers' own GGUF loading takes ~35 s of the CPU
+def hf_tokenize(model, tokenizer, texts: list[str]) -> dict:
+    """transformers' ids for each text, its decoding of them without special tokens, and the
+    chat template it read from the GGUF file."""
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    return {"ids": ids, "decoded": [tokenizer.decode(i, skip_special_tokens=True) for i in ids],
+            "chat_template": tokenizer.chat_template}
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(hf_reference):
+    return hf_reference(hf_tokenize, SAMPLE_TEXTS)  # transformers' GGUF loading: once per machine
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("text", SAMPLE_TEXTS)
-def test_tokenizer_equals_transformers_gguf(hf_gguf, default_model_dir, text):
-    _, hf_tok = hf_gguf
+def test_tokenizer_equals_transformers_gguf(hf_tokens, default_model_dir, text):
     tok = Tokenizer(default_model_dir)
     ids = tok.encode(text)
-    assert ids == hf_tok.encode(text, add_special_tokens=False)
+    i = SAMPLE_TEXTS.index(text)
+    assert ids == hf_tokens["ids"][i]
     assert tok.decode(ids, skip_special_tokens=False) == text
-    assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
+    assert tok.decode(ids) == hf_tokens["decoded"][i]
 
 
-@pytest.mark.slow  # shares the transformers GGUF load above
-def test_chat_template_is_the_gguf_files(hf_gguf, default_model_dir):
-    _, hf_tok = hf_gguf
+@pytest.mark.slow
+def test_chat_template_is_the_gguf_files(hf_tokens, default_model_dir):
     cfg = json.loads((default_model_dir / "tokenizer_config.json").read_text())
-    assert cfg["chat_template"] == hf_tok.chat_template
+    assert cfg["chat_template"] == hf_tokens["chat_template"]
 
 
 def test_digits_are_split_one_by_one(default_model_dir):

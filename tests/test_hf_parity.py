@@ -33,17 +33,19 @@ def chat_prompt_ids(default_model_dir):
             for p in PROMPTS]
 
 
-@pytest.fixture(scope="module")
-def hf_greedy(hf_gguf, chat_prompt_ids):
+def greedy(model, tokenizer, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (one at a time: no padding effects)."""
-    model, _ = hf_gguf
     outs = []
-    with torch.no_grad():
-        for ids in chat_prompt_ids:
-            gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=2)
-            outs.append(gen[0, len(ids):].tolist())
+    for ids in prompt_ids:
+        gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=max_tokens, do_sample=False, pad_token_id=2)
+        outs.append(gen[0, len(ids):].tolist())
     return outs
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_reference, chat_prompt_ids):
+    return hf_reference(greedy, chat_prompt_ids, MAX_TOKENS)
 
 
 @pytest.mark.slow

@@ -34,15 +34,18 @@ def test_backend_is_causal_over_the_whole_sequence():
     torch.testing.assert_close(causal_attention(q, k2, v)[:5], causal_attention(q, k, v)[:5])
 
 
+def hf_logits(model, tokenizer, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0]  # (T, vocab)
+
+
 @pytest.mark.slow
-def test_logits_equal_transformers(hf_gguf, make_llm, default_model_dir):
-    hf_model, _ = hf_gguf
+def test_logits_equal_transformers(hf_reference, make_llm, default_model_dir):
     engine = make_llm(default_model_dir, 1).llm_engine
     tok = engine.tokenizer
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Name three colors."}]),
                      add_special_tokens=False)
+    ref = hf_reference(hf_logits, ids)
     with torch.no_grad():
-        ref = hf_model(torch.tensor([ids])).logits[0]
         ours = engine.model.compute_logits(engine.model(torch.tensor(ids), torch.arange(len(ids)), NaiveAttention()))
     # float32 rounding only: the logits span about +-40
     torch.testing.assert_close(ours, ref, atol=5e-4, rtol=1e-4)

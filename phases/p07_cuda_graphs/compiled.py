@@ -201,12 +201,12 @@ def compile_key(model: nn.Module) -> str:
     """What a saved graph depends on: the model (its config, modules, parameters' and buffers'
     shapes and dtypes), this CPU's instruction sets
     (inductor's loops are compiled for them), torch and Python, and the source of tinyvllm and
-    its phases (a changed line compiles again)."""
+    its phases (a changed line compiles again; their tests are not part of it)."""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
     parts = [repr(getattr(model, "config", None)), sorted(cpu_flags()), torch.__version__,
              sys.version, [(n, type(m).__name__) for n, m in model.named_modules()],
              [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors],
-             [f.read_bytes() for root in SOURCES for f in sorted(root.rglob("*.py"))]]
+             [f.read_bytes() for root in SOURCES for f in sorted(root.rglob("*.py")) if not f.name.startswith("test_")]]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
 
 

@@ -169,6 +169,19 @@ def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_mod
     assert runner.shapes_seen == {False} and graphs_made(runner) == (1, {False})
 
 
+def test_a_saved_graph_s_key_follows_the_engine_s_source_not_its_tests(tmp_path, monkeypatch):
+    """A changed line of tinyvllm or a phase compiles again; a changed test reuses the graphs."""
+    model = torch.nn.Linear(2, 2)
+    (tmp_path / "part.py").write_text("x = 1\n")
+    (tmp_path / "test_part.py").write_text("def test(): pass\n")
+    monkeypatch.setattr(compiled, "SOURCES", (tmp_path,))
+    key = compiled.compile_key(model)
+    (tmp_path / "test_part.py").write_text("def test(): assert 1\n")
+    assert compiled.compile_key(model) == key
+    (tmp_path / "part.py").write_text("x = 2\n")
+    assert compiled.compile_key(model) != key
+
+
 @pytest.mark.parametrize("value", [2, -1, "1", 1.0, True])
 def test_bad_compilation_mode_names_it(make_llm, tiny_model_dir, value):
     before = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1)
