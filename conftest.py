@@ -96,21 +96,26 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, f"phase{part[1:3]}"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
-    # the order of a run: every other test, then the notebooks, then the tests that time something
-    items.sort(key=lambda item: 2 if _is_timed(item) else 1 if _is_notebook(item) else 0)
+    # the order of a run: every other test, then the notebooks and the site's, then the timed ones
+    items.sort(key=lambda item: 2 if _is_timed(item) else 1 if _is_notebook(item) or _needs_the_site(item) else 0)
 
 
-# -- the notebooks run in the background -----------------------------------------------------------
+# -- the notebooks and the docs build run in the background -----------------------------------------
 # tests/test_notebooks.py runs each notebook in a Jupyter kernel of its own: minutes of one-thread
 # work that needs nothing from the other tests. They start as soon as the session is collected,
 # one at a time, beside the other tests (which leave a core of the 2-core machine idle much of the
-# time); the notebook tests come after the others and collect the results. The tests that time
-# something (markers `throughput` and `timing`) run last, once the notebooks are done.
-NOTEBOOK_RUNS = pytest.StashKey[dict]()   # notebook path -> a Future of its first error (or None)
+# time), and the docs site's build (tests/test_docs.py) after them; the notebook and docs tests
+# come after the others and collect the results. The tests that time something (markers
+# `throughput` and `timing`) run last, once the background work is done.
+BACKGROUND_RUNS = pytest.StashKey[dict]()   # notebook path, or "site" -> a Future of its result
 
 
 def _is_notebook(item) -> bool:
     return getattr(item, "originalname", None) == "test_notebook_executes"
+
+
+def _needs_the_site(item) -> bool:
+    return "site" in getattr(item, "fixturenames", ())
 
 
 def _is_timed(item) -> bool:
@@ -118,20 +123,27 @@ def _is_timed(item) -> bool:
 
 
 def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    runs = {}
     chosen = [item for item in session.items if _is_notebook(item)]
-    if chosen and not session.config.option.collectonly:
-        session.config.stash[NOTEBOOK_RUNS] = chosen[0].module.start_in_background(
-            [item.callspec.params["path"] for item in chosen])
+    if chosen:
+        runs.update(chosen[0].module.start_in_background([item.callspec.params["path"] for item in chosen]))
+    docs = [item for item in session.items if _needs_the_site(item)]
+    if docs and (site := docs[0].module.build_in_background(list(runs.values()))) is not None:
+        runs["site"] = site
+    session.config.stash[BACKGROUND_RUNS] = runs
 
 
 def pytest_runtest_setup(item):
     if _is_timed(item):
-        for run in item.config.stash.get(NOTEBOOK_RUNS, {}).values():
-            run.exception()   # waits for it; its error, if any, is its own test's to report
+        for run in item.config.stash.get(BACKGROUND_RUNS, {}).values():
+            if not run.cancelled():   # cancelled: a test took it over
+                run.exception()       # waits for it; its error, if any, is its own test's to report
 
 
 def pytest_sessionfinish(session):
-    runs = session.config.stash.get(NOTEBOOK_RUNS, {})
+    runs = session.config.stash.get(BACKGROUND_RUNS, {})
     for run in runs.values():
         run.cancel()          # an interrupted session does not start the rest
 

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import base64
 import functools
+import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
+from concurrent.futures import Future, wait
 import urllib.request
 from html.parser import HTMLParser
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -32,6 +35,7 @@ from pathlib import Path
 from urllib.parse import unquote, urldefrag, urljoin, urlsplit
 
 import pytest
+from conftest import BACKGROUND_RUNS
 
 pytestmark = pytest.mark.docs
 
@@ -73,21 +77,56 @@ def _solution_cells(nb: Path) -> list[dict]:
 
 
 # -- build and serve -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    for module in ("mkdocs", "material", "mkdocstrings_handlers.python", "mkdocs_jupyter",
-                   "mkdocs_include_markdown_plugin"):
-        pytest.importorskip(module, reason="the docs need the dev extras: pip install -e '.[dev]'")
-    out = tmp_path_factory.mktemp("site")
-    env = {k: v for k, v in os.environ.items() if k not in ("SITE_URL", "REPO_URL")}
+DOCS_MODULES = ("mkdocs", "material", "mkdocstrings_handlers.python", "mkdocs_jupyter",
+                "mkdocs_include_markdown_plugin")
+
+
+def build(out: Path, env: dict[str, str]) -> str | None:
+    """`mkdocs build --strict` into `out`: None, or what failed or warned."""
+    env = {k: v for k, v in env.items() if k not in ("SITE_URL", "REPO_URL")}
     env["NO_MKDOCS_2_WARNING"] = "1"
     # not --quiet: with it mkdocs hides the warnings and exits 0 despite --strict
     r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                         "-f", str(REPO / "mkdocs.yml"), "-d", str(out)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     warnings = [line for line in (r.stdout + r.stderr).splitlines() if line.startswith("WARNING")]
-    assert r.returncode == 0 and not warnings, (
-        f"mkdocs build --strict failed or warned:\n" + "\n".join(warnings) + f"\n{r.stderr[-6000:]}")
+    if r.returncode == 0 and not warnings:
+        return None
+    return "mkdocs build --strict failed or warned:\n" + "\n".join(warnings) + f"\n{r.stderr[-6000:]}"
+
+
+def build_in_background(after: list[Future]) -> Future | None:
+    """Build the site in a thread once `after` (the notebooks' runs) are done, and return at once a
+    Future of (folder, error or None): like the notebooks, the build (half a minute of one core)
+    runs beside the other tests. A test that needs the site before the build has started cancels
+    the Future and builds it itself (`site`). None where the dev extras are missing (they skip)."""
+    if any(importlib.util.find_spec(m.split(".")[0]) is None for m in DOCS_MODULES):
+        return None
+    future, env = Future(), dict(os.environ)   # the environment now, before a test changes it
+
+    def run():
+        wait(after)
+        if future.set_running_or_notify_cancel():   # False: a test took the build over
+            out = Path(tempfile.mkdtemp(prefix="tinyvllm-site-"))
+            try:
+                future.set_result((out, build(out, env)))
+            except BaseException as e:
+                future.set_exception(e)
+    threading.Thread(target=run, name="docs", daemon=True).start()
+    return future
+
+
+@pytest.fixture(scope="module")
+def site(request, tmp_path_factory) -> Path:
+    for module in DOCS_MODULES:
+        pytest.importorskip(module, reason="the docs need the dev extras: pip install -e '.[dev]'")
+    run = request.config.stash.get(BACKGROUND_RUNS, {}).get("site")
+    if run is None or run.cancel():   # not started in the background: build it here, now
+        out = tmp_path_factory.mktemp("site")
+        error = build(out, dict(os.environ))
+    else:
+        out, error = run.result()
+    assert error is None, error
     return out
 
 

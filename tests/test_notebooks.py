@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import NOTEBOOK_RUNS
+from conftest import BACKGROUND_RUNS
 
 NOTEBOOK_DIR = Path(__file__).resolve().parent.parent / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
@@ -111,7 +111,7 @@ def start_in_background(paths: list[Path]) -> dict[Path, Future]:
 def test_notebook_executes(path: Path, request):
     pytest.importorskip("nbformat", reason="notebooks need the dev extras: pip install -e '.[dev]'")
     pytest.importorskip("nbclient", reason="notebooks need the dev extras: pip install -e '.[dev]'")
-    runs = request.config.stash.get(NOTEBOOK_RUNS, {})
+    runs = request.config.stash.get(BACKGROUND_RUNS, {})
     run = runs.get(path) or start_in_background([path])[path]   # not started by the session: now
     error = run.result()
     assert error is None, error
