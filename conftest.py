@@ -283,7 +283,7 @@ def hf_reference(request):
     """`reference(compute, *args)`: transformers' answer `compute(model, tokenizer, *args)` on the
     default model's GGUF file (`hf_gguf`), computed once per machine and kept in the cache
     (`$TINYVLLM_CACHE/references/`) under a hash of the versions of transformers and torch, the
-    GGUF file (name, size, time), the source of `compute` and `args` (the inputs: token ids,
+    GGUF file's content, the source of `compute` and `args` (the inputs: token ids,
     texts). Loading the reference and generating its tokens took 45 s of every run of the 2-core
     CPU's suite; a new version, file, input or computation computes it again."""
     import hashlib
@@ -293,9 +293,8 @@ def hf_reference(request):
 
     from tinyvllm.download import cache_dir, ensure_gguf
 
-    gguf = ensure_gguf(quiet=True)
-    stat = gguf.stat()
-    base = (transformers.__version__, torch.__version__, gguf.name, stat.st_size, stat.st_mtime_ns)
+    with open(ensure_gguf(quiet=True), "rb") as f:   # its content: each fresh venv installs it anew
+        base = (transformers.__version__, torch.__version__, hashlib.file_digest(f, "sha256").hexdigest())
 
     def reference(compute, *args):
         digest = hashlib.sha256(repr((base, inspect.getsource(compute), args)).encode()).hexdigest()
