@@ -34,11 +34,38 @@ def test_linear_fast_paths_equal_f_linear(rows, bias, vendor_rule):
     torch.manual_seed(rows)
     layer = Linear(48, 80, bias=bias)
     layer.small_rows, layer.small_rows_mkl = (3, True) if vendor_rule == "Intel" else (2, False)
+    layer.gemv_rows = 0   # the libraries' paths (the next test: tinyvllm's own)
     x = torch.randn(rows, 48)
     with torch.inference_mode():
         y = layer(x)
     assert y.shape == (rows, 80) and y.is_contiguous()
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("shape", [(80, 48), (7, 13), (963, 1536)])   # (out, in): odd sizes too
+def test_linear_gemv_equals_f_linear_and_serves_its_rows(shape, monkeypatch):
+    """tinyvllm's own float32 product (cpu_gemv.c) gives F.linear's numbers up to float rounding,
+    with and without a bias, and Linear takes it up to `gemv_max_rows()` rows (8 on the avx2
+    kind, where it was measured; none elsewhere), PyTorch's products beyond."""
+    from tinyvllm import model
+    from tinyvllm.hardware import cpu_kind
+
+    if not model.GEMV.available():
+        pytest.skip("cpu_gemv.c needs AVX2 and a C compiler")
+    torch.manual_seed(0)
+    for bias in (False, True):
+        layer = model.Linear(shape[1], shape[0], bias=bias).requires_grad_(False)
+        for rows in (1, 3, 8):
+            x = torch.randn(rows, shape[1])
+            torch.testing.assert_close(model.gemv(x, layer.weight, layer.bias),
+                                       torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert layer.gemv_max_rows() == (8 if cpu_kind() == "avx2" else 0)
+    layer.gemv_rows, calls = 8, []
+    monkeypatch.setattr(model, "gemv", lambda *a: calls.append(len(a[0])) or torch.nn.functional.linear(*a))
+    for rows in (1, 8, 9, 64):
+        layer(torch.randn(rows, shape[1]))
+    assert calls == [1, 8]
+    assert layer.half().gemv_max_rows() == 0   # float32 only
 
 
 def test_linear_packed_weight_follows_the_weight():

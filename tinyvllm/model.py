@@ -18,16 +18,19 @@ checkpoint loads by name.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import platform
+from pathlib import Path
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tinyvllm.ckernel import CKernel
 from tinyvllm.config import ModelConfig
-from tinyvllm.hardware import cpu_vendor
+from tinyvllm.hardware import AVX2_FLAGS, cpu_kind, cpu_vendor
 
 
 class AttentionBackend(Protocol):
@@ -118,6 +121,24 @@ def onednn_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+# tinyvllm's own float32 product of a few rows (cpu_gemv.c, see its comment), up to this many rows
+# per CPU kind. On an AVX2 AMD EPYC its 211 products for one decode step of the default model took
+# 30.6 against PyTorch's 56.3 ms at 1 row, 48.4 against 58.2 at 4, 71.3 against 76.5 at 8 and
+# 96.0 against 90.3 at 12 (`python -m tinyvllm.entrypoints.bench.linear`). Not measured on the
+# other kinds (on an AVX-512 EPYC PyTorch's own took 20 ms at one row), so not chosen there.
+GEMV_MAX_ROWS = {"avx2": 8}
+GEMV = CKernel(Path(__file__).with_name("cpu_gemv.c"), ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp",
+               "-shared", "-fPIC"], AVX2_FLAGS, {"f32_matmul": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3},
+               fallback="Linear keeps PyTorch's float32 products")
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (N, I) @ weight (O, I)^T + bias, float32 on the CPU, through cpu_gemv.c."""
+    x, y = x.contiguous(), torch.empty(x.shape[0], weight.shape[0])
+    GEMV.lib.f32_matmul(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
+    return y if bias is None else y.add_(bias)
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same weight, same names), with faster paths on an x86 CPU.
 
@@ -133,6 +154,9 @@ class Linear(nn.Linear):
     - Up to `small_rows` rows, on an Intel CPU, plain `F.linear` (MKL's own small-row kernel);
       on any other CPU (W @ x^T)^T, which MKL runs with a kernel that streams W fastest there,
       one row alone padded with a row of zeros (its output dropped) to take it too.
+    - Before both, up to `gemv_max_rows()` rows on a CPU of a kind `GEMV_MAX_ROWS` names (AVX2
+      without AVX-512): tinyvllm's own AVX2 loop (cpu_gemv.c), which streams the weights faster
+      than either library there. Phase 7's compiled step calls it from C++.
 
     Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
     it is plain `F.linear`. Inside a graph torch.compile traces with a dynamic row count, the
@@ -148,12 +172,15 @@ class Linear(nn.Linear):
     use_onednn = onednn_available()
     # MKL's small-row kernel on an Intel CPU, the transposed product elsewhere: up to here
     small_rows, small_rows_mkl = (3, True) if cpu_vendor() == "Intel" else (2, False)
+    gemv_rows = GEMV_MAX_ROWS.get(cpu_kind(), 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] if x.dim() == 2 else 0
         if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32
                 or (self.weight.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, self.weight, self.bias)
+        if n <= self.gemv_max_rows() and not torch.compiler.is_compiling():
+            return gemv(x, self.weight, self.bias)
         # a graph torch.compile traces for more than one row takes the many-rows path at any
         # count (its row count is dynamic: `n <= small_rows` would split the graph in two)
         if (n == 1) if torch.compiler.is_compiling() else (n <= self.small_rows):
@@ -168,6 +195,12 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():  # the same call, as an operator the compiler leaves alone
             return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+
+    def gemv_max_rows(self) -> int:
+        """Up to how many rows `forward` runs cpu_gemv.c (0: never)."""
+        w = self.weight
+        ok = self.gemv_rows and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+        return self.gemv_rows if ok and (GEMV.lib is not None or GEMV.available()) else 0
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's layout, packed again if the weight was replaced or changed."""

@@ -65,6 +65,7 @@ from phases.p05_quantization import QuantizedLinear, cpu_int8
 from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir
 from tinyvllm.hardware import AVX2_FLAGS, cpu_flags
+from tinyvllm.model import GEMV, Linear
 
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 from .fused import decode_forward, fused_model
@@ -117,18 +118,20 @@ class OpaqueLinear(nn.Module):
 
 
 def make_opaque(model: nn.Module) -> int:
-    """Wrap every `QuantizedLinear` of `model` in an `OpaqueLinear`, in place, numbered in the
-    model's order (`model.opaque_layers`: each one's product as a callable, `kernel_call`; the
-    same numbers in every process); returns how many."""
+    """Wrap every `QuantizedLinear` of `model`, and each float32 `Linear` that runs cpu_gemv.c, in
+    an `OpaqueLinear`, in place, numbered in the model's order (`model.opaque_layers`: each one's
+    product as a callable, `kernel_call` or the `Linear` itself; the same numbers in every
+    process); returns how many."""
     layers = []
     for name, m in list(model.named_modules()):
-        if type(m) is QuantizedLinear:
+        if type(m) is QuantizedLinear or isinstance(m, Linear) and m.gemv_max_rows():
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m, len(layers)))
             layers.append(m)
-    model.opaque_layers = [m.kernel_call() for m in layers]
+    model.opaque_layers = [m.kernel_call() if type(m) is QuantizedLinear else m for m in layers]
     model.native_layers = torch.tensor([layer_row(m) for m in layers], dtype=torch.int64).view(-1, 10)
     return len(layers)
+
 
 
 def unified_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -149,10 +152,14 @@ NATIVE = torch_extension(Path(__file__).with_name("cpu_ops.cpp"), AVX2_FLAGS,
 
 
 def layer_row(m) -> list[int]:
-    """A phase 5 layer (`QuantizedLinear`) as cpu_ops.cpp reads it: the C product its kernel
-    runs, 4 or 8 bits, the weight's pointers (values, scales, zero points, bias), its sizes and
-    group, the row count from which `dequant_sgemm` serves instead; zeros where its kernel is
-    none of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the layer from Python)."""
+    """An opaque layer as cpu_ops.cpp reads it: the C product its kernel runs, 4, 8 or 32 bits,
+    the weight's pointers (values, scales, zero points, bias), its sizes and group, the row count
+    from which another kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where
+    its kernel is none of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the
+    layer from Python)."""
+    if isinstance(m, Linear):   # float32 (tinyvllm.model): cpu_gemv.c
+        return [GEMV.address("f32_matmul"), 32, m.weight.data_ptr(), 0, 0, 0 if m.bias is None else m.bias.data_ptr(),
+                m.out_features, m.in_features, 1, m.gemv_max_rows() + 1]
     kernel = m.choose_kernel(1)
     if kernel not in ("cpu_int4", "cpu_int8") or kernel == "cpu_int8" and m.layout != "rows":
         return [0] * 10

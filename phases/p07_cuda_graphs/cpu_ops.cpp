@@ -5,8 +5,8 @@
  * (compiled.py), each call enters the interpreter: boxing the arguments, taking the GIL, the
  * forward context, the ctypes call of the C kernel (some 20 us, 151 times a step of the default
  * model). Registered here for the CPU dispatch key, the dispatcher calls these instead, and they
- * call phase 5's C products and phase 4's C decode attention directly: the step never enters
- * Python. What they need comes from the step's *tables* (native.py makes them), which the runner
+ * call phase 5's C products (or tinyvllm's float32 one) and phase 4's C decode attention
+ * directly: the step never enters Python. What they need comes from the step's *tables* (native.py makes them), which the runner
  * hands this thread before the graph runs (use_step) and takes back after; a layer or a step
  * these do not serve (another kernel, many rows, no table) goes to the Python kernel, registered
  * as the *_eager twin of each operator.
@@ -20,11 +20,12 @@
 #include <cmath>
 #include <vector>
 
-/* phase 5 (cpu_int8.c) and phase 4 (cpu_attention.c): their C signatures */
+/* phase 5 (cpu_int8.c), phase 4 (cpu_attention.c) and tinyvllm/cpu_gemv.c: their C signatures */
 using Int4Fn = void (*)(const float *, const uint8_t *, const float *, const float *, float *, int8_t *,
                         float *, float *, int64_t, int64_t, int64_t, int64_t);
 using Int8Fn = void (*)(const float *, const int8_t *, const float *, float *, int16_t *, float *, int64_t,
                         int64_t, int64_t);
+using F32Fn = void (*)(const float *, const float *, float *, int64_t, int64_t, int64_t);  /* tinyvllm/cpu_gemv.c */
 using AttentionFn = void (*)(const float *, const float *, const float *, float *, float *, const int64_t *,
                              const int64_t *, const int64_t *, float *, float *, int64_t, int64_t, int64_t,
                              int64_t, int64_t, int64_t, int64_t, float);
@@ -62,7 +63,9 @@ at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_feature
     const int64_t M = x.size(0), O = e[OUT], I = e[IN];
     at::Tensor y = at::empty({M, O}, x.options());
     float *out = y.data_ptr<float>();
-    if (e[BITS] == 4) {  /* x as int8 blocks, their scales, the groups' sums: as cpu_int8.int4_matmul */
+    if (e[BITS] == 32) { /* float32: tinyvllm/cpu_gemv.c, as tinyvllm.model.Linear runs it */
+        reinterpret_cast<F32Fn>(e[FN])(x.data_ptr<float>(), (const float *)e[WEIGHT], out, M, O, I);
+    } else if (e[BITS] == 4) {  /* x as int8 blocks, their scales, the groups' sums: as cpu_int8.int4_matmul */
         const int64_t C = (I + 63) / 64;
         float *s = scratch(M * (16 * C + 2 * C + I / e[GROUP]));
         reinterpret_cast<Int4Fn>(e[FN])(x.data_ptr<float>(), (const uint8_t *)e[WEIGHT], (const float *)e[SCALE],

@@ -32,9 +32,7 @@ from .fused import decode_forward, fused_model
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """vLLM's default buckets: 1, 2, 4, 8, then every 8, up to max_num_seqs (always included)."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
-    if not sizes or sizes[-1] != max_num_seqs:
-        sizes.append(max_num_seqs)
-    return sizes
+    return sizes if sizes and sizes[-1] == max_num_seqs else sizes + [max_num_seqs]
 
 
 def bucket_for(n: int, sizes: list[int]) -> int:
@@ -149,8 +147,7 @@ class CudaGraphDecodeRunner(DecodeRunner):
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[bucket] = super().run(bucket)
         self.pool = self.pool or graph.pool()
-        self.graphs[bucket] = graph
-        self.num_captures += 1
+        self.graphs[bucket], self.num_captures = graph, self.num_captures + 1
 
     def run(self, bucket: int) -> torch.Tensor:
         if bucket not in self.graphs:

@@ -69,9 +69,7 @@ class InputBatch:
         self.seqs[r], self.row_of[seq.seq_id] = seq, r
         n = seq.num_tokens
         self.token_ids[r, :n] = torch.tensor(seq.token_ids, dtype=torch.int64)
-        self.num_tokens[r] = n
-        self.num_blocks[r] = 0
-        self._tables[r] = None
+        self.num_tokens[r], self.num_blocks[r], self._tables[r] = n, 0, None
         self.update(seq)
         p = seq.params
         self.temperature[r], self.top_k[r] = p.temperature, min(max(p.top_k, 0), self.vocab_size)

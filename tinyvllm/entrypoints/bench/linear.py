@@ -1,6 +1,7 @@
 """How fast the model's matrix products run at decode-sized batches, each way `Linear` can take
 on a CPU: `F.linear` (MKL), the product written the other way round, (W @ x^T)^T, oneDNN with a
-packed weight, and the model's own `Linear`, which picks one of them by rows and CPU vendor.
+packed weight, tinyvllm's own AVX2 loop (cpu_gemv.c), and the model's own `Linear`, which picks
+one of them by rows, CPU vendor and kind.
 
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear                  # the default model, CPU
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear --rows 1 2 12 16 64 --repeat 7
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.rows) < 1 or args.repeat < 1:
         parser.error("--rows and --repeat must be >= 1")
 
+    from tinyvllm import model as model_module
     from tinyvllm.download import resolve_model
     from tinyvllm.model import Linear
     from tinyvllm.weights import load_model
@@ -62,11 +64,14 @@ def main(argv: list[str] | None = None) -> None:
     if Linear.use_onednn:
         ways["oneDNN"] = lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), m.bias,
                                                                           "none", [], "")
+    if model_module.GEMV.available():
+        ways["cpu_gemv"] = lambda m, x: model_module.gemv(x, m.weight, m.bias)
     ways["Linear"] = lambda m, x: m(x)
     print(f"{len(linears)} weight matrices, {params / 1e6:.0f}M weights, torch {torch.__version__}, "
           f"{cpu_vendor() or 'unknown'} CPU, {torch.get_num_threads()} threads; ms, best of {args.repeat} "
-          f"passes; Linear takes MKL's F.linear up to {Linear.small_rows} rows on an Intel CPU, else "
-          f"(W x^T)^T up to {Linear.small_rows}, then oneDNN")
+          f"passes; Linear takes tinyvllm's cpu_gemv up to {Linear.gemv_rows} rows (0: not on this CPU kind), "
+          f"then MKL's F.linear up to {Linear.small_rows} rows on an Intel CPU, else (W x^T)^T up to "
+          f"{Linear.small_rows}, then oneDNN")
     print(f"{'rows':>5}  " + "  ".join(f"{name:>10}" for name in ways))
     with torch.inference_mode():
         for rows in args.rows:
