@@ -122,10 +122,11 @@ def onednn_available() -> bool:
 
 
 # tinyvllm's own float32 product of a few rows (cpu_gemv.c, see its comment), up to this many rows
-# per CPU kind. On an AVX2 AMD EPYC its 211 products for one decode step of the default model took
-# 30.6 against PyTorch's 56.3 ms at 1 row, 48.4 against 58.2 at 4, 71.3 against 76.5 at 8 and
-# 96.0 against 90.3 at 12 (`python -m tinyvllm.entrypoints.bench.linear`). Not measured on the
-# other kinds (on an AVX-512 EPYC PyTorch's own took 20 ms at one row), so not chosen there.
+# per CPU kind. On an AVX2 AMD EPYC the default model's 211 products took 32.8 ms against 52.9 for
+# the product Linear took before at 1 row ((W x^T)^T), 48.7 against 59.6 at 4 and 72.6 against
+# 75.0 at 8 (oneDNN), 96.0 against oneDNN's 90.4 at 12 (`python -m tinyvllm.entrypoints.bench.linear`,
+# docs/assets/bench/linear-cpu-amd-avx2.txt). Not measured on the other kinds (on an AVX-512 EPYC
+# Linear took 20 ms at 1 row), so not chosen there.
 GEMV_MAX_ROWS = {"avx2": 8}
 GEMV = CKernel(Path(__file__).with_name("cpu_gemv.c"), ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp",
                "-shared", "-fPIC"], AVX2_FLAGS, {"f32_matmul": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3},
@@ -197,10 +198,14 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 
     def gemv_max_rows(self) -> int:
-        """Up to how many rows `forward` runs cpu_gemv.c (0: never)."""
+        """Up to how many rows `forward` runs cpu_gemv.c (0: never). Whether it can run on the
+        weight is kept on the weight itself (a replaced weight is asked again): 4 us a call less."""
         w = self.weight
-        ok = self.gemv_rows and w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-        return self.gemv_rows if ok and (GEMV.lib is not None or GEMV.available()) else 0
+        ok = getattr(w, "_gemv_ok", None)
+        if ok is None:
+            ok = w._gemv_ok = (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+                               and GEMV.available())
+        return self.gemv_rows if ok else 0
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's layout, packed again if the weight was replaced or changed."""
