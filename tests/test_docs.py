@@ -27,8 +27,8 @@ import tempfile
 import threading
 import time
 import urllib.error
-from concurrent.futures import Future, wait
 import urllib.request
+from concurrent.futures import Future, wait
 from html.parser import HTMLParser
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path

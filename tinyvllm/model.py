@@ -199,13 +199,14 @@ class Linear(nn.Linear):
 
     def gemv_max_rows(self) -> int:
         """Up to how many rows `forward` runs cpu_gemv.c (0: never). Whether it can run on the
-        weight is kept on the weight itself (a replaced weight is asked again): 4 us a call less."""
+        weight is kept on the weight, asked again when its memory or dtype changes (`.half()`
+        keeps the Parameter): a few microseconds a call less."""
         w = self.weight
-        ok = getattr(w, "_gemv_ok", None)
-        if ok is None:
-            ok = w._gemv_ok = (w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
-                               and GEMV.available())
-        return self.gemv_rows if ok else 0
+        key, cached = (w.data_ptr(), w.dtype), getattr(w, "_gemv_ok", None)
+        if cached is None or cached[0] != key:
+            cached = w._gemv_ok = (key, w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
+                                   and GEMV.available())
+        return self.gemv_rows if cached[1] else 0
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's layout, packed again if the weight was replaced or changed."""

@@ -124,14 +124,13 @@ def make_opaque(model: nn.Module) -> int:
     process); returns how many."""
     layers = []
     for name, m in list(model.named_modules()):
-        if type(m) is QuantizedLinear or isinstance(m, Linear) and m.gemv_max_rows():
+        if type(m) is QuantizedLinear or type(m) is Linear and m.gemv_max_rows():   # not a subclass
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m, len(layers)))
             layers.append(m)
     model.opaque_layers = [m.kernel_call() if type(m) is QuantizedLinear else m for m in layers]
     model.native_layers = torch.tensor([layer_row(m) for m in layers], dtype=torch.int64).view(-1, 10)
     return len(layers)
-
 
 
 def unified_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -157,7 +156,7 @@ def layer_row(m) -> list[int]:
     from which another kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where
     its kernel is none of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the
     layer from Python)."""
-    if isinstance(m, Linear):   # float32 (tinyvllm.model): cpu_gemv.c
+    if type(m) is Linear:   # float32 (tinyvllm.model): cpu_gemv.c
         return [GEMV.address("f32_matmul"), 32, m.weight.data_ptr(), 0, 0, 0 if m.bias is None else m.bias.data_ptr(),
                 m.out_features, m.in_features, 1, m.gemv_max_rows() + 1]
     kernel = m.choose_kernel(1)

@@ -6,10 +6,10 @@
  * forward context, the ctypes call of the C kernel (some 20 us, 151 times a step of the default
  * model). Registered here for the CPU dispatch key, the dispatcher calls these instead, and they
  * call phase 5's C products (or tinyvllm's float32 one) and phase 4's C decode attention
- * directly: the step never enters Python. What they need comes from the step's *tables* (native.py makes them), which the runner
- * hands this thread before the graph runs (use_step) and takes back after; a layer or a step
- * these do not serve (another kernel, many rows, no table) goes to the Python kernel, registered
- * as the *_eager twin of each operator.
+ * directly: the step never enters Python. What they need comes from the step's *tables*
+ * (compiled.py makes them), which the runner hands this thread before the graph runs (use_step)
+ * and takes back after; a layer or a step these do not serve (another kernel, many rows, no
+ * table) goes to the Python kernel, registered as the *_eager twin of each operator.
  *
  * Built by tinyvllm.ckernel with PyTorch's headers (about 15 s, once per machine). */
 #include <ATen/core/Tensor.h>

@@ -169,6 +169,28 @@ def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_mod
     assert runner.shapes_seen == {False} and graphs_made(runner) == (1, {False})
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_float32_layers_are_opaque_where_cpu_gemv_serves_them(make_llm, tiny_model_dir, batch_invariant):
+    """`make_opaque` wraps each float32 `Linear` that runs tinyvllm's own product (cpu_gemv.c:
+    on the avx2 kind), as cpu_ops.cpp calls it, and never a subclass with a product of its own
+    (phase 3's `BatchInvariantLinear` keeps its bits)."""
+    import copy
+
+    from tinyvllm.model import GEMV, Linear
+
+    if batch_invariant:
+        from phases.p03_continuous_batching.batch_invariant import KERNELS
+        if not KERNELS.available():
+            pytest.skip("batch_invariant=True needs AVX2 and a C compiler")
+    model = copy.deepcopy(make_llm(tiny_model_dir, 7, batch_invariant=batch_invariant).llm_engine.model)
+    plain = [m for m in model.modules() if type(m) is Linear]
+    served = not batch_invariant and cpu_kind() == "avx2" and GEMV.available()
+    assert bool(plain) != batch_invariant
+    assert compiled.make_opaque(model) == (len(plain) if served else 0)
+    rows = model.native_layers
+    assert (rows[:, 1] == 32).all() and (rows[:, -1] == 9).all() and len(rows) == len(model.opaque_layers)
+
+
 def test_a_saved_graph_s_key_follows_the_engine_s_source_not_its_tests(tmp_path, monkeypatch):
     """A changed line of tinyvllm or a phase compiles again; a changed test reuses the graphs."""
     model = torch.nn.Linear(2, 2)
