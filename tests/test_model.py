@@ -68,6 +68,19 @@ def test_linear_gemv_equals_f_linear_and_serves_its_rows(shape, monkeypatch):
     assert layer.half().gemv_max_rows() == 0   # float32 only
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_linear_traces_into_one_graph(rows):
+    """TorchDynamo traces `Linear` whole (notebook 07 compiles the model itself, not through
+    phase 7's opaque layers): the trace never asks whether cpu_gemv.c runs on the weight."""
+    from tinyvllm.model import Linear
+
+    layer = Linear(48, 80).requires_grad_(False)
+    traced = torch.compile(layer, fullgraph=True, backend="eager")   # a graph break raises
+    x = torch.randn(rows, 48)
+    with torch.inference_mode():
+        torch.testing.assert_close(traced(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
 def test_linear_packed_weight_follows_the_weight():
     """The packed copy is made again when the weight is changed in place (as loading does) or
     replaced, so the product never uses stale numbers."""

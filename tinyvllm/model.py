@@ -180,7 +180,7 @@ class Linear(nn.Linear):
         if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32
                 or (self.weight.requires_grad and torch.is_grad_enabled())):
             return F.linear(x, self.weight, self.bias)
-        if n <= self.gemv_max_rows() and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and n <= self.gemv_max_rows():   # (a trace never asks)
             return gemv(x, self.weight, self.bias)
         # a graph torch.compile traces for more than one row takes the many-rows path at any
         # count (its row count is dynamic: `n <= small_rows` would split the graph in two)
