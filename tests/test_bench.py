@@ -96,7 +96,8 @@ def test_cli_report_has_every_field_and_exact_counts(tiny_model_dir, tmp_path, c
 
     for key in ("cpu", "cpu_capability", "cores", "torch", "device"):
         assert report["machine"][key]
-    assert {"load_average_1min_before", "load_average_1min_after"} <= set(report["machine"])
+    assert {"load_average_1min_before", "load_average_1min_after", "cpu_family_model",
+            "cpu_microarchitecture"} <= set(report["machine"])
     assert report["limits"]["memory_bandwidth"] > 0 and report["limits"]["matmul_flops"] > 0
     assert report["model"]["name"] == tiny_model_dir.name and report["model"]["num_parameters"] > 0
     assert report["command"].startswith("tinyvllm bench throughput")

@@ -61,3 +61,14 @@ def test_one_table_one_machine():
         bench_tables.render("nothing.json")
     with pytest.raises(bench_tables.TableError, match="unknown column"):
         bench_tables.render("throughput-ladder.json | columns: engine, speed")
+
+
+def test_two_generations_under_one_name_are_two_machines():
+    from tinyvllm.hardware import microarchitecture
+    assert microarchitecture("AMD", (25, 17)) == "Zen 4" and microarchitecture("AMD", (23, 1)) == "Zen"
+    assert microarchitecture("AMD", (25, 1)) == "Zen 3" and microarchitecture("Intel", (6, 143)) == ""
+    zen1 = {"cpu": "AMD EPYC", "cpu_kind": "avx2", "cores": 2}  # a report from before the field
+    zen4 = dict(zen1, cpu_family_model=[25, 17], cpu_microarchitecture="Zen 4")
+    assert not bench_tables.same_machine(zen1, zen4) and bench_tables.same_machine(zen4, dict(zen4))
+    assert bench_tables.machine_line(zen4, None) == "2-core AMD EPYC Zen 4 (avx2)"
+    assert bench_tables.machine_line(zen1, None) == "2-core AMD EPYC (avx2)"

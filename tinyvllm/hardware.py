@@ -45,6 +45,47 @@ def cpu_vendor() -> str:
     return ""
 
 
+# AMD's generations by CPU family and model number (/proc/cpuinfo's "cpu family" and "model"):
+# in a virtual machine the model name is often just "AMD EPYC", and two generations under that
+# name differ in what their cores do at one instruction set (and may hide instructions, as a VM
+# that shows a Zen 4 without AVX-512 does). Ranges from AMD's processor programming references.
+AMD_GENERATIONS = {
+    0x17: [(0x00, 0x2F, "Zen"), (0x30, 0xFF, "Zen 2")],
+    0x19: [(0x00, 0x0F, "Zen 3"), (0x10, 0x1F, "Zen 4"), (0x20, 0x5F, "Zen 3"), (0x60, 0x7F, "Zen 4"),
+           (0xA0, 0xAF, "Zen 4")],
+    0x1A: [(0x00, 0xFF, "Zen 5")],
+}
+
+
+def cpu_family_model() -> tuple[int, int] | None:
+    """(cpu family, model) from /proc/cpuinfo's first processor, or None off Linux."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model") and key not in fields:
+                fields[key] = value.strip()
+            if len(fields) == 2:
+                return int(fields["cpu family"]), int(fields["model"])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def microarchitecture(vendor: str, family_model: tuple[int, int] | None) -> str:
+    """"Zen 4" for an AMD CPU of family 25, model 17; "" where the table does not name it."""
+    if vendor != "AMD" or family_model is None:
+        return ""
+    family, model = family_model
+    return next((name for lo, hi, name in AMD_GENERATIONS.get(family, []) if lo <= model <= hi), "")
+
+
+def cpu_microarchitecture() -> str:
+    """This CPU's generation where `microarchitecture` can tell it ("Zen 4"), else ""."""
+    return microarchitecture(cpu_vendor(), cpu_family_model())
+
+
 AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 AVX2_FLAGS = frozenset({"avx2", "fma"})
 # the flags a report records: what decides which kernel runs

@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     runner = llm.llm_engine.runner.decode_runner
     wait = getattr(runner, "wait_until_compiled", None)
     row["compiled"] = bool(wait and wait())
-    row["compiled_after_s"] = round(time.perf_counter() - start, 1) if row["compiled"] else None
+    row["compiled_after_s"] = round(time.perf_counter() - start, 2) if row["compiled"] else None
     row["graphs"] = None if not wait else {"compiled": runner.num_compiled, "read": runner.num_loaded,
                                            "by_worker": getattr(runner, "worker", None) is not None}
     row["then_16_tokens_s"] = tokens(16)

@@ -1,6 +1,6 @@
 """The machine a benchmark ran on: what it is, what it can do at best, and how much memory a run held.
 
-- `machine_info`: CPU model, vendor, kind and flags (`tinyvllm.hardware`), cores, torch version,
+- `machine_info`: CPU model, vendor, generation ("Zen 4"), kind and flags (`tinyvllm.hardware`), cores, torch version,
   device, so a number is never without its machine.
 - `measure_limits`: the two numbers a roofline needs, measured at the start of each run rather
   than read from a spec sheet: memory bandwidth (time a large copy) and matmul rate (time a
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tinyvllm.hardware import cpu_kind, cpu_vendor, reported_flags
+from tinyvllm.hardware import cpu_family_model, cpu_kind, cpu_microarchitecture, cpu_vendor, reported_flags
 
 from .timing import best, times
 
@@ -45,7 +45,8 @@ def cpu_model() -> str:
 def machine_info(device: torch.device) -> dict:
     """What the JSON report says about the machine."""
     info = dict(cpu=cpu_model(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
-                cpu_vendor=cpu_vendor(), cpu_kind=cpu_kind(), cpu_flags=reported_flags(),
+                cpu_vendor=cpu_vendor(), cpu_family_model=cpu_family_model(),
+                cpu_microarchitecture=cpu_microarchitecture(), cpu_kind=cpu_kind(), cpu_flags=reported_flags(),
                 cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                 torch=torch.__version__, python=platform.python_version(),
                 platform=platform.platform(), device=str(device))

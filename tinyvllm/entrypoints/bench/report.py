@@ -284,11 +284,13 @@ def write_json(report: dict, path: str | Path) -> None:
 
 
 def cpu_name(machine: dict) -> str:
-    """The CPU's name and its kind (`tinyvllm.hardware.cpu_kind`: "avx2", "avx512_vnni"), or for
+    """The CPU's name, its generation where reports record it ("AMD EPYC Zen 4") and its kind
+    (`tinyvllm.hardware.cpu_kind`: "avx2", "avx512_vnni"), or for
     older reports the vector instructions PyTorch uses on it ("AVX2", "AVX512"): two CPUs of one
     name can differ there, and CPU numbers follow it."""
     kind = machine.get("cpu_kind") or machine.get("cpu_capability")
-    return f"{machine['cpu']} ({kind})" if kind else machine["cpu"]
+    cpu = " ".join(filter(None, [machine["cpu"], machine.get("cpu_microarchitecture")]))
+    return f"{cpu} ({kind})" if kind else cpu
 
 
 # -- the plot ------------------------------------------------------------------------------------
