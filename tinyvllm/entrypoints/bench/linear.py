@@ -46,15 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.rows) < 1 or args.repeat < 1:
         parser.error("--rows and --repeat must be >= 1")
 
-    from tinyvllm import model as model_module
     from tinyvllm.download import resolve_model
-    from tinyvllm.model import Linear
+    from tinyvllm.hardware import cpu_vendor
+    from tinyvllm.model import GEMV, Linear, gemv
     from tinyvllm.weights import load_model
 
     model = load_model(resolve_model(args.model), torch.float32, torch.device("cpu"))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     params = sum(m.weight.numel() for m in linears)
-    from tinyvllm.hardware import cpu_vendor
 
     def transposed(m, x):
         x2 = torch.cat([x, x.new_zeros(1, x.shape[1])]) if len(x) == 1 else x
@@ -64,8 +63,8 @@ def main(argv: list[str] | None = None) -> None:
     if Linear.use_onednn:
         ways["oneDNN"] = lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), m.bias,
                                                                           "none", [], "")
-    if model_module.GEMV.available():
-        ways["cpu_gemv"] = lambda m, x: model_module.gemv(x, m.weight, m.bias)
+    if GEMV.available():
+        ways["cpu_gemv"] = lambda m, x: gemv(x, m.weight, m.bias)
     ways["Linear"] = lambda m, x: m(x)
     print(f"{len(linears)} weight matrices, {params / 1e6:.0f}M weights, torch {torch.__version__}, "
           f"{cpu_vendor() or 'unknown'} CPU, {torch.get_num_threads()} threads; ms, best of {args.repeat} "
