@@ -220,12 +220,20 @@ def test_a_non_streaming_client_that_goes_away_is_aborted(server):
     """A non-streaming request whose client hangs up mid-generation is aborted: every KV block
     comes back. (A chat with no max_tokens would otherwise generate to the end of the context
     for nobody.)"""
-    free_before = _metric(server, "num_free_blocks")
-    body = {"prompt": "a long one", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    free_before, aborted_before = _metric(server, "num_free_blocks"), _aborted(server)
+    # nearly the tiny model's whole context (512): hundreds of steps, where the client waits 50 ms
+    body = {"prompt": "a long one", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"}, json=body,
-                   timeout=httpx.Timeout(60, read=0.5))
+                   timeout=httpx.Timeout(60, read=0.05))
     _wait_all_free(server, free_before)
+    assert _aborted(server) == aborted_before + 1   # aborted, not run to its end
+
+
+def _aborted(server) -> float:
+    m = re.search(r'^tinyvllm:request_success_total\{finished_reason="abort"\} (\S+)$',
+                  _get(server, "/metrics").text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
 
 
 # -- bad input: OpenAI's error object with a 4xx naming the parameter; the server goes on --------
