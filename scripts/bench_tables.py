@@ -116,11 +116,12 @@ def _kind(m: dict) -> str | None:
 
 def same_machine(a: dict | None, b: dict | None) -> bool:
     """One CPU (and GPU) name and generation ("Zen 4": reports before it lack it, and differ from
-    those that have it), and one kind where both reports record it (early reports do not)."""
+    those that name one; "" names none), and one kind where both reports record it (early reports
+    do not)."""
     a, b = a or {}, b or {}
     kinds = {_kind(a), _kind(b)} - {None}
     return a.get("cpu") == b.get("cpu") and a.get("gpu") == b.get("gpu") and (
-        a.get("cpu_microarchitecture") == b.get("cpu_microarchitecture")) and (
+        (a.get("cpu_microarchitecture") or None) == (b.get("cpu_microarchitecture") or None)) and (
         len(kinds) <= 1 or kinds == {"avx512", "avx512_vnni"})
 
 

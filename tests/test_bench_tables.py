@@ -70,5 +70,6 @@ def test_two_generations_under_one_name_are_two_machines():
     zen1 = {"cpu": "AMD EPYC", "cpu_kind": "avx2", "cores": 2}  # a report from before the field
     zen4 = dict(zen1, cpu_family_model=[25, 17], cpu_microarchitecture="Zen 4")
     assert not bench_tables.same_machine(zen1, zen4) and bench_tables.same_machine(zen4, dict(zen4))
+    assert bench_tables.same_machine(zen1, dict(zen1, cpu_microarchitecture=""))  # a generation not named
     assert bench_tables.machine_line(zen4, None) == "2-core AMD EPYC Zen 4 (avx2)"
     assert bench_tables.machine_line(zen1, None) == "2-core AMD EPYC (avx2)"
