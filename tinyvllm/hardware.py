@@ -11,10 +11,10 @@ runs on are not alike. Two things decide it:
 `cpu_kind()` names the classes the kernels were measured on: "avx512_vnni" (AVX-512 with VNNI:
 an Intel Xeon of the Sapphire Rapids generation, an AMD EPYC of the Zen 4 generation), "avx2"
 (AVX2 and FMA, no VNNI: older EPYCs and Xeons, or a newer one whose virtual machine hides
-AVX-512), and "other" (anything else, an ARM CPU
-included). Reports and throughput checkpoints record it beside the numbers; reports also record
-the generation where the CPU's family and model number name one (`cpu_microarchitecture`: "Zen 4"),
-since one kind spans generations whose cores and memory differ.
+AVX-512), and "other" (anything else, an ARM CPU included). Reports and throughput checkpoints
+record it beside the numbers; reports also record the generation where the CPU's family and
+model number name one (`cpu_microarchitecture`: "Zen 4"), since one kind spans generations
+whose cores and memory differ.
 """
 
 from __future__ import annotations
