@@ -25,28 +25,35 @@ from pathlib import Path
 
 
 @functools.cache
+def cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo ("flags", "vendor_id", "model name", "cpu
+    family", "model", ...); empty off Linux."""
+    fields: dict[str, str] = {}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return fields
+    for line in lines:
+        if not line.strip():
+            if fields:
+                break   # the end of the first processor's block
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The instruction-set flags the kernel reports (/proc/cpuinfo's `flags`); empty off Linux."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return frozenset(cpuinfo().get("flags", "").split())
 
 
 @functools.cache
 def cpu_vendor() -> str:
     """"Intel", "AMD", or what /proc/cpuinfo's vendor_id says ("" where it says nothing)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                vendor = line.split(":", 1)[1].strip()
-                return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor)
-    except OSError:
-        pass
-    return ""
+    vendor = cpuinfo().get("vendor_id", "")
+    return {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor, vendor)
 
 
 # AMD's generations by CPU family and model number (/proc/cpuinfo's "cpu family" and "model"):
@@ -62,19 +69,12 @@ AMD_GENERATIONS = {
 
 
 def cpu_family_model() -> tuple[int, int] | None:
-    """(cpu family, model) from /proc/cpuinfo's first processor, or None off Linux."""
-    fields = {}
+    """(cpu family, model) of /proc/cpuinfo's first processor, or None where it does not say."""
+    info = cpuinfo()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("cpu family", "model") and key not in fields:
-                fields[key] = value.strip()
-            if len(fields) == 2:
-                return int(fields["cpu family"]), int(fields["model"])
-    except (OSError, ValueError):
-        pass
-    return None
+        return int(info["cpu family"]), int(info["model"])
+    except (KeyError, ValueError):
+        return None
 
 
 def microarchitecture(vendor: str, family_model: tuple[int, int] | None) -> str:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from tinyvllm.hardware import cpu_family_model, cpu_kind, cpu_microarchitecture, cpu_vendor, reported_flags
+from tinyvllm.hardware import (cpu_family_model, cpu_kind, cpu_microarchitecture, cpu_vendor, cpuinfo,
+                               reported_flags)
 
 from .timing import best, times
 
@@ -33,13 +34,7 @@ MATMUL_SIZE = {"cpu": 1536, "cuda": 8192}
 
 def cpu_model() -> str:
     """The CPU's marketing name, from /proc/cpuinfo where there is one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo().get("model name") or platform.processor() or platform.machine()
 
 
 def machine_info(device: torch.device) -> dict:
