@@ -61,6 +61,20 @@ def model_path(cp: ThroughputCheckpoint, wide_tiny_dir) -> str:
     return str(wide_tiny_dir)
 
 
+def on_gpu(cp: ThroughputCheckpoint) -> bool:
+    """Whether the checkpoint's engines run on a GPU: where this machine has one for each of its
+    ranks. A machine of fewer GPUs than ranks (phase 8's two on one GPU) runs the checkpoint on
+    its CPU, the ranks over gloo, judged by the CPU's claim."""
+    ranks = cp.engine_args.get("tensor_parallel_size", 1)
+    return torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+
+
+def placed_engine_args(cp: ThroughputCheckpoint) -> dict:
+    if torch.cuda.is_available() and not on_gpu(cp):
+        return {**cp.engine_args, "device": "cpu"}
+    return cp.engine_args
+
+
 _RUNNERS: dict = {}  # engines shared between checkpoints (phase 3 serves two)
 
 
@@ -73,7 +87,7 @@ def engine_runner(phase: int, model: str, engine_args: dict) -> EngineRunner:
 
 def baseline_runner(cp: ThroughputCheckpoint, model: str, candidate: EngineRunner):
     if cp.baseline != "hf":
-        return engine_runner(cp.baseline, model, cp.engine_args)
+        return engine_runner(cp.baseline, model, placed_engine_args(cp))
     pytest.importorskip("transformers", reason="the 'hf' checkpoint compares with transformers' generate")
     from tinyvllm.entrypoints.bench.hf import HFRunner
     e = candidate.engine
@@ -122,7 +136,7 @@ def judge(cp: ThroughputCheckpoint, phase: int, candidate_tok_s: list[float],
     swung by more than 5x between rounds while other jobs loaded the 2-core machine."""
     kind, claim = cp.on_this_cpu()
     min_gain, where = claim.min_gain, f"on this CPU (kind {kind})"
-    if torch.cuda.is_available():
+    if on_gpu(cp):
         min_gain = 1.0 if cp.gpu_min_gain is None else cp.gpu_min_gain  # None: not measured, no loss
         where = "on a GPU"
     best_c, best_b = max(candidate_tok_s), max(baseline_tok_s)
@@ -149,7 +163,7 @@ def assert_gain(cp: ThroughputCheckpoint, phase: int, candidate_tok_s, baseline_
 @pytest.mark.parametrize("phase,cp", checkpoint_params())
 def test_throughput_checkpoint(phase, cp, wide_tiny_dir, record_property):
     model = model_path(cp, wide_tiny_dir)
-    candidate = engine_runner(phase, model, cp.engine_args)
+    candidate = engine_runner(phase, model, placed_engine_args(cp))
     baseline = baseline_runner(cp, model, candidate)
     workload = build_workload(cp, model)
     try:
@@ -219,6 +233,19 @@ def test_checkpoint_fails_when_the_gain_is_removed(wide_tiny_dir):
     assert cp.bench_command in verdict.message and f"{verdict.ratio:.2f}x" in verdict.message
 
 
+def test_a_checkpoint_of_more_ranks_than_gpus_runs_on_the_cpu(monkeypatch):
+    """On a machine of one GPU, two ranks cannot each have their own: such a checkpoint (phase
+    8's) runs both engines on the CPU and is judged by the CPU's claim; one rank runs on the GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    one = declared_checkpoints(2)[0]
+    two = replace(one, engine_args={**one.engine_args, "tensor_parallel_size": 2})
+    assert on_gpu(one) and placed_engine_args(one) == one.engine_args
+    assert not on_gpu(two) and placed_engine_args(two) == {**two.engine_args, "device": "cpu"}
+    assert "on this CPU" in judge(two, 2, [1.0], [1.0]).message
+    assert "on a GPU" in judge(one, 2, [1.0], [1.0]).message
+
+
 def test_a_checkpoint_asserts_the_claim_of_this_cpu_kind():
     """Where a gain differs between kinds of CPU, the claim for this machine's kind is the one
     judged, and the message names the kind."""
@@ -229,7 +256,7 @@ def test_a_checkpoint_asserts_the_claim_of_this_cpu_kind():
     here = replace(cp, claimed_gain=1.5, min_gain=1.0,
                    per_cpu_kind={cpu_kind(): KindClaim(3.0, 2.0, "measured on this kind")})
     elsewhere = replace(here, per_cpu_kind={"no-such-kind": KindClaim(3.0, 2.0, "another kind")})
-    if torch.cuda.is_available():
+    if on_gpu(cp):
         pytest.skip("on a GPU the checkpoint's gpu_min_gain is judged, not a CPU kind's")
     assert not judge(here, 2, [150.0], [100.0]).passed          # 1.5x < this kind's 2.0x
     assert judge(elsewhere, 2, [150.0], [100.0]).passed         # 1.5x >= the default 1.0x

@@ -42,7 +42,10 @@ DECODE = CKernel(Path(__file__).with_name("cpu_attention.c"),
 
 
 def c_decode_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """cpu_attention.c can attend here: float32 and a cache in one piece, on an AVX2 CPU."""
+    """cpu_attention.c can attend here: float32 tensors in the CPU's memory and a cache in one
+    piece, on an AVX2 CPU (a GPU's tensors go to phase 2's decode_attention)."""
+    if not (q.is_cpu and k_cache.is_cpu):
+        return False
     lib = DECODE.lib if DECODE.tried else DECODE.load()   # built and loaded at the first call only
     return lib is not None and q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous()
 

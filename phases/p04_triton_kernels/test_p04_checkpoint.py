@@ -22,7 +22,7 @@ from phases.p04_triton_kernels import (
     TritonPagedAttention,
     cpu_paged_attention,
 )
-from phases.p04_triton_kernels.cpu_attention import DECODE
+from phases.p04_triton_kernels.cpu_attention import DECODE, c_decode_runs
 from phases.p04_triton_kernels.tools.kernel_cases import (
     DECODES,
     MIXED,
@@ -47,6 +47,15 @@ def test_cpu_path_equals_phase3_attention(batch, bs, d, group, kvh):
     # float32, one fused kernel against another order of the same sums: a few ulps
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
+
+
+@pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+def test_the_c_decode_path_takes_only_tensors_in_the_cpus_memory():
+    """cpu_attention.c reads raw pointers: a GPU's tensors (here the `meta` device's, which hold
+    no memory at all) attend through phase 2's decode_attention, never the C call."""
+    q, k_cache = torch.empty(2, 4, 64), torch.empty(8, 16, 2, 64)
+    assert c_decode_runs(q, k_cache)
+    assert not c_decode_runs(q.to("meta"), k_cache.to("meta"))
 
 
 @pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
