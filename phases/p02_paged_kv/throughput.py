@@ -12,8 +12,10 @@ THROUGHPUT_CHECKPOINTS = (
         workload_args=dict(num_prompts=1, dataset="random", input_len=32, output_len=128, seed=0),
         claimed_gain=8.91,
         claim_source="docs/assets/bench/latency.json (SmolLM2-135M, 128 + 128 tokens, 2-core EPYC): "
-                     "31.2 vs 3.5 tok/s, 8.91x; latency-256.json (256 new tokens): 12.5x",
-        min_gain=3.0, rounds=2,  # rounds within 4% of each other on the AVX2 EPYC
+                     "31.2 vs 3.5 tok/s, 8.91x; latency-256.json (256 new tokens): 12.5x; on one H100 "
+                     "(torch 2.11+cu130, bfloat16), 2026-11-26: 1.20x and 0.86x in two runs (there a step of "
+                     "this tiny model is kernel launches: 160 tokens recomputed cost what one costs)",
+        min_gain=3.0, rounds=2, gpu_min_gain=0.6,  # rounds within 4% of each other on the AVX2 EPYC
         bench_command=(WIDE_CMD + "tinyvllm bench latency --model /tmp/wide-tiny --phases 1-2 "
                        "--input-len 32 --output-len 128 --repeat 3")),
 )

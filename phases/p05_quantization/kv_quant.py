@@ -38,7 +38,11 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, tor
     """x (N, KVH, d) float -> q (N, KVH, d) in the cache's dtype, scale (N, KVH) float32."""
     dtype, qmax = KV_CACHE_DTYPES[kv_cache_dtype]
     x = x.float()
-    scale = x.abs().amax(-1).clamp(min=1e-8) / qmax                       # (N, KVH)
+    amax = x.abs().amax(-1).clamp(min=1e-8)                                # (N, KVH)
+    # qmax as a tensor on x's device: a GPU divides by a Python number as a product with its
+    # reciprocal (a bit apart at times), by a tensor as IEEE division, which the CPU and the
+    # Triton write (div_rn) do: the same scales on every device
+    scale = amax / amax.new_full((), qmax)
     y = x / scale[..., None]
     if dtype == torch.int8:
         y = torch.round(y).clamp(-qmax, qmax)
