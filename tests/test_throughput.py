@@ -23,7 +23,7 @@ import phases
 from conftest import PHASE_NUMBERS, phase_params
 from tinyvllm.entrypoints.bench.runners import EngineRunner, RunResult
 from tinyvllm.entrypoints.bench.workloads import WARMUP_MAX_TOKENS, Workload, make_workload
-from tinyvllm.testing import WIDE_TINY_LLAMA, ThroughputCheckpoint, make_tiny_llama
+from tinyvllm.testing import WIDE_TINY_LLAMA, KindClaim, ThroughputCheckpoint, make_tiny_llama
 
 pytestmark = pytest.mark.throughput
 
@@ -136,7 +136,8 @@ def judge(cp: ThroughputCheckpoint, phase: int, candidate_tok_s: list[float],
     swung by more than 5x between rounds while other jobs loaded the 2-core machine."""
     kind, claim = cp.on_this_cpu()
     min_gain, where = claim.min_gain, f"on this CPU (kind {kind})"
-    if on_gpu(cp):
+    if on_gpu(cp):  # a CPU kind's claim says nothing of a GPU; the checkpoint's own source does
+        claim = KindClaim(cp.claimed_gain, cp.min_gain, cp.claim_source)
         min_gain = 1.0 if cp.gpu_min_gain is None else cp.gpu_min_gain  # None: not measured, no loss
         where = "on a GPU"
     best_c, best_b = max(candidate_tok_s), max(baseline_tok_s)
@@ -244,6 +245,21 @@ def test_a_checkpoint_of_more_ranks_than_gpus_runs_on_the_cpu(monkeypatch):
     assert not on_gpu(two) and placed_engine_args(two) == {**two.engine_args, "device": "cpu"}
     assert "on this CPU" in judge(two, 2, [1.0], [1.0]).message
     assert "on a GPU" in judge(one, 2, [1.0], [1.0]).message
+
+
+def test_on_a_gpu_the_checkpoints_own_claim_is_judged_and_shown(monkeypatch):
+    """A GPU's host is also a kind of CPU; its KindClaim speaks of that CPU, not the GPU: the
+    message quotes the checkpoint's own claim_source (where GPU runs are recorded) and asserts
+    gpu_min_gain."""
+    from tinyvllm.hardware import cpu_kind
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    cp = replace(declared_checkpoints(2)[0], claimed_gain=2.0, min_gain=1.5, gpu_min_gain=0.6,
+                 claim_source="measured on a GPU", per_cpu_kind={cpu_kind(): KindClaim(3.0, 2.0, "this CPU's kind")})
+    verdict = judge(cp, 2, [1.0], [1.0])
+    assert verdict.passed and "measured on a GPU" in verdict.message and "this CPU's kind" not in verdict.message
+    assert "must be >= 0.60x on a GPU" in verdict.message
 
 
 def test_a_checkpoint_asserts_the_claim_of_this_cpu_kind():
