@@ -53,7 +53,7 @@ def _round_to_e4m3(y):
     step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)    # 2^(e-3)
     inv_step = ((127 - e + 3) << 23).to(tl.float32, bitcast=True)
     r = _rint(tl.abs(y) * inv_step) * step                       # powers of two: exact products
-    # y's sign bit put back, -0.0 included: Triton's unary minus is 0 - r, +0.0 for r = 0 on a GPU
+    # y's sign bit put back, -0.0 included: triton 3.6 compiles -r as 0 - r, +0.0 for r = 0
     return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
 
 
