@@ -230,7 +230,8 @@ class ThroughputCheckpoint:
             its machine).
         min_gain: what the test asserts, with a margin for a busy 2-core machine: well below the
             claim, well above 1.0 where a gain is claimed (about 0.8 for a "no loss" claim).
-        gpu_min_gain: the same on a CUDA GPU; None: not measured.
+        gpu_min_gain: the same on a CUDA GPU (its runs recorded in `claim_source`, which a GPU's
+            verdict quotes); None: not measured.
         bench_command: the command that reproduces the comparison.
         rounds: measured rounds per engine (after one warm-up each).
         per_cpu_kind: claims for the kinds of CPU where the gain differs ("avx2",
