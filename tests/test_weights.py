@@ -128,6 +128,24 @@ def test_random_like_keeps_names_shapes_and_files(tiny_model_dir, tmp_path):
     load_model(out, torch.float32, torch.device("cpu"))  # the engine's loader takes it
 
 
+@pytest.mark.parametrize("family", ["tiny_model_dir", "tiny_qwen3_dir"])
+def test_random_like_from_a_config_alone(family, request, tmp_path):
+    """Without the weights (config.json and the tokenizer only, what travels to a GPU machine),
+    the same names and shapes as from the whole folder: tied embeddings, biases and q/k norms."""
+    from tinyvllm.testing import make_random_like
+
+    src = request.getfixturevalue(family)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors"):
+            shutil.copy(f, bare / f.name)
+    whole, alone = make_random_like(src, tmp_path / "whole"), make_random_like(bare, tmp_path / "alone")
+    want, got = load_file(whole / "model.safetensors"), load_file(alone / "model.safetensors")
+    assert {k: v.shape for k, v in want.items()} == {k: v.shape for k, v in got.items()}
+    load_model(alone, torch.float32, torch.device("cpu"))
+
+
 def test_loading_does_not_import_the_compiler(tiny_model_dir):
     """The model is built on the meta device; arithmetic there (the RoPE tables, the embedding's
     random init) would import torch._dynamo and more, ~2 s of every process's first LLM()."""

@@ -159,7 +159,9 @@ def make_random_like(source: str | os.PathLike, folder: str | os.PathLike, *, se
     """Write `folder`: `source`'s config and tokenizer files, with random weights of its tensors'
     names and shapes (norms = 1). For timing a model's shape on a machine its weights cannot reach
     (the GPU machines here see no model hub, and ~0.5 GB does not travel): speed does not depend
-    on the values, but the tokens are noise.
+    on the values, but the tokens are noise. `source` may hold no weights at all (its config.json
+    and tokenizer files alone, 2 MB for the default model): then the names and shapes are those of
+    the model tinyvllm builds from that config.
 
         python -m tinyvllm.testing random-like ~/.cache/tinyvllm/SmolLM2-135M-Instruct /tmp/smol-random
     """
@@ -175,13 +177,20 @@ def make_random_like(source: str | os.PathLike, folder: str | os.PathLike, *, se
     for f in source.iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
             shutil.copy(f, folder / f.name)
-    tensors = {}
-    for f in safetensors_files(source):
+    shapes = {}
+    files = safetensors_files(source) if any(source.glob("*.safetensors")) else []
+    for f in files:
         with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                shape = st.get_slice(name).get_shape()
-                tensors[name] = (torch.ones(shape) if name.endswith("norm.weight")
-                                 else torch.randn(shape, generator=g) * std)
+            shapes.update({name: st.get_slice(name).get_shape() for name in st.keys()})
+    if not files:  # a config alone: the parameters of tinyvllm's model of it, built on no memory
+        from tinyvllm.config import ModelConfig
+        from tinyvllm.model import LlamaForCausalLM
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(ModelConfig.from_pretrained(source))
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+    tensors = {name: torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=g) * std
+               for name, shape in shapes.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
 
