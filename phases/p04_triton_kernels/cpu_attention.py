@@ -11,6 +11,9 @@ kernels. What it changes from phase 2's `paged_attention`:
 - The causal mask is *lower-right* aligned: the chunk's Tq queries are the last Tq of the Tk
   keys, so query i sees keys 0 .. Tk - Tq + i. A prompt with nothing cached (Tq == Tk) takes
   SDPA's own `is_causal=True`, which skips the tiles above the diagonal without any mask tensor.
+  A chunk after cached keys takes no mask either (given one, the kernel scores every tile): the
+  cached keys in one call, the chunk's own causally in another, merged by their log-sum-exps, as
+  split-KV merges its segments; on a GPU's tensors (a reference in tests) SDPA with the mask.
 - A prompt with nothing cached attends over the K/V it just computed: no read of the cache.
 - Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
   the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
@@ -39,6 +42,9 @@ DECODE = CKernel(Path(__file__).with_name("cpu_attention.c"),
                  ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
                  {"paged_decode_attention": [P] * 10 + [I64] * 7 + [ctypes.c_float]},
                  fallback="decode steps attend through phase 2's decode_attention")
+# The op SDPA's CPU flash kernel is: (q, k, v, dropout_p, is_causal) -> (out, logsumexp), the
+# second the log of each query's sum of exp(score), which SDPA itself drops. Heads may be grouped.
+FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def c_decode_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -86,15 +92,24 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
     q: (Tq, H, d); k, v: (Tk, KVH, d), Tk >= Tq -> (Tq, H, d).
     """
-    # >>> exercise prefill_attention (2 stars): A prefill chunk's attention through PyTorch's fused SDPA: Tq queries that are the last Tq of Tk keys, causal, grouped-query heads.
-    # hint: SDPA wants (1, heads, T, d): transpose and add a batch dimension; with Tq == Tk is_causal=True works; otherwise a lower-right mask, tril(diagonal=Tk - Tq); enable_gqa=True.
-    # checked by: test_cpu_path_equals_phase3_attention, test_cpu_engine_equals_phase3_with_chunks_and_prefix_hits
+    # >>> exercise prefill_attention (3 stars): A prefill chunk's attention through PyTorch's fused SDPA: Tq queries that are the last Tq of Tk keys, causal, grouped-query heads; after cached keys, two maskless calls merged by their log-sum-exps on a CPU.
+    # hint: SDPA wants (1, heads, T, d): transpose and add a batch dimension; with Tq == Tk is_causal=True works. With Tk > Tq on a CPU: FLASH over the Tk - Tq cached keys (no mask) and over the chunk's own Tq keys (is_causal), then lerp(own, past, sigmoid(lse_past - lse_own)) in float32; elsewhere a lower-right mask, tril(diagonal=Tk - Tq). enable_gqa=True.
+    # checked by: test_cpu_path_equals_phase3_attention, test_cpu_engine_equals_phase3_with_chunks_and_prefix_hits, test_a_chunk_after_cached_keys_merges_two_maskless_calls
     tq, tk = q.shape[0], k.shape[0]
     # SDPA wants (batch, heads, tokens, d); its CPU flash kernel takes the 4-D form (a 3-D input
     # goes to the slower unfused path): a batch of one, and transposed views, no copies
     qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # (1, H or KVH, T, d)
     if tq == tk:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    elif q.is_cpu:
+        # every cached key is seen, so that part needs no mask; the chunk's own keys are causal,
+        # upper-left = lower-right for a square. Each part is a softmax over its own keys; the
+        # whole softmax weighs them by their sums of exp(score): exp(lse_past) against exp(lse_own)
+        c = tk - tq
+        own, lse_own = FLASH(qh, kh[:, :, c:], vh[:, :, c:], 0.0, True)     # (1, H, Tq, d), (1, H, Tq)
+        past, lse_past = FLASH(qh, kh[:, :, :c], vh[:, :, :c], 0.0, False)
+        share = torch.sigmoid(lse_past - lse_own)[..., None]             # the cached part's, float32
+        out = torch.lerp(own.float(), past.float(), share).to(q.dtype)
     else:
         # lower-right: query i sits at position tk - tq + i (SDPA's is_causal is upper-left)
         mask = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(diagonal=tk - tq)

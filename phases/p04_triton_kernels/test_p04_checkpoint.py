@@ -21,6 +21,7 @@ from phases.p04_triton_kernels import (
     CpuPagedAttention,
     TritonPagedAttention,
     cpu_paged_attention,
+    prefill_attention,
 )
 from phases.p04_triton_kernels.cpu_attention import DECODE, c_decode_runs
 from phases.p04_triton_kernels.tools.kernel_cases import (
@@ -47,6 +48,27 @@ def test_cpu_path_equals_phase3_attention(batch, bs, d, group, kvh):
     # float32, one fused kernel against another order of the same sums: a few ulps
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("tq,tk", [(7, 40), (1, 9), (16, 17)])
+def test_a_chunk_after_cached_keys_merges_two_maskless_calls(monkeypatch, dtype, tol, tq, tk):
+    """On a CPU a chunk after cached keys builds no mask: the cached keys in one fused call, the
+    chunk's own causally in another, merged by their log-sum-exps; the same attention as SDPA
+    over a lower-right mask, computed in float64."""
+    g = torch.Generator().manual_seed(tq * tk)
+    q = torch.randn(tq, 6, 32, generator=g).to(dtype)
+    k, v = (torch.randn(tk, 2, 32, generator=g).to(dtype) for _ in range(2))
+    qh, kh, vh = (x.double().transpose(0, 1)[None] for x in (q, k, v))
+    mask = torch.ones(tq, tk, dtype=torch.bool).tril(diagonal=tk - tq)
+    ref = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    masked = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: masked.append(kw.get("attn_mask")) or sdpa(*a, **kw))
+    out = prefill_attention(q, k, v)
+    assert not [m for m in masked if m is not None]
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.double(), ref[0].transpose(0, 1), atol=tol, rtol=tol)
 
 
 @pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
