@@ -12,6 +12,10 @@
  *         p[g, t] = exp(s[g, t] - max_t s[g, t])     t: the sequence's tokens, block by block
  *         out[b, g] = sum_t p[g, t] v[t, h] / sum_t p[g, t]
  *
+ * In AVX2 registers of 8 floats: the scores of 8 keys at a time (dots8), the exponentials 8 at a
+ * time (exp8), the output's d values held in registers while a block's values are added
+ * (block_weighted_sum); the sums divide the output once, at the end.
+ *
  * Every row's result depends only on its own sequence (the same numbers at any batch size).
  * Shapes: q (B, H, d); k_new, v_new (B, KVH, d); the caches (num_blocks, block_size, KVH, d);
  * block_tables (B rows M apart) and seq_lens (B,) int64, seq_lens counting the new token; slots
@@ -47,6 +51,63 @@ static inline void dots(const float *q, const float *k, int64_t stride, int64_t 
         for (int64_t r = i; r < d; r++) t += q[r] * k[j * stride + r];
         s[j] = t * scale;
     }
+}
+
+/* s[j] = (q . k_j) * scale for the 8 keys k_j = k + j * stride (d a multiple of 8): eight chains,
+ * then their lanes summed together, three rounds of pairwise adds (hadd) for all eight, where
+ * dots() sums each key's lanes on its own */
+static inline __m256 dots8(const float *q, const float *k, int64_t stride, int64_t d, __m256 scale) {
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) {
+        __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + i), a[j]);
+    }
+    __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));  /* keys 0-3, per half */
+    __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));  /* keys 4-7 */
+    __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+    return _mm256_mul_ps(sum, scale);
+}
+
+/* exp(x) for 8 floats at once (Cephes' expf: x = n ln 2 + r, |r| <= ln 2 / 2, e^r by a polynomial
+ * of degree 7, 2^n written into the exponent bits; about 1e-7 relative error). Here x <= 0 (a
+ * score minus the row's max); below -87.3 it returns e^-87.3 (~1e-38) instead of less, which no
+ * sum of at least 1 can tell from 0. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);     /* ln 2 in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* p[t] = exp(s[t] - max_t s) over the n scores, in place; returns 1 / sum_t p[t] */
+static float softmax_numerators(float *s, int64_t n) {
+    __m256 m8 = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float top = fmaxf(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4)));
+    for (; t < n; t++) top = fmaxf(top, s[t]);
+    __m256 top8 = _mm256_set1_ps(top), sum8 = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top8));
+        _mm256_storeu_ps(s + t, e);
+        sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum(sum8);
+    for (; t < n; t++) sum += (s[t] = expf(s[t] - top));
+    return 1.f / sum;
 }
 
 /* o += sum_t p[t] v_t over the n keys of one block (v the first, `row` floats apart): o's D values
@@ -86,18 +147,19 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
         const int64_t *table = block_tables + b * M;
         const float *qb = q + (b * H + h * G) * d;
         float *s = scores + (b * H + h * G) * T, *o = out + (b * H + h * G) * d;
+        __m256 scale8 = _mm256_set1_ps(scale);
         for (int64_t t0 = 0; t0 < n; t0 += block_size) {   /* block by block: no division per token */
             const float *k = k_cache + table[t0 / block_size] * block_size * row + h * d;
-            int64_t end = n < t0 + block_size ? n : t0 + block_size;
-            for (int64_t t = t0; t < end; t += 4, k += 4 * row)
+            int64_t end = n < t0 + block_size ? n : t0 + block_size, t = t0;
+            if (d % 8 == 0)
+                for (; t + 8 <= end; t += 8, k += 8 * row)
+                    for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(s + g * T + t, dots8(qb + g * d, k, row, d, scale8));
+            for (; t < end; t += 4, k += 4 * row)
                 for (int64_t g = 0; g < G; g++) dots(qb + g * d, k, row, end - t < 4 ? end - t : 4, d, scale, s + g * T + t);
         }
+        float inv[G];   /* the softmax's numerators in place of the scores; the sums divide at the end */
         for (int64_t g = 0; g < G; g++) {
-            float *sg = s + g * T, top = -INFINITY, sum = 0.f;
-            for (int64_t t = 0; t < n; t++) top = fmaxf(top, sg[t]);
-            for (int64_t t = 0; t < n; t++) sum += (sg[t] = expf(sg[t] - top));
-            float inv = 1.f / sum;
-            for (int64_t t = 0; t < n; t++) sg[t] *= inv;
+            inv[g] = softmax_numerators(s + g * T, n);
             memset(o + g * d, 0, d * sizeof(float));
         }
         for (int64_t t0 = 0; t0 < n; t0 += block_size) {   /* a block's values, once per query head */
@@ -105,5 +167,7 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
             int64_t m = n - t0 < block_size ? n - t0 : block_size;
             for (int64_t g = 0; g < G; g++) block_weighted_sum_any(o + g * d, s + g * T + t0, v, m, row, d);
         }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < d; i++) o[g * d + i] *= inv[g];
     }
 }

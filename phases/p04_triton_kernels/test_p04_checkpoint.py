@@ -23,7 +23,7 @@ from phases.p04_triton_kernels import (
     cpu_paged_attention,
     prefill_attention,
 )
-from phases.p04_triton_kernels.cpu_attention import DECODE, c_decode_runs
+from phases.p04_triton_kernels.cpu_attention import DECODE, c_decode_attention, c_decode_runs
 from phases.p04_triton_kernels.tools.kernel_cases import (
     DECODES,
     MIXED,
@@ -106,6 +106,20 @@ def test_decode_step_in_c_equals_phase2(bs, d, group, kvh, columns):
     out = CpuPagedAttention(caches[0], meta)(0, q, k, v)
     ref = PagedAttention(caches[1], meta)(0, q, k, v)
     assert torch.equal(caches[0].kv, caches[1].kv)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+@pytest.mark.parametrize("spread", [1.0, 30.0, 300.0])
+def test_c_decode_exponentials_over_any_spread_of_scores(spread):
+    """cpu_attention.c's exponentials, eight at a time: scores hundreds apart (e^-87 and below
+    underflow float32's normal range) give phase 2's output, nothing infinite or NaN; 43 and 200
+    tokens, so the eight-wide loop and its scalar tail both run."""
+    meta, k_cache, v_cache, g = make_batch([(43, 1), (200, 1)], 16, 2, 64, torch.float32, "cpu")
+    q = torch.randn(len(meta.slot_mapping), 6, 64, generator=g) * spread
+    out = c_decode_attention(q, k_cache, v_cache, meta)
+    ref = paged_attention(q, k_cache, v_cache, meta)
+    assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
