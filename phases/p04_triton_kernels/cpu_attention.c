@@ -12,6 +12,10 @@
  *         p[g, t] = exp(s[g, t] - max_t s[g, t])     t: the sequence's tokens, block by block
  *         out[b, g] = sum_t p[g, t] v[t, h] / sum_t p[g, t]
  *
+ * A sequence longer than SEG_TOKENS keys is attended in segments, one task each (split-KV: one
+ * sequence of a few KV heads would otherwise leave threads idle), each leaving its max and sums
+ * for a merge, as the Triton kernel's segments do for merge_attn_states.
+ *
  * In AVX2 registers of 8 floats: the scores of 8 keys at a time (dots8), the exponentials 8 at a
  * time (exp8), the output's d values held in registers while a block's values are added
  * (block_weighted_sum); the sums divide the output once, at the end.
@@ -28,7 +32,11 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* keys per task at most (rounded up to whole blocks): see paged_decode_attention */
+#define SEG_TOKENS 512
 
 static inline float hsum(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -90,8 +98,8 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-/* p[t] = exp(s[t] - max_t s) over the n scores, in place; returns 1 / sum_t p[t] */
-static float softmax_numerators(float *s, int64_t n) {
+/* p[t] = exp(s[t] - max_t s) over the n scores, in place; returns sum_t p[t], and the max in *top_out */
+static float softmax_numerators(float *s, int64_t n, float *top_out) {
     __m256 m8 = _mm256_set1_ps(-INFINITY);
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + t));
@@ -107,7 +115,8 @@ static float softmax_numerators(float *s, int64_t n) {
     }
     float sum = hsum(sum8);
     for (; t < n; t++) sum += (s[t] = expf(s[t] - top));
-    return 1.f / sum;
+    *top_out = top;
+    return sum;
 }
 
 /* o += sum_t p[t] v_t over the n keys of one block (v the first, `row` floats apart): o's D values
@@ -140,34 +149,69 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
         memcpy(k_cache + slots[b] * row, k_new + b * row, row * sizeof(float));
         memcpy(v_cache + slots[b] * row, v_new + b * row, row * sizeof(float));
     }
-    int64_t G = H / KVH;
-    #pragma omp parallel for schedule(static) if (B * KVH > 1)
-    for (int64_t bh = 0; bh < B * KVH; bh++) {
-        int64_t b = bh / KVH, h = bh % KVH, n = seq_lens[b];
+    /* tasks: (sequence, KV head, segment of `seg` keys). A long sequence's keys are split between
+     * threads (split-KV, as the Triton kernel's segments) at the same places at any batch size, so
+     * a row's numbers never depend on its batch; a sequence of one segment writes its output at
+     * once, the others leave each segment's sums for the merge below */
+    int64_t G = H / KVH, seg = (SEG_TOKENS + block_size - 1) / block_size * block_size;
+    int64_t S = (T + seg - 1) / seg, part_len = G * (d + 2);   /* a part: (G, d) sums, G maxima, G sums of p */
+    float *parts = S > 1 ? malloc(B * KVH * S * part_len * sizeof(float)) : NULL;
+    #pragma omp parallel for schedule(static) if (B * KVH * S > 1)
+    for (int64_t task = 0; task < B * KVH * S; task++) {
+        int64_t bh = task / S, b = bh / KVH, h = bh % KVH, n = seq_lens[b];
+        int64_t lo = task % S * seg, hi = n < lo + seg ? n : lo + seg;
+        if (lo >= n)
+            continue;
         const int64_t *table = block_tables + b * M;
         const float *qb = q + (b * H + h * G) * d;
-        float *s = scores + (b * H + h * G) * T, *o = out + (b * H + h * G) * d;
+        float *s = scores + (b * H + h * G) * T, *o = n <= seg ? out + (b * H + h * G) * d : parts + task * part_len;
         __m256 scale8 = _mm256_set1_ps(scale);
-        for (int64_t t0 = 0; t0 < n; t0 += block_size) {   /* block by block: no division per token */
+        for (int64_t t0 = lo; t0 < hi; t0 += block_size) {   /* block by block: no division per token */
             const float *k = k_cache + table[t0 / block_size] * block_size * row + h * d;
-            int64_t end = n < t0 + block_size ? n : t0 + block_size, t = t0;
+            int64_t end = hi < t0 + block_size ? hi : t0 + block_size, t = t0;
             if (d % 8 == 0)
                 for (; t + 8 <= end; t += 8, k += 8 * row)
                     for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(s + g * T + t, dots8(qb + g * d, k, row, d, scale8));
             for (; t < end; t += 4, k += 4 * row)
                 for (int64_t g = 0; g < G; g++) dots(qb + g * d, k, row, end - t < 4 ? end - t : 4, d, scale, s + g * T + t);
         }
-        float inv[G];   /* the softmax's numerators in place of the scores; the sums divide at the end */
+        float top[G], sum[G];   /* the softmax's numerators in place of the scores; the sums divide at the end */
         for (int64_t g = 0; g < G; g++) {
-            inv[g] = softmax_numerators(s + g * T, n);
+            sum[g] = softmax_numerators(s + g * T + lo, hi - lo, &top[g]);
             memset(o + g * d, 0, d * sizeof(float));
         }
-        for (int64_t t0 = 0; t0 < n; t0 += block_size) {   /* a block's values, once per query head */
+        for (int64_t t0 = lo; t0 < hi; t0 += block_size) {   /* a block's values, once per query head */
             const float *v = v_cache + table[t0 / block_size] * block_size * row + h * d;
-            int64_t m = n - t0 < block_size ? n - t0 : block_size;
+            int64_t m = hi - t0 < block_size ? hi - t0 : block_size;
             for (int64_t g = 0; g < G; g++) block_weighted_sum_any(o + g * d, s + g * T + t0, v, m, row, d);
         }
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t i = 0; i < d; i++) o[g * d + i] *= inv[g];
+        for (int64_t g = 0; g < G; g++) {
+            if (n <= seg)
+                for (int64_t i = 0; i < d; i++) o[g * d + i] /= sum[g];
+            else
+                o[G * d + g] = top[g], o[G * d + G + g] = sum[g];
+        }
     }
+    if (!parts)
+        return;
+    /* the merge: segment j weighs exp(max_j - max), as merge_attn_states weighs the Triton segments */
+    #pragma omp parallel for schedule(static)
+    for (int64_t bh = 0; bh < B * KVH; bh++) {
+        int64_t b = bh / KVH, h = bh % KVH, n = seq_lens[b], nseg = (n + seg - 1) / seg;
+        if (n <= seg)
+            continue;
+        const float *part = parts + bh * S * part_len;
+        for (int64_t g = 0; g < G; g++) {
+            float *o = out + (b * H + h * G + g) * d, top = -INFINITY, den = 0.f;
+            for (int64_t j = 0; j < nseg; j++) top = fmaxf(top, part[j * part_len + G * d + g]);
+            memset(o, 0, d * sizeof(float));
+            for (int64_t j = 0; j < nseg; j++) {
+                float w = expf(part[j * part_len + G * d + g] - top);
+                den += w * part[j * part_len + G * d + G + g];
+                for (int64_t i = 0; i < d; i++) o[i] += w * part[j * part_len + g * d + i];
+            }
+            for (int64_t i = 0; i < d; i++) o[i] /= den;
+        }
+    }
+    free(parts);
 }

@@ -123,6 +123,23 @@ def test_c_decode_exponentials_over_any_spread_of_scores(spread):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+
+@pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+@pytest.mark.parametrize("bs", [16, 12])
+def test_c_decode_splits_long_sequences_the_same_at_any_batch(bs):
+    """A sequence longer than a segment (512 keys, in whole blocks) is attended by several tasks,
+    their sums merged by their maxima: phase 2's output, and the long row's numbers exactly the
+    same alone as beside a short and a middle one (the split falls at the same keys)."""
+    from phases.p02_paged_kv import AttentionMetadata
+
+    meta, k_cache, v_cache, g = make_batch([(1300, 1), (40, 1), (600, 1)], bs, 3, 64, torch.float32, "cpu")
+    q = torch.randn(3, 9, 64, generator=g)
+    out = c_decode_attention(q, k_cache, v_cache, meta)
+    torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, meta), atol=1e-5, rtol=1e-5)
+    table = meta.block_tables[0, : -(-1300 // bs)].tolist()
+    alone = AttentionMetadata.build(meta.slot_mapping[:1].tolist(), [1], [1300], [table], torch.device("cpu"))
+    assert torch.equal(c_decode_attention(q[:1], k_cache, v_cache, alone), out[:1])
+
 def test_backend_choice_on_cpu(tiny_model_dir, make_llm):
     from phases.p04_triton_kernels import attention_backend
 
