@@ -156,6 +156,8 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
     int64_t G = H / KVH, seg = (SEG_TOKENS + block_size - 1) / block_size * block_size;
     int64_t S = (T + seg - 1) / seg, part_len = G * (d + 2);   /* a part: (G, d) sums, G maxima, G sums of p */
     float *parts = S > 1 ? malloc(B * KVH * S * part_len * sizeof(float)) : NULL;
+    if (S > 1 && !parts)   /* no memory for the parts: each sequence in one task, as before splitting */
+        seg = (T + block_size - 1) / block_size * block_size, S = 1;
     #pragma omp parallel for schedule(static) if (B * KVH * S > 1)
     for (int64_t task = 0; task < B * KVH * S; task++) {
         int64_t bh = task / S, b = bh / KVH, h = bh % KVH, n = seq_lens[b];
