@@ -191,8 +191,9 @@ class EngineConfig:
     cudagraph_capture_sizes: list[int] | None = None
     # phase 7 on a CPU: 1 compiles the decode step with torch.compile before the first request
     # (vLLM's CompilationMode numbering: 0 NONE, 1 STOCK_TORCH_COMPILE); 0 runs it eagerly;
-    # None (default): compiled in the background on a CPU while the engine serves eagerly, then
-    # switched to ($TINYVLLM_COMPILATION_MODE, when set, replaces the default)
+    # None (default): on a CPU, once the engine has run 512 decode steps, compiled in the
+    # background while it serves eagerly, then switched to ($TINYVLLM_COMPILATION_MODE, when set,
+    # replaces the default)
     compilation_mode: int | None = None
     # phase 8: tensor parallelism (ranks, each with its share of the weights and the KV cache)
     tensor_parallel_size: int = 1

@@ -31,12 +31,12 @@ in about a second instead of tracing (seconds) and compiling (a minute). The gua
 once when a graph is read; the runner calls each graph only with its own shape.
 
 When: `compilation_mode=1` makes both graphs before the engine takes its first request, as vLLM
-does. By default (`compilation_mode=None`) the first request never waits: a thread reads the
-saved graphs while the engine serves (once the first request decodes: not beside its prefill),
-and where none are saved yet it first has a worker process compile and save them
-(`compile_worker`: a compile in a thread would hold the interpreter's lock and patch
-`nn.Module.__call__` under the serving loop). Decode steps run
-eagerly until both graphs are ready, then compiled; the two give the same tokens (the
+does. By default (`compilation_mode=None`) no request waits: once the engine has run
+`COMPILE_AFTER_STEPS` decode steps (a run long enough to earn back what making the graphs costs
+the serving thread), a thread reads the saved graphs while the engine serves, and where none are
+saved yet it first has a worker process compile and save them (`compile_worker`: a compile in a
+thread would hold the interpreter's lock and patch `nn.Module.__call__` under the serving loop).
+Decode steps run eagerly until both graphs are ready, then compiled; the two give the same tokens (the
 checkpoint's tests), so the switch shows only in the speed. A compile that fails leaves the
 engine eager, warned once.
 """
@@ -74,10 +74,14 @@ from .fused import decode_forward, fused_model
 # opaque layers, found by the operators below while a compiled graph runs. A thread's own, so a
 # background compile and the serving loop never see each other's.
 _STEP = threading.local()
-# Saved graphs are read once the first request has its first token (its first decode step), or
-# after this many seconds with none: reading imports TorchDynamo and inductor (seconds of Python
-# holding the interpreter's lock), which beside the first prefill delayed the first token.
-READ_AFTER_S = 10.0
+# In the background the graphs are made (compiled by a worker where none is saved, then read)
+# only once the engine has run this many decode steps eagerly, or a waiter asks. Making them costs
+# the serving thread: reading imports TorchDynamo and inductor (about 3 s of Python holding the
+# interpreter's lock, on a 2-core CPU), and a compiling worker shares the cores for a minute or
+# more; a compiled step saves about 5 ms at batch 1. So a run of a few hundred tokens would lose
+# by it, and stays eager; a longer one starts paying here, having lost at most what the graphs
+# cost (ski rental: rent until the rent adds up to the price, then buy).
+COMPILE_AFTER_STEPS = 512
 
 
 # The operators: a schema and a kernel each, registered with torch.library.Library (not
@@ -229,7 +233,8 @@ class CompiledDecodeRunner(DecodeRunner):
     backend): one graph for batch 1, one for every larger bucket, each read from the cache of
     compiled graphs or compiled (and saved) by `warm_up` before the engine starts; or, with
     `background`, the request a compile worker process is started with (if the cache lacks a
-    graph), by a thread that then reads the graphs while `run` serves eagerly."""
+    graph), by a thread that then reads the graphs while `run` serves eagerly, once the engine
+    has run `COMPILE_AFTER_STEPS` decode steps."""
 
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, buckets: list[int],
                  background: dict | None = None):
@@ -241,8 +246,9 @@ class CompiledDecodeRunner(DecodeRunner):
         self.graphs: dict[bool, object] = {}  # batch 1 (True), every larger bucket (False)
         self.num_loaded = self.num_compiled = 0
         self.shapes_seen: set[bool] = set()   # batch 1 (True), larger (False)
-        # set when every graph is made; at the first eager decode step (or by a waiter)
-        self.ready, self.decoding = threading.Event(), threading.Event()
+        # set when every graph is made; after COMPILE_AFTER_STEPS eager decode steps (or by a waiter)
+        self.ready, self.due = threading.Event(), threading.Event()
+        self.eager_steps = 0
         self.compile_error: BaseException | None = None
         buckets = sorted({b == 1: b for b in reversed(buckets)}.values())  # 1, the smallest above 1
         b = self.buf
@@ -262,14 +268,15 @@ class CompiledDecodeRunner(DecodeRunner):
 
     def warm_up(self, buckets: list[int], background: dict | None = None) -> None:
         """Make the graph of each bucket's shape, run it once on `warm_buf`'s rows, then mark the
-        runner ready. In the background (`background`: the compile worker's request) graphs the
-        cache lacks are compiled by the worker first, and only read here; a failure is warned
-        and the engine stays eager. Before the start a failure is raised."""
+        runner ready. In the background (`background`: the compile worker's request), once the
+        graphs are due, those the cache lacks are compiled by the worker first, and only read
+        here; a failure is warned and the engine stays eager. Before the start a failure is
+        raised."""
         try:
-            if background and not all(self.graph_path(b).is_file() for b in buckets):
-                self.compile_in_worker(background)
-            # saved graphs: read once the first request decodes, not beside its prefill
-            self.decoding.wait(READ_AFTER_S if background else 0)
+            if background:
+                self.due.wait()
+                if not all(self.graph_path(b).is_file() for b in buckets):
+                    self.compile_in_worker(background)
             for bucket in buckets:
                 self.make_graph(bucket, compile=not background)
                 self.run(bucket, self.warm_buf)
@@ -337,7 +344,7 @@ class CompiledDecodeRunner(DecodeRunner):
 
     def wait_until_compiled(self, timeout: float | None = None) -> bool:
         """Block until the background compile has finished (True) or failed (False)."""
-        self.decoding.set()                 # saved graphs: read them now
+        self.due.set()                      # compile or read them now
         if self.thread.ident is not None:   # started: compiling in the background
             self.thread.join(timeout)
         return self.ready.is_set()
@@ -346,7 +353,9 @@ class CompiledDecodeRunner(DecodeRunner):
         """The compiled decode on the first `bucket` rows of the buffers -> logits (bucket, V);
         the eager one while the graphs are still being made. `buf`: the compile's own rows."""
         if buf is None and not self.ready.is_set():
-            self.decoding.set()
+            self.eager_steps += 1
+            if self.eager_steps >= COMPILE_AFTER_STEPS:
+                self.due.set()
             return super().run(bucket)
         b = self.buf if buf is None else buf
         # >>> exercise compiled_run (2 stars): Run the graph made for this bucket's shape on the first `bucket` rows of b, with this step's attention and the model's opaque layers in the thread's forward context while it runs.

@@ -9,7 +9,8 @@ forward gives the eager step's numbers.
 - two graphs, compiled when the engine starts, serve every bucket (batch 1, and one with a
   dynamic batch), in every engine of a process;
 - a request's bad value or a bad compilation_mode is an error naming it, and the engine goes on;
-- by default (compilation_mode unset) the engine serves eagerly at once while a thread compiles,
+- by default (compilation_mode unset) the engine serves eagerly at once, and after
+  COMPILE_AFTER_STEPS decode steps compiles (a worker) and reads the graphs in the background,
   then runs the compiled step, with the same tokens; a failed compile leaves it eager.
 
 Each engine compiles when it starts (seconds on the tiny model; inductor's cache makes a second
@@ -19,7 +20,6 @@ start faster).
 from __future__ import annotations
 
 import json
-import threading
 import time
 
 import pytest
@@ -291,36 +291,39 @@ def test_compiled_step_with_preemption_seeds_penalties_int8_kv_and_drafts(tiny_m
 
 def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir, monkeypatch, tmp_path):
     """`LLM()` as users get it on a CPU (compilation_mode unset): requests are served at once, by
-    the eager step, while a worker process compiles and a thread reads the graphs it saved; then
-    decode steps run compiled, and the tokens never change. The compile is held back until the
-    first requests are served (so they are served eagerly whatever the machine's speed), then runs
-    beside more. A second engine finds the graphs saved and reads them, with no worker, once its
-    first request decodes."""
+    the eager step, and nothing is compiled or read until the engine has run COMPILE_AFTER_STEPS
+    decode steps (a short run stays eager: making the graphs would cost it more than they save);
+    then a worker process compiles beside more requests and a thread reads the graphs it saved,
+    and decode steps run compiled; the tokens never change. A second engine finds the graphs
+    saved and reads them, with no worker, once it too has run that many decode steps."""
     monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
     monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))    # no graph saved yet
-    go = threading.Event()
-    warm_up = CompiledDecodeRunner.warm_up
-    monkeypatch.setattr(CompiledDecodeRunner, "warm_up", lambda self, *a: (go.wait(60), warm_up(self, *a)))
+    monkeypatch.setattr(compiled, "COMPILE_AFTER_STEPS", 10**9)
     eager = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, enforce_eager=True)
     want = tokens(eager, PROMPTS)
     llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8)
     runner = llm.llm_engine.runner.decode_runner
     assert isinstance(runner, CompiledDecodeRunner) and not runner.ready.is_set()
     assert tokens(llm, PROMPTS) == want and runner.shapes_seen == set()      # served eagerly
-    go.set()
-    for _ in range(2):                                # eager steps beside the compile
+    time.sleep(0.5)                                   # a short run: no worker, nothing due
+    assert runner.eager_steps >= GREEDY.max_tokens - 1 and runner.worker is None and not runner.due.is_set()
+    monkeypatch.setattr(compiled, "COMPILE_AFTER_STEPS", runner.eager_steps + 1)
+    for _ in range(2):                                # the next decode step makes them due; eager beside the compile
         assert tokens(llm, PROMPTS) == want
+    assert runner.due.is_set()
     assert runner.wait_until_compiled(300) and runner.compile_error is None
     assert runner.worker.returncode == 0 and (runner.num_compiled, runner.num_loaded) == (0, 2)
     assert tokens(llm, PROMPTS) == want               # now compiled
     assert runner.shapes_seen == {True, False} and graphs_made(runner) == (2, {True, False}), NEW_GRAPH
-    monkeypatch.setattr(CompiledDecodeRunner, "warm_up", warm_up)
+    monkeypatch.setattr(compiled, "COMPILE_AFTER_STEPS", 10**9)
     llm2 = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8)
     again = llm2.llm_engine.runner.decode_runner
-    time.sleep(0.5)    # the graphs are saved, but read only once a request decodes: not beside its prefill
-    assert again.worker is None and again.num_loaded == 0 and not again.ready.is_set()
     assert tokens(llm2, PROMPTS[:1]) == want[:1]
-    assert again.ready.wait(60) and again.num_loaded == 2 and again.compile_error is None
+    time.sleep(0.5)    # the graphs are saved, but a short run does not read them
+    assert again.worker is None and again.num_loaded == 0 and not again.ready.is_set()
+    monkeypatch.setattr(compiled, "COMPILE_AFTER_STEPS", again.eager_steps + 1)
+    assert tokens(llm2, PROMPTS[:1]) == want[:1]
+    assert again.ready.wait(60) and again.num_loaded == 2 and again.worker is None and again.compile_error is None
 
 
 def test_a_failed_background_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, recwarn, tmp_path):
@@ -345,13 +348,15 @@ def test_a_failed_background_compile_leaves_the_engine_eager(tiny_model_dir, mon
 
 def test_a_stopped_compile_worker_leaves_the_engine_eager_and_quiet(tiny_model_dir, monkeypatch, recwarn, tmp_path):
     """A worker killed before it finishes (its engine collected, the interpreter exiting: a
-    `tinyvllm generate` that ends before the compile) stops the background compile without a
+    `tinyvllm generate` that ends during the compile) stops the background compile without a
     warning; the engine serves on eagerly."""
 
     monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
     monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiled, "COMPILE_AFTER_STEPS", 1)
     llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8)
     runner = llm.llm_engine.runner.decode_runner
+    tokens(llm, PROMPTS[:1])                          # its first decode step makes the graphs due
     deadline = time.monotonic() + 60
     while runner.worker is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -379,3 +384,27 @@ def test_the_environment_sets_an_unset_compilation_mode(tiny_model_dir, monkeypa
         LLM(str(tiny_model_dir), phase=7)
     runner = LLM(str(tiny_model_dir), phase=7, compilation_mode=0).llm_engine.runner.decode_runner
     assert not isinstance(runner, CompiledDecodeRunner)
+
+
+def test_run_length_tool_interleaves_the_ways_and_takes_medians(tiny_model_dir):
+    """`tools/run_length`: each round runs every way once, in turn (a slow moment of the machine
+    falls on each), and a row per (tokens, way) holds the median of its rounds and how many read
+    the graphs; a child of the eager way is one request in `compilation_mode=0`."""
+    from types import SimpleNamespace
+
+    from phases.p07_cuda_graphs.tools import run_length
+
+    calls, times = [], iter([5.0, 9.0, 6.0, 4.0, 8.0, 5.5, 6.0, 7.0, 6.5])
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd[-2:])
+        ready = 2.0 if cmd[-2] != "eager" else None
+        return SimpleNamespace(stdout=f"noise\n{json.dumps({'request_s': next(times), 'ready_s': ready})}\n")
+    rows = run_length.rounds(["tool"], [100], 3, run=fake_run)
+    assert calls == [[way, "100"] for _ in range(3) for way in run_length.WAYS]
+    got = {r["way"]: (r["request_s"], r["runs"], r["graphs_read"], r["ready_s"]) for r in rows}
+    assert got == {"eager": (5.0, [5.0, 4.0, 6.0], 0, None), "at once": (8.0, [9.0, 8.0, 7.0], 3, 2.0),
+                   "as it comes": (6.0, [6.0, 5.5, 6.5], 3, 2.0)}
+    assert rows[0]["tok_per_s"] == 20.0
+    eager = run_length.child("eager", 3, str(tiny_model_dir), None)
+    assert eager["request_s"] > 0 and eager["ready_s"] is None

@@ -49,8 +49,8 @@ ENGINE_ARG_HELP = {
     "master_port": "the port on --master-addr where the ranks meet (default 29501)",
     "compilation_mode": "1: compile the decode step with torch.compile on a CPU before the first "
                         "request (phase 7; the first start compiles for a minute, later ones read "
-                        "$TINYVLLM_CACHE/inductor); 0: eager; default: on a CPU, compiled in the "
-                        "background while the engine serves eagerly",
+                        "$TINYVLLM_CACHE/inductor); 0: eager; default: on a CPU, once the engine has "
+                        "run 512 decode steps, compiled in the background while it serves eagerly",
 }
 
 
