@@ -36,9 +36,9 @@ does. By default (`compilation_mode=None`) no request waits: once the engine has
 the serving thread), a thread reads the saved graphs while the engine serves, and where none are
 saved yet it first has a worker process compile and save them (`compile_worker`: a compile in a
 thread would hold the interpreter's lock and patch `nn.Module.__call__` under the serving loop).
-Decode steps run eagerly until both graphs are ready, then compiled; the two give the same tokens (the
-checkpoint's tests), so the switch shows only in the speed. A compile that fails leaves the
-engine eager, warned once.
+Decode steps run eagerly until both graphs are ready, then compiled; the two give the same
+tokens (the checkpoint's tests), so the switch shows only in the speed. A compile that fails
+leaves the engine eager, warned once.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ _STEP = threading.local()
 # only once the engine has run this many decode steps eagerly, or a waiter asks. Making them costs
 # the serving thread: reading imports TorchDynamo and inductor (about 3 s of Python holding the
 # interpreter's lock, on a 2-core CPU), and a compiling worker shares the cores for a minute or
-# more; a compiled step saves about 5 ms at batch 1. So a run of a few hundred tokens would lose
+# more; a compiled step saves 5 to 7 ms at batch 1. So a run of a few hundred tokens would lose
 # by it, and stays eager; a longer one starts paying here, having lost at most what the graphs
 # cost (ski rental: rent until the rent adds up to the price, then buy).
 COMPILE_AFTER_STEPS = 512
@@ -246,9 +246,9 @@ class CompiledDecodeRunner(DecodeRunner):
         self.graphs: dict[bool, object] = {}  # batch 1 (True), every larger bucket (False)
         self.num_loaded = self.num_compiled = 0
         self.shapes_seen: set[bool] = set()   # batch 1 (True), larger (False)
-        # set when every graph is made; after COMPILE_AFTER_STEPS eager decode steps (or by a waiter)
-        self.ready, self.due = threading.Event(), threading.Event()
-        self.eager_steps = 0
+        # ready: set when every graph is made; due: after COMPILE_AFTER_STEPS eager decode steps
+        # (counted in eager_steps), or by a waiter
+        self.ready, self.due, self.eager_steps = threading.Event(), threading.Event(), 0
         self.compile_error: BaseException | None = None
         buckets = sorted({b == 1: b for b in reversed(buckets)}.values())  # 1, the smallest above 1
         b = self.buf
@@ -273,10 +273,9 @@ class CompiledDecodeRunner(DecodeRunner):
         here; a failure is warned and the engine stays eager. Before the start a failure is
         raised."""
         try:
-            if background:
-                self.due.wait()
-                if not all(self.graph_path(b).is_file() for b in buckets):
-                    self.compile_in_worker(background)
+            # in the background, once due (wait() returns True), the worker compiles what is not saved
+            if background and self.due.wait() and not all(self.graph_path(b).is_file() for b in buckets):
+                self.compile_in_worker(background)
             for bucket in buckets:
                 self.make_graph(bucket, compile=not background)
                 self.run(bucket, self.warm_buf)

@@ -308,7 +308,7 @@ def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir
     time.sleep(0.5)                                   # a short run: no worker, nothing due
     assert runner.eager_steps >= GREEDY.max_tokens - 1 and runner.worker is None and not runner.due.is_set()
     monkeypatch.setattr(compiled, "COMPILE_AFTER_STEPS", runner.eager_steps + 1)
-    for _ in range(2):                                # the next decode step makes them due; eager beside the compile
+    for _ in range(2):          # the next decode step makes them due; eager steps beside the compile
         assert tokens(llm, PROMPTS) == want
     assert runner.due.is_set()
     assert runner.wait_until_compiled(300) and runner.compile_error is None
@@ -323,7 +323,8 @@ def test_default_compiles_in_the_background_while_serving_eagerly(tiny_model_dir
     assert again.worker is None and again.num_loaded == 0 and not again.ready.is_set()
     monkeypatch.setattr(compiled, "COMPILE_AFTER_STEPS", again.eager_steps + 1)
     assert tokens(llm2, PROMPTS[:1]) == want[:1]
-    assert again.ready.wait(60) and again.num_loaded == 2 and again.worker is None and again.compile_error is None
+    assert again.ready.wait(60) and again.num_loaded == 2
+    assert again.worker is None and again.compile_error is None
 
 
 def test_a_failed_background_compile_leaves_the_engine_eager(tiny_model_dir, monkeypatch, recwarn, tmp_path):
