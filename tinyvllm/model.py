@@ -90,11 +90,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)                # (P, d): Hugging Face's half layout
         return emb.cos(), emb.sin()
 
-    def reset_tables(self) -> None:
-        """Recompute the tables (after the model was built on the meta device)."""
-        cos, sin = self._tables()
-        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
-
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The (cos, sin) rows of the step's positions, each (N, 1, d): looked up once per step,
         shared by every layer."""

@@ -195,6 +195,11 @@ def make_random_like(source: str | os.PathLike, folder: str | os.PathLike, *, se
     return folder
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux's /proc/self/statm)."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 # A tiny model wide enough that matrix math, not Python, sets a step's time (about 8M
 # parameters): the throughput checkpoints run on it where the default model would take minutes.
 WIDE_TINY_LLAMA: dict = dict(hidden_size=384, num_layers=4, num_heads=6, num_kv_heads=2,

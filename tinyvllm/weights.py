@@ -99,7 +99,8 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
 
 
 def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
-    """Copy every tensor of the checkpoint into `model`, checking names and shapes."""
+    """Give each parameter of `model` its tensor of the checkpoint, checking names and shapes.
+    The tensors become the parameters (no copy: `model` may be built on the meta device)."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     expected = set(params)
     seen: set[str] = set()
@@ -127,27 +128,27 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(f"model: tensor {name!r} in {path.name} has shape "
                                      f"{tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor)
+                module, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(module), leaf, torch.nn.Parameter(tensor, param.requires_grad))
                 seen.add(name)
     missing = sorted(expected - seen)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ValueError(f"model: the checkpoint in {folder} lacks tensor(s) "
                          f"{', '.join(missing[:5])}{more}")
+    if model.config.tie_word_embeddings:  # one tensor for both, as the checkpoint has
+        model.lm_head.weight = model.model.embed_tokens.weight
 
 
 def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,
                max_positions: int | None = None) -> LlamaForCausalLM:
     """Build the model from config.json, load its weights, and move it to `device` and `dtype`."""
     config = ModelConfig.from_pretrained(folder)
+    # On the meta device: shapes without memory, so no random init is made and thrown away; the
+    # checkpoint's tensors then become the parameters (not Module.to_empty and a copy: its
+    # empty_like of a meta tensor first imports sympy, 0.4-0.9 s once per process)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
-    # Materialize on the CPU with empty storage (no random init to throw away), then fill it.
-    model = model.to_empty(device="cpu")
-    if config.tie_word_embeddings:  # to_empty makes new Parameters: tie them again
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary_emb.reset_tables()
     load_weights(model, folder)
     return model.to(device=device, dtype=dtype).eval()
 

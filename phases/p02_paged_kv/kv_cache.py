@@ -18,9 +18,15 @@ How many blocks: `num_kv_blocks` if given (vLLM's num_gpu_blocks_override); othe
 budget (`kv_cache_memory` bytes; on a GPU `gpu_memory_utilization` of its memory less what is
 already used; on a CPU 2 GiB) divided by the bytes of one block, and never more than the blocks
 `max_num_seqs` sequences of `max_model_len` tokens could use.
+
+On a CPU the pool is zeros the operating system maps in as it is first written (`zeros`): a
+2 GiB pool costs no time and no memory until its blocks are used.
 """
 
 from __future__ import annotations
+
+import math
+import mmap
 
 import torch
 
@@ -60,6 +66,19 @@ def num_kv_blocks(config: EngineConfig, model: ModelConfig, max_model_len: int, 
     return min(blocks, config.max_num_seqs * cdiv(max_model_len, config.block_size))
 
 
+def zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros, but on a CPU from fresh anonymous memory: the OS maps each page in zeroed
+    when it is first touched, so nothing is written now and the resident memory grows only with
+    the blocks written (torch.zeros writes every byte of the default pool's 2 GiB at once).
+    Private, so a forked process gets its own copy on write, as with malloc's memory."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(*shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    flags = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+    buffer = mmap.mmap(-1, max(nbytes, 1), **flags)  # the tensor keeps it alive
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 class KVCache:
     """K and V for every slot of every layer."""
 
@@ -68,8 +87,8 @@ class KVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
         # zeros, not empty: attention reads the unused slots of a sequence's last block (and masks
         # them), and a masked NaN from uninitialized memory would still give 0 * NaN = NaN
-        self.kv = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size,
-                              model.num_key_value_heads, model.head_dim, dtype=dtype, device=device)
+        self.kv = zeros(model.num_hidden_layers, 2, num_blocks, block_size,
+                        model.num_key_value_heads, model.head_dim, dtype=dtype, device=device)
         # each layer's (k_cache, v_cache) views, made once: indexing self.kv costs microseconds,
         # and a decode step asks for every layer's
         self.views = [tuple(layer.unbind(0)) for layer in self.kv]

@@ -4,6 +4,7 @@ beats full recompute is phase 2's throughput checkpoint, in tests/test_throughpu
 
 import json
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from phases.p01_naive_attention import causal_attention
 from phases.p02_paged_kv import AttentionMetadata, BlockAllocator, BlockTable, KVCache, paged_attention
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.testing import resident_bytes
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -62,6 +64,24 @@ def test_kv_cache_starts_zeroed(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     cache = KVCache(config, 8, 4, torch.float32, torch.device("cpu"))
     assert cache.kv.shape[2:4] == (8, 4) and not cache.kv.any()
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from Linux's /proc")
+def test_cpu_kv_pool_is_resident_only_where_written():
+    """On a CPU the pool is zero pages the OS maps in on first touch (kv_cache.zeros), not bytes
+    written at the start: 256 MiB of pool add no resident memory, nor do the few blocks written;
+    they hold what was written, and the rest reads back as zeros."""
+    model = SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, head_dim=64)
+    before = resident_bytes()
+    # 4,096 blocks of K and V, 4 layers, 16 tokens, 2 heads of 64 floats: 256 MiB
+    cache = KVCache(model, 4096, 16, torch.float32, torch.device("cpu"))
+    assert cache.kv.numel() * 4 == 256 << 20 and resident_bytes() - before < 16 << 20
+    k = torch.randn(3, 2, 64)
+    cache.write(1, torch.tensor([0, 17, 4000]), k, -k)
+    assert resident_bytes() - before < 16 << 20
+    k_cache, v_cache = cache.layer(1)
+    assert torch.equal(k_cache.view(-1, 2, 64)[[0, 17, 4000]], k) and torch.equal(v_cache.view(-1, 2, 64)[17], -k[1])
+    assert not cache.kv[0].any() and not k_cache.view(-1, 2, 64)[1:17].any()
 
 
 def test_kv_write_puts_each_token_in_its_slot():

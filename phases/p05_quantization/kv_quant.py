@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from phases.p02_paged_kv.kv_cache import KVCache
+from phases.p02_paged_kv.kv_cache import KVCache, zeros
 from phases.p02_paged_kv.paged_attention import AttentionMetadata, PagedAttention, paged_attention
 from tinyvllm.config import ModelConfig
 
@@ -79,8 +79,8 @@ class QuantizedKVCache(KVCache):
         shape = (model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads)
         # zeros (see KVCache): unused slots read back as finite zeros
         # fp8 is stored as its bytes (uint8): PyTorch's CPU index_copy_/index_select lack float8
-        self.kv = torch.zeros(*shape, model.head_dim, dtype=_storage_dtype(kv_cache_dtype), device=device)
-        self.scales = torch.zeros(shape, dtype=SCALE_DTYPE, device=device)
+        self.kv = zeros(*shape, model.head_dim, dtype=_storage_dtype(kv_cache_dtype), device=device)
+        self.scales = zeros(*shape, dtype=SCALE_DTYPE, device=device)
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Quantize and store new tokens' K/V: k, v (N, KVH, d) into the rows `slot_mapping` (N,)."""

@@ -5,6 +5,7 @@ that leaves an LLM built before still generating."""
 
 import subprocess
 from contextlib import nullcontext
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +21,7 @@ from phases.p05_quantization.quant import (QuantizedLinear, dequantize_int4, deq
                                            pack_int4, quantize_int4, quantize_int8, unpack_int4)
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.hardware import cpu_kind
+from tinyvllm.testing import resident_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 8]}, {"prompt_token_ids": [200, 11, 13]}]
@@ -251,6 +253,17 @@ def test_quantized_kv_cache_write_and_gather(tiny_model_dir):
     assert torch.allclose(kg[1, 1], k[0], atol=k.abs().max() / 200)
     assert torch.allclose(vg[0, 6], v[2], atol=v.abs().max() / 200)
     assert kg[0, 0].abs().sum() == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads resident memory from Linux's /proc")
+def test_quantized_cpu_kv_pool_is_resident_only_where_written():
+    """Phase 2's pool of zero pages (kv_cache.zeros) holds the 8-bit values and their scales too:
+    about 128 MiB of pool add no resident memory until written."""
+    model = SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, head_dim=64)
+    before = resident_bytes()
+    cache = QuantizedKVCache(model, 8192, 16, torch.float32, torch.device("cpu"), "int8")
+    assert cache.kv.numel() == 128 << 20 and resident_bytes() - before < 16 << 20
+    assert not cache.kv.any() and not cache.scales.any()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
