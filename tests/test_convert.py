@@ -2,6 +2,7 @@
 own GGUF loading of that file (weights, logits, tokenizer, chat template)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +30,15 @@ def test_converted_folder_is_a_hugging_face_model(default_model_dir):
     assert cfg["num_attention_heads"] == 9 and cfg["num_key_value_heads"] == 3
     assert cfg["tie_word_embeddings"] is True
     assert default_model_dir.parent == cache_dir()
+
+
+def test_an_empty_cache_variable_means_the_default_folder(monkeypatch, tmp_path):
+    """TINYVLLM_CACHE="" is unset, not the current folder (where the model would land)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TINYVLLM_CACHE", "")
+    assert cache_dir() == Path.home() / ".cache" / "tinyvllm"
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine"
 
 
 def test_conversion_is_reused(default_model_dir):

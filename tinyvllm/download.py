@@ -30,7 +30,9 @@ _DONE_MARKER = ".tinyvllm-converted"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("TINYVLLM_CACHE", Path.home() / ".cache" / "tinyvllm"))
+    """$TINYVLLM_CACHE, or ~/.cache/tinyvllm where it is unset or empty (an empty one would
+    otherwise put the model in the current folder)."""
+    return Path(os.environ.get("TINYVLLM_CACHE") or Path.home() / ".cache" / "tinyvllm")
 
 
 def find_gguf() -> Path | None:
