@@ -67,6 +67,7 @@ ENGINE_COLUMNS = {
     "TTFT ms": ("TTFT ms (median)", lambda e: _num(_median_ms(e, "ttft_s"))),
     "TPOT ms": ("TPOT ms (median)", lambda e: _num(_median_ms(e, "tpot_s"))),
     "TTFT p99 ms": ("TTFT ms (p99)", lambda e: _num(None if not e.get("ttft_s") else e["ttft_s"]["p99"] * 1e3)),
+    "load s": ("`LLM()` s", lambda e: _num((e.get("startup") or {}).get("load_s"), digits=2)),
     "start-up s": ("start-up s (first token)", lambda e: _num((e.get("startup") or {}).get("first_token_s"), digits=2)),
     "compile wait s": ("rounds waited for the compile, s",
                        lambda e: _num((e.get("startup") or {}).get("compile_wait_s"), digits=1)),
