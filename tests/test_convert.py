@@ -2,12 +2,15 @@
 own GGUF loading of that file (weights, logits, tokenizer, chat template)."""
 
 import json
+import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from tinyvllm.download import cache_dir, ensure_default_model, hf_tensor_name, unpermute_qk
+from tinyvllm.download import (GGUFFile, cache_dir, ensure_default_model, ensure_gguf, hf_tensor_name,
+                               unpermute_qk)
 from tinyvllm.tokenizer import Tokenizer
 
 SAMPLE_TEXTS = [
@@ -39,6 +42,31 @@ def test_an_empty_cache_variable_means_the_default_folder(monkeypatch, tmp_path)
     assert cache_dir() == Path.home() / ".cache" / "tinyvllm"
     monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path / "mine"))
     assert cache_dir() == tmp_path / "mine"
+
+
+def test_gguf_file_reads_what_the_gguf_library_reads():
+    """tinyvllm's reader (GGUFFile: one pass with struct) against the gguf library's GGUFReader on
+    the default model's file: every field's value; every tensor's name, shape, type and bytes."""
+    from gguf import GGUFReader
+
+    path = ensure_gguf(quiet=True)
+    ours, ref = GGUFFile(path), GGUFReader(str(path))
+    fields = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}  # its header
+    assert ours.fields == fields and len(fields["tokenizer.ggml.tokens"]) == 49152
+    assert [(t.name, t.shape, t.tensor_type) for t in ours.tensors] == [
+        (t.name, [int(d) for d in t.shape], t.tensor_type) for t in ref.tensors]
+    for t, r in zip(ours.tensors, ref.tensors):
+        assert np.array_equal(t.data.reshape(-1), np.ascontiguousarray(r.data).view(np.uint8).reshape(-1)), t.name
+
+
+def test_a_file_that_is_not_gguf_v2_or_v3_is_a_clear_error(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        GGUFFile(bad)
+    bad.write_bytes(b"GGUF" + struct.pack("<I", 1) + bytes(16))
+    with pytest.raises(ValueError, match="GGUF version 1; versions 2 and 3"):
+        GGUFFile(bad)
 
 
 def test_conversion_is_reused(default_model_dir):
