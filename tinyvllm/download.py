@@ -132,9 +132,9 @@ class GGUFFile:
     """What the conversion reads of a GGUF file (v2 or v3): `fields`, its metadata as Python
     values, and `tensors`, each tensor's raw bytes in a memory map. The `gguf` library's
     GGUFReader builds a numpy view for every element of every array: 3 s for this file's
-    vocabulary and merges (49,152 and 48,900 strings), where one pass with `struct` takes a tenth
-    of a second. The layout: a header, the key-value pairs, each tensor's name, dimensions, type
-    and offset, then the tensors' data from the next multiple of `general.alignment` (32)."""
+    vocabulary and merges (49,152 and 48,900 strings), where one pass with `struct` takes 0.15 s
+    (a Zen 4 EPYC). The layout: a header, the key-value pairs, each tensor's name, dimensions,
+    type and offset, then the tensors' data from the next multiple of `general.alignment` (32)."""
 
     SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
                11: "<q", 12: "<d"}
@@ -144,10 +144,9 @@ class GGUFFile:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.map = np.memmap(path, dtype=np.uint8, mode="r")
-        self.buf, self.pos = self.map.data, 0
+        self.buf, self.pos = self.map.data, 4
         if bytes(self.buf[:4]) != b"GGUF":
             raise ValueError(f"model: {path} is not a GGUF file")
-        self.pos = 4
         version = self._take("<I")
         if version not in (2, 3):
             raise ValueError(f"model: {path} is GGUF version {version}; versions 2 and 3 are read")
