@@ -5,7 +5,10 @@
                 `QuantizedLinear` (int8 per output channel, or int4 per group of
                 `quantization_group_size` input columns, the LM head then int8); the float weights
                 are dropped. With tied embeddings the lookup keeps its float table (it reads one
-                row per token).
+                row per token). Without `quantization`, each float32 layer whose weight lies
+                exactly on 4- or 8-bit codes (a checkpoint stored in Q4_1 or Q8_0, as the default
+                model) becomes a `LosslessLinear`: the same weight, read from its codes in a
+                decode step (lossless.py).
     kv_cache    with kv_cache_dtype "int8" or "fp8": `QuantizedKVCache`, one byte per value plus a
                 scale per token and KV head, so the same `kv_cache_memory` holds ~3.8x the blocks
                 (and the scheduler admits that many more sequences)
@@ -29,6 +32,7 @@ from phases.p04_triton_kernels import RECIPE as PHASE4
 from phases.p04_triton_kernels import attention_backend, cpu_paged_attention
 
 from .kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantized_bytes_per_block
+from .lossless import keep_lossless
 from .quant import INT4_GROUP_SIZES, QuantizedLinear, check_group_size
 
 
@@ -116,6 +120,8 @@ def make_model(setup: EngineSetup, parts: Parts) -> nn.Module:
     c = setup.config
     if c.quantization is not None:
         quantize_model(model, c.quantization, c.quantization_group_size)
+    else:   # float32 weights stored exactly as codes (the default model's) are read from them
+        keep_lossless(model)
     if c.batch_invariant:
         make_batch_invariant_quantized(model, c.kv_cache_dtype)
     return model

@@ -62,6 +62,7 @@ from torch import nn
 
 from phases.p04_triton_kernels.cpu_attention import DECODE, CpuPagedAttention, c_decode_runs
 from phases.p05_quantization import QuantizedLinear, cpu_int8
+from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear
 from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir
 from tinyvllm.hardware import AVX2_FLAGS, cpu_flags
@@ -128,7 +129,7 @@ def make_opaque(model: nn.Module) -> int:
     process); returns how many."""
     layers = []
     for name, m in list(model.named_modules()):
-        if type(m) is QuantizedLinear or type(m) is Linear and m.gemv_max_rows():   # not a subclass
+        if type(m) in (QuantizedLinear, LosslessLinear) or type(m) is Linear and m.gemv_max_rows():
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m, len(layers)))
             layers.append(m)
@@ -155,14 +156,18 @@ NATIVE = torch_extension(Path(__file__).with_name("cpu_ops.cpp"), AVX2_FLAGS,
 
 
 def layer_row(m) -> list[int]:
-    """An opaque layer as cpu_ops.cpp reads it: the C product its kernel runs, 4, 8 or 32 bits,
+    """An opaque layer as cpu_ops.cpp reads it: the C product its kernel runs, 4, 8 or 32 bits (1: codes),
     the weight's pointers (values, scales, zero points, bias), its sizes and group, the row count
     from which another kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where
     its kernel is none of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the
     layer from Python)."""
+    bias = 0 if m.bias is None else m.bias.data_ptr()
     if type(m) is Linear:   # float32 (tinyvllm.model): cpu_gemv.c
-        return [GEMV.address("f32_matmul"), 32, m.weight.data_ptr(), 0, 0, 0 if m.bias is None else m.bias.data_ptr(),
-                m.out_features, m.in_features, 1, m.gemv_max_rows() + 1]
+        return [GEMV.address("f32_matmul"), 32, m.weight.data_ptr(), 0, 0, bias, m.out_features, m.in_features, 1,
+                m.gemv_max_rows() + 1]
+    if type(m) is LosslessLinear:   # float32 read from its codes (phase 5's cpu_lossless.c)
+        return [LOSSLESS.address("lossless_matmul"), 1, m.codes.data_ptr(), m.scale.data_ptr(),
+                0 if m.zero is None else m.zero.data_ptr(), bias, m.out_features, m.in_features, m.bits, m.max_rows + 1]
     kernel = m.choose_kernel(1)
     if kernel not in ("cpu_int4", "cpu_int8") or kernel == "cpu_int8" and m.layout != "rows":
         return [0] * 10

@@ -26,11 +26,14 @@ using Int4Fn = void (*)(const float *, const uint8_t *, const float *, const flo
 using Int8Fn = void (*)(const float *, const int8_t *, const float *, float *, int16_t *, float *, int64_t,
                         int64_t, int64_t);
 using F32Fn = void (*)(const float *, const float *, float *, int64_t, int64_t, int64_t);  /* tinyvllm/cpu_gemv.c */
+using LosslessFn = void (*)(const float *, const uint8_t *, const float *, const float *, float *, int64_t, int64_t,
+                           int64_t, int64_t);  /* phase 5's cpu_lossless.c */
 using AttentionFn = void (*)(const float *, const float *, const float *, float *, float *, const int64_t *,
                              const int64_t *, const int64_t *, float *, float *, int64_t, int64_t, int64_t,
                              int64_t, int64_t, int64_t, int64_t, float);
 
-/* a layer's row of the layer table (int64 each; pointers as integers) */
+/* a layer's row of the layer table (int64 each; pointers as integers); BITS: 32, 8 or 4 for the float32, int8
+ * and int4 products, 1 for a float32 weight read from its codes (GROUP: their bits) */
 enum { FN, BITS, WEIGHT, SCALE, ZERO, BIAS, OUT, IN, GROUP, MANY, LAYER_FIELDS };
 /* the step's attention row */
 enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET };
@@ -65,6 +68,9 @@ at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_feature
     float *out = y.data_ptr<float>();
     if (e[BITS] == 32) { /* float32: tinyvllm/cpu_gemv.c, as tinyvllm.model.Linear runs it */
         reinterpret_cast<F32Fn>(e[FN])(x.data_ptr<float>(), (const float *)e[WEIGHT], out, M, O, I);
+    } else if (e[BITS] == 1) {  /* float32 from its 4- or 8-bit codes: no scratch */
+        reinterpret_cast<LosslessFn>(e[FN])(x.data_ptr<float>(), (const uint8_t *)e[WEIGHT], (const float *)e[SCALE],
+            (const float *)e[ZERO], out, M, O, I, e[GROUP]);
     } else if (e[BITS] == 4) {  /* x as int8 blocks, their scales, the groups' sums: as cpu_int8.int4_matmul */
         const int64_t C = (I + 63) / 64;
         float *s = scratch(M * (16 * C + 2 * C + I / e[GROUP]));

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phases.p05_quantization.lossless import LosslessLinear, lossless
 from phases.p05_quantization.quant import QuantizedLinear
 from tinyvllm.model import Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary
 
@@ -43,7 +44,7 @@ def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
 def _fuse(layers: list) -> torch.nn.Module | None:
     if all(type(m) is QuantizedLinear for m in layers):
         return _fuse_quantized(layers)
-    if any(type(m) is not Linear for m in layers):
+    if any(type(m) not in (Linear, LosslessLinear) for m in layers):
         return None
     w = torch.cat([m.weight.detach() for m in layers])
     bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
@@ -51,7 +52,7 @@ def _fuse(layers: list) -> torch.nn.Module | None:
     fused.weight = torch.nn.Parameter(w, requires_grad=False)
     if bias is not None:
         fused.bias = torch.nn.Parameter(bias, requires_grad=False)
-    return fused
+    return lossless(fused) if all(type(m) is LosslessLinear for m in layers) else fused   # the codes found again
 
 
 class FusedLlamaAttention(torch.nn.Module):

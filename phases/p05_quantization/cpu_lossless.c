@@ -1,0 +1,175 @@
+/* tinyvllm phase 5: a float32 layer read from the exact codes of its weight, for AVX2 CPUs.
+ *
+ * A checkpoint stored quantized (a GGUF file in Q4_1 or Q8_0, as the default model ships) and
+ * converted to float32 has weights that lie exactly on a grid: in each block of 32 columns of a
+ * row, w = q * scale + zero with q in 0..15 (Q4_1), or w = q * scale with q in -127..127 (Q8_0).
+ * `lossless_find4` / `lossless_find8` look for those codes (each block's scale and zero as
+ * `quantize_int4` and `quantize_int8` would choose them, but per block of 32) and say whether
+ * they give back every weight bit for bit: q * scale + zero in float32, rounded after the
+ * multiply and after the add, as `dequantize_int4` computes it (so this file is compiled with
+ * -ffp-contract=off: no fused multiply-add there).
+ *
+ * `lossless_matmul` is then the float32 product y (M, O) = x (M, I) @ w (O, I)^T with the weight
+ * read from its codes: 4.5 or 9 bits a weight from memory instead of 32. Each weight is rebuilt in
+ * registers, exactly (the same two roundings), and multiplied by x in float32: the arithmetic of
+ * the float32 product, summed in another order. A batch-1 decode step reads every weight once,
+ * so it is bound by the bytes it reads, and this is the cheapest way to read fewer of them
+ * without changing a single weight. From a few rows of x on, the products of rebuilt weights cost
+ * more than the bytes they save, and the caller takes the float32 weight instead (lossless.py).
+ *
+ * int4 codes are stored in this kernel's own layout: for each 16 columns, 8 bytes, byte j holding
+ * column j in its low nibble and column j + 8 in its high one, so that one _mm256_cvtepu8_epi32 of
+ * 8 bytes gives columns 0-7 (& 15) and 8-15 (>> 4) in order, each next to x's. One output row at
+ * a time against up to 4 rows of x, four sums a row of x (two from the 3rd row of x on) so that
+ * several chains of multiply-adds are in flight; output rows split between OpenMP threads.
+ *
+ * Built by cpu_int8.py with `cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp`, called through
+ * ctypes (and from phase 7's compiled step, cpu_ops.cpp). */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define BLOCK 32
+
+/* 8 int32 lanes -> 8 bytes at dst (unsigned, or signed: each lane fits) */
+static inline void store8(void *dst, __m256i v, const int is_signed) {
+    __m128i a = _mm256_castsi256_si128(v), b = _mm256_extracti128_si256(v, 1);
+    __m128i p = is_signed ? _mm_packs_epi16(_mm_packs_epi32(a, b), a) : _mm_packus_epi16(_mm_packus_epi32(a, b), a);
+    _mm_storel_epi64((__m128i *)dst, p);
+}
+
+static inline float hmax(__m256 v) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+#define ROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)  /* ties to even, as torch.round */
+
+/* w (O, I), I a multiple of 32 -> q (O, I/2) in the layout above, scale and zero (O, I/32):
+ * per block lo = its minimum, scale = (its maximum - lo) / 15 (at least 1e-8), q = round((w - lo) /
+ * scale) in 0..15, as quantize_int4; *exact = 1 if q * scale + lo gives back every weight (it
+ * stops early once one does not) */
+void lossless_find4(const float *w, uint8_t *q, float *scale, float *zero, int32_t *exact, int64_t O, int64_t I) {
+    volatile int32_t ok = 1;
+    #pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < O; o++) {
+        for (int64_t b = 0; ok && b < I / BLOCK; b++) {
+            const float *wb = w + o * I + b * BLOCK;
+            __m256 v[4], lo = _mm256_loadu_ps(wb), hi = lo;
+            for (int c = 0; c < 4; c++) {
+                v[c] = _mm256_loadu_ps(wb + 8 * c);
+                lo = _mm256_min_ps(lo, v[c]), hi = _mm256_max_ps(hi, v[c]);
+            }
+            const float l = -hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo)), h = hmax(hi);
+            const float s = (h - l) / 15.f < 1e-8f ? 1e-8f : (h - l) / 15.f;
+            const __m256 sv = _mm256_set1_ps(s), lv = _mm256_set1_ps(l);
+            __m256i c4[4];
+            int same = 1;
+            for (int c = 0; c < 4; c++) {
+                __m256 k = ROUND(_mm256_div_ps(_mm256_sub_ps(v[c], lv), sv));
+                k = _mm256_min_ps(_mm256_max_ps(k, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
+                same &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_mul_ps(k, sv), lv), v[c], _CMP_EQ_OQ)) == 0xFF;
+                c4[c] = _mm256_cvtps_epi32(k);
+            }
+            if (!same) ok = 0;
+            scale[o * (I / BLOCK) + b] = s, zero[o * (I / BLOCK) + b] = l;
+            for (int h2 = 0; h2 < 2; h2++)   /* byte j of each 16 columns: column j | column j + 8 << 4 */
+                store8(q + o * I / 2 + b * 16 + 8 * h2, _mm256_or_si256(c4[2 * h2], _mm256_slli_epi32(c4[2 * h2 + 1], 4)), 0);
+        }
+    }
+    *exact = ok;
+}
+
+/* w (O, I) -> q (O, I) int8 and scale (O, I/32), symmetric per block: scale = the block's largest
+ * magnitude / 127, q = round(w / scale); *exact as above */
+void lossless_find8(const float *w, int8_t *q, float *scale, int32_t *exact, int64_t O, int64_t I) {
+    volatile int32_t ok = 1;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    #pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < O; o++) {
+        for (int64_t b = 0; ok && b < I / BLOCK; b++) {
+            const float *wb = w + o * I + b * BLOCK;
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(wb + 8 * c), top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[c]));
+            const float s = hmax(top) / 127.f;
+            const __m256 sv = _mm256_set1_ps(s);
+            int same = 1;
+            for (int c = 0; c < 4; c++) {
+                __m256 k = s > 0.f ? ROUND(_mm256_div_ps(v[c], sv)) : _mm256_setzero_ps();
+                k = _mm256_min_ps(_mm256_max_ps(k, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
+                same &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(k, sv), v[c], _CMP_EQ_OQ)) == 0xFF;
+                store8(q + o * I + b * BLOCK + 8 * c, _mm256_cvtps_epi32(k), 1);
+            }
+            if (!same) ok = 0;
+            scale[o * (I / BLOCK) + b] = s;
+        }
+    }
+    *exact = ok;
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 weights of one row back in float32, exactly: w[0..3] hold columns 0-7, 8-15, 16-23, 24-31 */
+static inline __attribute__((always_inline)) void rebuild(const uint8_t *q, const int bits, __m256 s, __m256 z, __m256 *w) {
+    if (bits == 4) {
+        const __m256i low4 = _mm256_set1_epi32(15);
+        for (int h = 0; h < 2; h++) {
+            __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * h)));
+            w[2 * h] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), s), z);
+            w[2 * h + 1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s), z);
+        }
+    } else {
+        for (int c = 0; c < 4; c++)
+            w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * c)))), s);
+    }
+}
+
+/* one output row against M (1 to 4) rows of x */
+static inline __attribute__((always_inline)) void row(const uint8_t *q, const float *scale, const float *zero,
+        const float *x, float *y, int64_t O, int64_t I, const int bits, const int M) {
+    __m256 a[4][4], w[4];
+    for (int m = 0; m < M; m++)
+        for (int c = 0; c < 4; c++) a[m][c] = _mm256_setzero_ps();
+    const int64_t bytes = BLOCK * bits / 8;
+    for (int64_t b = 0; b < I / BLOCK; b++) {
+        const uint8_t *qb = q + b * bytes;
+        if (bits == 8 || (b & 1) == 0) _mm_prefetch((const char *)(qb + 1024), _MM_HINT_T0);
+        rebuild(qb, bits, _mm256_broadcast_ss(scale + b), bits == 4 ? _mm256_broadcast_ss(zero + b) : _mm256_setzero_ps(), w);
+        for (int m = 0; m < M; m++)
+            for (int c = 0; c < 4; c++) {
+                const int chain = M <= 2 ? c : c & 1;
+                a[m][chain] = _mm256_fmadd_ps(w[c], _mm256_loadu_ps(x + m * I + b * BLOCK + 8 * c), a[m][chain]);
+            }
+    }
+    for (int m = 0; m < M; m++) {
+        __m256 t = _mm256_add_ps(a[m][0], a[m][1]);
+        y[m * O] = hsum(M <= 2 ? _mm256_add_ps(t, _mm256_add_ps(a[m][2], a[m][3])) : t);
+    }
+}
+
+#define ROWS(bits, m) row(qo, scale + o * (I / BLOCK), zero ? zero + o * (I / BLOCK) : 0, x + (m0) * I, \
+                          y + (m0) * O + o, O, I, bits, m)
+
+/* x (M, I) float32, q the codes (bits 4 or 8), scale and zero (O, I/32; zero NULL for 8 bits)
+ * -> y (M, O) float32 */
+void lossless_matmul(const float *x, const uint8_t *q, const float *scale, const float *zero, float *y,
+                     int64_t M, int64_t O, int64_t I, int64_t bits) {
+    #pragma omp parallel for schedule(static) if (O * I >= 50000)
+    for (int64_t o = 0; o < O; o++) {
+        const uint8_t *qo = q + o * I * bits / 8;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t n = M - m0 < 4 ? M - m0 : 4;
+            if (bits == 4) {
+                if (n == 1) ROWS(4, 1); else if (n == 2) ROWS(4, 2); else if (n == 3) ROWS(4, 3); else ROWS(4, 4);
+            } else {
+                if (n == 1) ROWS(8, 1); else if (n == 2) ROWS(8, 2); else if (n == 3) ROWS(8, 3); else ROWS(8, 4);
+            }
+        }
+    }
+}

@@ -1,0 +1,107 @@
+"""A float32 checkpoint that was stored quantized, read from its codes: `LosslessLinear`.
+
+The default model ships as a GGUF file whose projections are Q4_1 (4-bit codes, a scale and a
+minimum per block of 32 columns) and whose embedding, the tied LM head, is Q8_0 (8-bit codes and a
+scale per block of 32). Converted to float32, every weight is still exactly code * scale (+ zero):
+the 538 MB a float32 decode step reads hold about 80 + 31 MB of information. `lossless_codes`
+finds those codes where they exist (and proves it: they must give back every float32 weight bit
+for bit, cpu_lossless.c); a `LosslessLinear` keeps both, the float32 weight for many rows (a
+prefill: PyTorch's float32 product, bound by arithmetic) and the codes for a few (a decode step,
+bound by the bytes it reads), where cpu_lossless.c rebuilds each weight exactly in registers
+and multiplies in float32. The model's weights and arithmetic stay float32's; only the order of
+the sums changes, as it does between any two float32 kernels. vLLM likewise runs a GGUF
+checkpoint from its quantized blocks.
+
+`keep_lossless(model)` is phase 5's default for a float32 model on an AVX2 CPU
+(`LOSSLESS_MAX_ROWS`); `quantization` ("int8", "int4") replaces the weights instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from torch import nn
+
+from tinyvllm.ckernel import CKernel
+from tinyvllm.hardware import AVX2_FLAGS, cpu_kind
+from tinyvllm.model import Linear
+
+from .cpu_int8 import HERE
+
+P, I64 = ctypes.c_void_p, ctypes.c_int64
+LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared",
+                                             "-fPIC"], AVX2_FLAGS,
+                   {"lossless_find4": [P] * 5 + [I64] * 2, "lossless_find8": [P] * 4 + [I64] * 2,
+                    "lossless_matmul": [P] * 5 + [I64] * 4},
+                   fallback="float32 layers keep their float32 products")
+
+# Up to how many rows a `LosslessLinear` reads its codes, per CPU kind. On an AVX2 AMD EPYC (Zen 4)
+# the default model's 120 projections at 1 row took 6.9 ms from their codes against 20.2 with
+# cpu_gemv.c, 8.4 against 21.9 at 2 rows, 13.7 against 26.9 at 4 and 22.6 against 37.0 at 8
+# (the lab note); not measured on the other kinds, so not chosen there.
+LOSSLESS_MAX_ROWS = {"avx2": 8}
+
+
+def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The codes of a float32 weight (O, I) that lies exactly on a grid of blocks of 32 columns:
+    4-bit ones (codes, scale, zero) if they give it back bit for bit, else 8-bit ones (codes,
+    scale, None), else None."""
+    if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % 32 or not LOSSLESS.available():
+        return None
+    w, (o, i), exact = w.detach().contiguous(), w.shape, torch.zeros(1, dtype=torch.int32)
+    scale, zero = torch.empty(o, i // 32), torch.empty(o, i // 32)
+    q4 = torch.empty(o, i // 2, dtype=torch.uint8)
+    LOSSLESS.lib.lossless_find4(w.data_ptr(), q4.data_ptr(), scale.data_ptr(), zero.data_ptr(), exact.data_ptr(), o, i)
+    if exact.item():
+        return q4, scale, zero
+    q8 = torch.empty(o, i, dtype=torch.int8)
+    LOSSLESS.lib.lossless_find8(w.data_ptr(), q8.data_ptr(), scale.data_ptr(), exact.data_ptr(), o, i)
+    return (q8, scale, None) if exact.item() else None
+
+
+class LosslessLinear(Linear):
+    """A float32 `Linear` that also keeps its weight's exact codes (`lossless_codes`): up to
+    `max_rows` rows its product reads them (cpu_lossless.c), from there on it is `Linear`'s."""
+
+    max_rows = LOSSLESS_MAX_ROWS.get(cpu_kind(), 0)
+
+    def __init__(self, linear: Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight, self.bias = linear.weight, linear.bias      # the same Parameters (a tied head stays tied)
+        self.bits = 4 if zero is not None else 8
+        self.register_buffer("codes", codes)                    # (O, I/2) uint8 or (O, I) int8
+        self.register_buffer("scale", scale)                    # (O, I/32) float32
+        self.register_buffer("zero", zero)                      # (O, I/32) float32, or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.is_cpu
+                and not torch.compiler.is_compiling()):
+            x, y = x.contiguous(), torch.empty(x.shape[0], self.out_features)
+            LOSSLESS.lib.lossless_matmul(x.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(),
+                                         0 if self.zero is None else self.zero.data_ptr(), y.data_ptr(),
+                                         *y.shape, self.in_features, self.bits)
+            return y if self.bias is None else y.add_(self.bias)
+        return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, codes={self.bits} bits"
+
+
+def lossless(linear: nn.Module) -> nn.Module:
+    """`linear` as a `LosslessLinear` where it is a float32 `Linear` with exact codes, else itself."""
+    codes = lossless_codes(linear.weight) if type(linear) is Linear and LosslessLinear.max_rows else None
+    return linear if codes is None else LosslessLinear(linear, *codes)
+
+
+def keep_lossless(model: nn.Module) -> int:
+    """Replace each float32 `Linear` of `model` whose weight has exact codes by a `LosslessLinear`,
+    in place; returns how many."""
+    count = 0
+    for name, m in list(model.named_modules()):
+        new = lossless(m)
+        if new is not m:
+            parent_name, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), attr, new)
+            count += 1
+    return count
