@@ -173,6 +173,14 @@ def tiny_model_dir_llama3(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_codes_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """tiny_model_dir with every projection on 4-bit codes and its LM head on 8-bit ones, as a
+    Q4_1 checkpoint (the default model's) converted to float32."""
+    from tinyvllm.testing import make_on_codes
+    return make_on_codes(tiny_model_dir, tmp_path_factory.mktemp("tiny-codes"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
     """A tiny random Qwen3, written by transformers: q/k norms, biases on all four projections
     (attention_bias), head_dim 32 apart from hidden / heads (16), tied embeddings."""

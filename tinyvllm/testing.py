@@ -195,6 +195,39 @@ def make_random_like(source: str | os.PathLike, folder: str | os.PathLike, *, se
     return folder
 
 
+def on_codes(w: torch.Tensor, bits: int) -> torch.Tensor:
+    """w (O, I) rounded to 4-bit codes (asymmetric: a scale and the minimum per block of 32
+    columns) or 8-bit ones (symmetric: a scale per block), in float32: what converting a Q4_1 or
+    a Q8_0 checkpoint to float32 gives."""
+    blocks = w.float().reshape(w.shape[0], -1, 32)
+    if bits == 4:
+        lo = blocks.amin(-1, keepdim=True)
+        scale = ((blocks.amax(-1, keepdim=True) - lo) / 15).clamp(min=1e-8)
+        return (torch.round((blocks - lo) / scale).clamp(0, 15) * scale + lo).reshape(w.shape)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / scale) * scale).reshape(w.shape)
+
+
+def make_on_codes(source: str | os.PathLike, folder: str | os.PathLike) -> Path:
+    """Write `folder`: `source` with every projection on 4-bit codes and the LM head on 8-bit ones
+    (`on_codes`), as the default model's Q4_1 file with its Q8_0 output matrix, converted."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    source, folder = Path(source), Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, folder / f.name)
+    tensors = load_file(str(source / "model.safetensors"))
+    for name, t in tensors.items():
+        if name.endswith("proj.weight") or name == "lm_head.weight":
+            tensors[name] = on_codes(t, 8 if name == "lm_head.weight" else 4).contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
 def resident_bytes() -> int:
     """This process's resident memory now (Linux's /proc/self/statm)."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -3,7 +3,7 @@
  * A checkpoint stored quantized (a GGUF file in Q4_1 or Q8_0, as the default model ships) and
  * converted to float32 has weights that lie exactly on a grid: in each block of 32 columns of a
  * row, w = q * scale + zero with q in 0..15 (Q4_1), or w = q * scale with q in -127..127 (Q8_0).
- * `lossless_find4` / `lossless_find8` look for those codes (each block's scale and zero as
+ * `lossless_find` looks for those codes (each block's scale and zero as
  * `quantize_int4` and `quantize_int8` would choose them, but per block of 32) and say whether
  * they give back every weight bit for bit: q * scale + zero in float32, rounded after the
  * multiply and after the add, as `dequantize_int4` computes it (so this file is compiled with
@@ -46,63 +46,60 @@ static inline float hmax(__m256 v) {
 
 #define ROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)  /* ties to even, as torch.round */
 
-/* w (O, I), I a multiple of 32 -> q (O, I/2) in the layout above, scale and zero (O, I/32):
- * per block lo = its minimum, scale = (its maximum - lo) / 15 (at least 1e-8), q = round((w - lo) /
- * scale) in 0..15, as quantize_int4; *exact = 1 if q * scale + lo gives back every weight (it
- * stops early once one does not) */
-void lossless_find4(const float *w, uint8_t *q, float *scale, float *zero, int32_t *exact, int64_t O, int64_t I) {
-    volatile int32_t ok = 1;
-    #pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < O; o++) {
-        for (int64_t b = 0; ok && b < I / BLOCK; b++) {
-            const float *wb = w + o * I + b * BLOCK;
-            __m256 v[4], lo = _mm256_loadu_ps(wb), hi = lo;
-            for (int c = 0; c < 4; c++) {
-                v[c] = _mm256_loadu_ps(wb + 8 * c);
-                lo = _mm256_min_ps(lo, v[c]), hi = _mm256_max_ps(hi, v[c]);
-            }
-            const float l = -hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo)), h = hmax(hi);
-            const float s = (h - l) / 15.f < 1e-8f ? 1e-8f : (h - l) / 15.f;
-            const __m256 sv = _mm256_set1_ps(s), lv = _mm256_set1_ps(l);
-            __m256i c4[4];
-            int same = 1;
-            for (int c = 0; c < 4; c++) {
-                __m256 k = ROUND(_mm256_div_ps(_mm256_sub_ps(v[c], lv), sv));
-                k = _mm256_min_ps(_mm256_max_ps(k, _mm256_setzero_ps()), _mm256_set1_ps(15.f));
-                same &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_mul_ps(k, sv), lv), v[c], _CMP_EQ_OQ)) == 0xFF;
-                c4[c] = _mm256_cvtps_epi32(k);
-            }
-            if (!same) ok = 0;
-            scale[o * (I / BLOCK) + b] = s, zero[o * (I / BLOCK) + b] = l;
-            for (int h2 = 0; h2 < 2; h2++)   /* byte j of each 16 columns: column j | column j + 8 << 4 */
-                store8(q + o * I / 2 + b * 16 + 8 * h2, _mm256_or_si256(c4[2 * h2], _mm256_slli_epi32(c4[2 * h2 + 1], 4)), 0);
-        }
+/* one block's codes k (as floats) for scale s and zero l (0 for 8 bits): round((w - l) / s) in
+ * 0..15 or -127..127; whether k * s + l gives back all 32 weights */
+static inline int block_codes(const __m256 *v, float s, float l, const int bits, __m256 *k) {
+    const __m256 sv = _mm256_set1_ps(s), lv = _mm256_set1_ps(l);
+    const __m256 low = _mm256_set1_ps(bits == 4 ? 0.f : -127.f), high = _mm256_set1_ps(bits == 4 ? 15.f : 127.f);
+    int same = 1;
+    for (int c = 0; c < 4; c++) {
+        k[c] = _mm256_min_ps(_mm256_max_ps(ROUND(_mm256_div_ps(_mm256_sub_ps(v[c], lv), sv)), low), high);
+        same &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_mul_ps(k[c], sv), lv), v[c], _CMP_EQ_OQ)) == 0xFF;
     }
-    *exact = ok;
+    return same;
 }
 
-/* w (O, I) -> q (O, I) int8 and scale (O, I/32), symmetric per block: scale = the block's largest
- * magnitude / 127, q = round(w / scale); *exact as above */
-void lossless_find8(const float *w, int8_t *q, float *scale, int32_t *exact, int64_t O, int64_t I) {
+/* the codes of w (O, I), I a multiple of 32, block by block as quantize_int4 and quantize_int8
+ * choose them: 4 bits, zero = the block's minimum, scale = (its maximum - zero) / 15 (at least
+ * 1e-8), q (O, I/2) in the layout above; 8 bits, zero 0 (not stored), scale = its largest
+ * magnitude / 127, q (O, I) int8. Those are computed in float32 from weights that were rounded
+ * from the stored scale, so they can miss it by a float step or two: where a block's codes do not
+ * give it back, the scales one and two steps either side are tried. *exact = 1 if every block's
+ * codes give back every weight bit for bit (it stops early once one does not). */
+void lossless_find(const float *w, uint8_t *q, float *scale, float *zero, int32_t *exact, int64_t O, int64_t I,
+                   int64_t bits) {
     volatile int32_t ok = 1;
     const __m256 sign = _mm256_set1_ps(-0.f);
     #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < O; o++) {
         for (int64_t b = 0; ok && b < I / BLOCK; b++) {
             const float *wb = w + o * I + b * BLOCK;
-            __m256 v[4], top = _mm256_setzero_ps();
-            for (int c = 0; c < 4; c++) v[c] = _mm256_loadu_ps(wb + 8 * c), top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[c]));
-            const float s = hmax(top) / 127.f;
-            const __m256 sv = _mm256_set1_ps(s);
-            int same = 1;
+            __m256 v[4], k[4], lo = _mm256_loadu_ps(wb), hi = lo, top = _mm256_setzero_ps();
             for (int c = 0; c < 4; c++) {
-                __m256 k = s > 0.f ? ROUND(_mm256_div_ps(v[c], sv)) : _mm256_setzero_ps();
-                k = _mm256_min_ps(_mm256_max_ps(k, _mm256_set1_ps(-127.f)), _mm256_set1_ps(127.f));
-                same &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(k, sv), v[c], _CMP_EQ_OQ)) == 0xFF;
-                store8(q + o * I + b * BLOCK + 8 * c, _mm256_cvtps_epi32(k), 1);
+                v[c] = _mm256_loadu_ps(wb + 8 * c);
+                lo = _mm256_min_ps(lo, v[c]), hi = _mm256_max_ps(hi, v[c]);
+                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[c]));
+            }
+            const float l = bits == 4 ? -hmax(_mm256_sub_ps(_mm256_setzero_ps(), lo)) : 0.f;
+            float s = bits == 4 ? (hmax(hi) - l) / 15.f : hmax(top) / 127.f;
+            s = bits == 4 && s < 1e-8f ? 1e-8f : s;
+            int same = s == 0.f || block_codes(v, s, l, bits, k);   /* s == 0: an 8-bit block of zeros */
+            if (!same) {
+                const float up = nextafterf(s, INFINITY), down = nextafterf(s, 0.f);
+                const float tries[4] = {up, down, nextafterf(up, INFINITY), nextafterf(down, 0.f)};
+                for (int t = 0; t < 4 && !same; t++) same = block_codes(v, s = tries[t], l, bits, k);
             }
             if (!same) ok = 0;
             scale[o * (I / BLOCK) + b] = s;
+            if (bits == 4) {
+                zero[o * (I / BLOCK) + b] = l;
+                for (int h = 0; h < 2; h++)   /* byte j of each 16 columns: column j | column j + 8 << 4 */
+                    store8(q + o * I / 2 + b * 16 + 8 * h, _mm256_or_si256(_mm256_cvtps_epi32(k[2 * h]),
+                           _mm256_slli_epi32(_mm256_cvtps_epi32(k[2 * h + 1]), 4)), 0);
+            } else {
+                for (int c = 0; c < 4; c++)
+                    store8(q + o * I + b * BLOCK + 8 * c, s == 0.f ? _mm256_setzero_si256() : _mm256_cvtps_epi32(k[c]), 1);
+            }
         }
     }
     *exact = ok;

@@ -18,8 +18,6 @@ checkpoint from its quantized blocks.
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import nn
 
@@ -27,14 +25,11 @@ from tinyvllm.ckernel import CKernel
 from tinyvllm.hardware import AVX2_FLAGS, cpu_kind
 from tinyvllm.model import Linear
 
-from .cpu_int8 import HERE
+from .cpu_int8 import HERE, I64, P
 
-P, I64 = ctypes.c_void_p, ctypes.c_int64
-LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared",
-                                             "-fPIC"], AVX2_FLAGS,
-                   {"lossless_find4": [P] * 5 + [I64] * 2, "lossless_find8": [P] * 4 + [I64] * 2,
-                    "lossless_matmul": [P] * 5 + [I64] * 4},
-                   fallback="float32 layers keep their float32 products")
+SIGNATURES = {"lossless_find": [P] * 5 + [I64] * 3, "lossless_matmul": [P] * 5 + [I64] * 4}
+LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"],
+                   AVX2_FLAGS, SIGNATURES, fallback="float32 layers keep their float32 products")
 
 # Up to how many rows a `LosslessLinear` reads its codes, per CPU kind. On an AVX2 AMD EPYC (Zen 4)
 # the default model's 120 projections at 1 row took 6.9 ms from their codes against 20.2 with
@@ -47,17 +42,16 @@ def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """The codes of a float32 weight (O, I) that lies exactly on a grid of blocks of 32 columns:
     4-bit ones (codes, scale, zero) if they give it back bit for bit, else 8-bit ones (codes,
     scale, None), else None."""
-    if w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % 32 or not LOSSLESS.available():
+    if w.dtype != torch.float32 or not w.is_cpu or w.dim() != 2 or w.shape[1] % 32 or not LOSSLESS.available():
         return None
-    w, (o, i), exact = w.detach().contiguous(), w.shape, torch.zeros(1, dtype=torch.int32)
-    scale, zero = torch.empty(o, i // 32), torch.empty(o, i // 32)
-    q4 = torch.empty(o, i // 2, dtype=torch.uint8)
-    LOSSLESS.lib.lossless_find4(w.data_ptr(), q4.data_ptr(), scale.data_ptr(), zero.data_ptr(), exact.data_ptr(), o, i)
-    if exact.item():
-        return q4, scale, zero
-    q8 = torch.empty(o, i, dtype=torch.int8)
-    LOSSLESS.lib.lossless_find8(w.data_ptr(), q8.data_ptr(), scale.data_ptr(), exact.data_ptr(), o, i)
-    return (q8, scale, None) if exact.item() else None
+    (o, i), exact, w = w.shape, torch.zeros(1, dtype=torch.int32), w.detach().contiguous()
+    for bits, dtype in ((4, torch.uint8), (8, torch.int8)):
+        codes, scale, zero = torch.empty(o, i * bits // 8, dtype=dtype), torch.empty(o, i // 32), torch.empty(o, i // 32)
+        LOSSLESS.lib.lossless_find(w.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), exact.data_ptr(),
+                                   o, i, bits)
+        if exact.item():
+            return codes, scale, zero if bits == 4 else None
+    return None
 
 
 class LosslessLinear(Linear):
@@ -75,17 +69,14 @@ class LosslessLinear(Linear):
         self.register_buffer("zero", zero)                      # (O, I/32) float32, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dim() == 2 and 0 < x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.is_cpu
-                and not torch.compiler.is_compiling()):
-            x, y = x.contiguous(), torch.empty(x.shape[0], self.out_features)
-            LOSSLESS.lib.lossless_matmul(x.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(),
-                                         0 if self.zero is None else self.zero.data_ptr(), y.data_ptr(),
-                                         *y.shape, self.in_features, self.bits)
-            return y if self.bias is None else y.add_(self.bias)
-        return super().forward(x)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, codes={self.bits} bits"
+        if not (x.dim() == 2 and 0 < len(x) <= self.max_rows and x.dtype == torch.float32 and x.is_cpu) \
+                or torch.compiler.is_compiling():
+            return super().forward(x)
+        x, y = x.contiguous(), torch.empty(len(x), self.out_features)
+        LOSSLESS.lib.lossless_matmul(x.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(),
+                                     0 if self.zero is None else self.zero.data_ptr(), y.data_ptr(), *y.shape,
+                                     self.in_features, self.bits)
+        return y if self.bias is None else y.add_(self.bias)
 
 
 def lossless(linear: nn.Module) -> nn.Module:
@@ -94,14 +85,9 @@ def lossless(linear: nn.Module) -> nn.Module:
     return linear if codes is None else LosslessLinear(linear, *codes)
 
 
-def keep_lossless(model: nn.Module) -> int:
+def keep_lossless(model: nn.Module) -> None:
     """Replace each float32 `Linear` of `model` whose weight has exact codes by a `LosslessLinear`,
-    in place; returns how many."""
-    count = 0
+    in place."""
     for name, m in list(model.named_modules()):
-        new = lossless(m)
-        if new is not m:
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, new)
-            count += 1
-    return count
+        if (new := lossless(m)) is not m:
+            model.set_submodule(name, new)

@@ -79,9 +79,7 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None)
         if layer_method == "int4":
             check_group_size(m.in_features, group_size, name)
     for name, m, layer_method in layers:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, attr, QuantizedLinear(m.weight, m.bias, layer_method, group_size or 128))
+        model.set_submodule(name, QuantizedLinear(m.weight, m.bias, layer_method, group_size or 128))
     return model
 
 

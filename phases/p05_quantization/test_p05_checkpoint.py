@@ -13,7 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import torch.nn.functional as F
+
 from phases.p05_quantization import cpu_int8
+from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear, lossless, lossless_codes
 from phases.p05_quantization.recipe import HEAD_METHOD, linear_layers, quantize_model
 from phases.p05_quantization.kv_quant import (KV_CACHE_DTYPES, QuantizedKVCache, dequantize_kv,
                                               quantize_kv, quantized_bytes_per_block)
@@ -21,7 +24,8 @@ from phases.p05_quantization.quant import (QuantizedLinear, dequantize_int4, deq
                                            pack_int4, quantize_int4, quantize_int8, unpack_int4)
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.hardware import cpu_kind
-from tinyvllm.testing import resident_bytes
+from tinyvllm.model import Linear
+from tinyvllm.testing import on_codes, resident_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [{"prompt_token_ids": [5, 17, 99, 3, 42, 7, 8]}, {"prompt_token_ids": [200, 11, 13]}]
@@ -512,3 +516,75 @@ def test_batch_invariant_keeps_the_integer_loop_at_every_row_count(tiny_model_di
     again = llm.generate({"prompt_token_ids": prompt + out.token_ids},
                          SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
     assert decoded == [again.prompt_logprobs[len(prompt) + i][t].logprob for i, t in enumerate(out.token_ids)]
+
+
+# -- a float32 checkpoint whose weights lie on codes (lossless.py) ------------------------------
+
+def _linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    layer = Linear(w.shape[1], w.shape[0], bias=bias is not None).requires_grad_(False)
+    layer.weight.data = w
+    if bias is not None:
+        layer.bias.data = bias
+    return layer
+
+
+needs_lossless = pytest.mark.skipif(not LOSSLESS.available(), reason="cpu_lossless.c needs AVX2 and a C compiler")
+
+
+@needs_lossless
+@pytest.mark.parametrize("bits", [4, 8])
+def test_lossless_codes_give_back_every_weight_bit_for_bit(bits, monkeypatch):
+    """The codes found rebuild every weight exactly: through the kernel, x one-hot rows give back
+    the weight's columns bit for bit. A weight one float step off its grid, or random weights,
+    have none."""
+    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    w = on_codes(_weights(0, 40, 96, True), bits)
+    codes, scale, zero = lossless_codes(w)
+    assert (zero is not None) == (bits == 4) and codes.numel() == w.numel() * bits // 8 and scale.shape == (40, 3)
+    layer = LosslessLinear(_linear(w), codes, scale, zero)
+    eye = torch.eye(96)
+    columns = torch.cat([layer(eye[j:j + 8]) for j in range(0, 96, 8)])   # (96, 40)
+    assert torch.equal(columns.T, w)
+    off = w.clone()
+    off[3, 5] = torch.nextafter(off[3, 5], torch.tensor(1.0))
+    assert lossless_codes(off) is None and lossless_codes(_weights(0, 40, 96, True)) is None
+
+
+@needs_lossless
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
+def test_lossless_linear_is_the_float32_product_read_from_its_codes(rows, monkeypatch):
+    """Up to max_rows rows the product reads the codes (changing them changes it), from there on
+    the float weight; either way it is the float32 product up to the order of its sums."""
+    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    w = on_codes(_weights(1, 70, 160, True), 4)           # 70 output rows: not a multiple of 4
+    plain = _linear(w, torch.randn(70))
+    layer = lossless(plain)
+    assert type(layer) is LosslessLinear and layer.weight is plain.weight and layer.bits == 4
+    x = torch.randn(rows, 160)
+    ref = F.linear(x.double(), w.double(), plain.bias.double())
+    y = layer(x)
+    assert (y - ref).abs().max() <= 1e-5 * ref.abs().max()
+    layer.codes.zero_()
+    assert torch.equal(layer(x), y) == (rows > 8)
+
+
+@needs_lossless
+def test_engine_reads_a_checkpoint_on_codes_from_them_with_float32_s_tokens(tiny_codes_dir, monkeypatch):
+    """Without `quantization`, on the kinds LOSSLESS_MAX_ROWS names, every layer of a checkpoint
+    on codes becomes a LosslessLinear (the head on 8 bits); its logits are the float32 engine's up
+    to rounding, its greedy tokens the same. `quantization` replaces the weights instead."""
+    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    llm = LLM(str(tiny_codes_dir), phase=5)
+    bits = {name: m.bits for name, m in llm.llm_engine.model.named_modules() if type(m) is LosslessLinear}
+    assert len(bits) == 7 * 2 + 1 and bits.pop("lm_head") == 8 and set(bits.values()) == {4}
+    monkeypatch.setattr(LosslessLinear, "max_rows", 0)
+    float32 = LLM(str(tiny_codes_dir), phase=5)
+    assert not any(type(m) is LosslessLinear for m in float32.llm_engine.model.modules())
+    out, ref = (e.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1))
+                for e in (llm, float32))
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    for o, r in zip(out, ref):
+        got, want = ([lp[t].logprob for t, lp in zip(c.outputs[0].token_ids, c.outputs[0].logprobs)] for c in (o, r))
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+    quantized = LLM(str(tiny_codes_dir), phase=5, quantization="int8")
+    assert not any(type(m) is LosslessLinear for m in quantized.llm_engine.model.modules())

@@ -161,20 +161,21 @@ def layer_row(m) -> list[int]:
     from which another kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where
     its kernel is none of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the
     layer from Python)."""
-    bias = 0 if m.bias is None else m.bias.data_ptr()
     if type(m) is Linear:   # float32 (tinyvllm.model): cpu_gemv.c
-        return [GEMV.address("f32_matmul"), 32, m.weight.data_ptr(), 0, 0, bias, m.out_features, m.in_features, 1,
-                m.gemv_max_rows() + 1]
-    if type(m) is LosslessLinear:   # float32 read from its codes (phase 5's cpu_lossless.c)
-        return [LOSSLESS.address("lossless_matmul"), 1, m.codes.data_ptr(), m.scale.data_ptr(),
-                0 if m.zero is None else m.zero.data_ptr(), bias, m.out_features, m.in_features, m.bits, m.max_rows + 1]
-    kernel = m.choose_kernel(1)
-    if kernel not in ("cpu_int4", "cpu_int8") or kernel == "cpu_int8" and m.layout != "rows":
+        fn, kind, tensors = GEMV.address("f32_matmul"), 32, (m.weight, None, None)
+        group, many = 1, m.gemv_max_rows() + 1
+    elif type(m) is LosslessLinear:   # float32 read from its codes (phase 5's cpu_lossless.c)
+        fn, kind, tensors = LOSSLESS.address("lossless_matmul"), 1, (m.codes, m.scale, m.zero)
+        group, many = m.bits, m.max_rows + 1
+    elif (kernel := m.choose_kernel(1)) == "cpu_int4" or kernel == "cpu_int8" and m.layout == "rows":
+        four = kernel == "cpu_int4"
+        fn, kind = cpu_int8.AVX2.address("int4_matmul" if four else "int8_matmul"), 4 if four else 8
+        tensors, group = (m.qweight, m.scale, m.zero if four else None), m.group_size if four else 1
+        many = m.dequant_from_rows() or 1 << 62
+    else:
         return [0] * 10
-    four = kernel == "cpu_int4"
-    return [cpu_int8.AVX2.address("int4_matmul" if four else "int8_matmul"), 4 if four else 8,
-            *(0 if t is None else t.data_ptr() for t in (m.qweight, m.scale, m.zero if four else None, m.bias)),
-            m.out_features, m.in_features, m.group_size if four else 1, m.dequant_from_rows() or 1 << 62]
+    return [fn, kind, *(0 if t is None else t.data_ptr() for t in (*tensors, m.bias)), m.out_features, m.in_features,
+            group, many]
 
 
 def attention_row(attention) -> torch.Tensor | None:

@@ -82,13 +82,9 @@ class StaticDecodeBuffers:
         self.block_tables[:n, :m].copy_(block_table[:, :m], non_blocking=True)
         # padding: token 0 at position 0, written to the scratch block's first slot, attending
         # to that slot alone
-        self.input_ids[n:bucket] = 0
-        self.positions[n:bucket] = 0
-        self.slot_mapping[n:bucket] = self.scratch_block * bs
-        self.seq_lens[n:bucket] = 1
-        self.block_tables[n:bucket, 0] = self.scratch_block
-        self.num_blocks_used = m
-        self.max_seq_len = int(pos.max()) + 1
+        self.input_ids[n:bucket], self.positions[n:bucket], self.seq_lens[n:bucket] = 0, 0, 1
+        self.slot_mapping[n:bucket], self.block_tables[n:bucket, 0] = self.scratch_block * bs, self.scratch_block
+        self.num_blocks_used, self.max_seq_len = m, int(pos.max()) + 1
         # <<< exercise fill_buffers
 
     def metadata(self, bucket: int, fixed_shapes: bool = False) -> AttentionMetadata:

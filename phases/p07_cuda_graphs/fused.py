@@ -29,8 +29,7 @@ from tinyvllm.model import Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rota
 
 def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
     first = layers[0]
-    if any((m.method, m.group_size, m.kernel, m.dtype, m.bias is None)
-           != (first.method, first.group_size, first.kernel, first.dtype, first.bias is None) for m in layers):
+    if len({(m.method, m.group_size, m.kernel, m.dtype, m.bias is None) for m in layers}) > 1:
         return None
     # the layers' quantized rows stacked (quantizing the float rows again is what we avoid);
     # the fused layer stores them in its kernel's layout
@@ -49,9 +48,7 @@ def _fuse(layers: list) -> torch.nn.Module | None:
     w = torch.cat([m.weight.detach() for m in layers])
     bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
     fused = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
-    fused.weight = torch.nn.Parameter(w, requires_grad=False)
-    if bias is not None:
-        fused.bias = torch.nn.Parameter(bias, requires_grad=False)
+    fused.weight, fused.bias = (None if t is None else torch.nn.Parameter(t, requires_grad=False) for t in (w, bias))
     return lossless(fused) if all(type(m) is LosslessLinear for m in layers) else fused   # the codes found again
 
 

@@ -191,6 +191,22 @@ def test_float32_layers_are_opaque_where_cpu_gemv_serves_them(make_llm, tiny_mod
     assert (rows[:, 1] == 32).all() and (rows[:, -1] == 9).all() and len(rows) == len(model.opaque_layers)
 
 
+def test_compiled_step_reads_a_checkpoint_on_codes_from_them(tiny_codes_dir, monkeypatch):
+    """Phase 5's `LosslessLinear` layers fused (the codes of the stacked q/k/v and gate/up rows
+    found again) and opaque: the layer table sends cpu_ops.cpp to cpu_lossless.c (kind 1, the
+    codes' bits in the group field), and the compiled step gives the eager step's tokens."""
+    from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear
+
+    if not LOSSLESS.available():
+        pytest.skip("cpu_lossless.c needs AVX2 and a C compiler")
+    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    llm = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, compilation_mode=1)
+    rows = llm.llm_engine.model.native_layers
+    assert len(rows) == 2 * 4 + 1 and (rows[:, 1] == 1).all() and sorted(rows[:, 8].tolist()) == [4] * 8 + [8]
+    eager = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, enforce_eager=True)
+    assert tokens(llm, PROMPTS) == tokens(eager, PROMPTS)
+
+
 def test_a_saved_graph_s_key_follows_the_engine_s_source_not_its_tests(tmp_path, monkeypatch):
     """A changed line of tinyvllm or a phase compiles again; a changed test reuses the graphs."""
     model = torch.nn.Linear(2, 2)

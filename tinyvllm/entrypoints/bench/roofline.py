@@ -29,15 +29,19 @@ from tinyvllm.config import ModelConfig
 from .machine import MachineLimits
 
 # Buffers that hold weights in a quantized layer are named like these (weight, qweight,
-# weight_scale, scales); other buffers (RoPE tables) are not read whole in a decode step.
-_WEIGHT_BUFFER_WORDS = ("weight", "scale")
+# weight_scale, scales, zero points, phase 5's lossless codes); other buffers (RoPE tables) are
+# not read whole in a decode step.
+_WEIGHT_BUFFER_WORDS = ("weight", "scale", "zero", "codes")
 
 
 def weight_bytes_per_step(model: nn.Module) -> int:
     """Bytes of weights one decode step reads: every parameter (and weight-holding buffer) once,
-    except an embedding table that is not also the LM head, of which a step reads only B rows."""
+    except an embedding table that is not also the LM head, of which a step reads only B rows,
+    and a float weight that a step of a few rows reads from its codes (phase 5's `LosslessLinear`;
+    from its `max_rows` on it reads the float weight, so above that the bound is too high)."""
     lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    matmuls = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    lookups |= {id(m.weight) for m in model.modules() if hasattr(m, "codes")}
+    matmuls = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "codes")}
     seen: set[int] = set()
     total = 0
     tensors = list(model.parameters()) + [
