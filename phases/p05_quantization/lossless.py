@@ -32,10 +32,12 @@ LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-con
                    AVX2_FLAGS, SIGNATURES, fallback="float32 layers keep their float32 products")
 
 # Up to how many rows a `LosslessLinear` reads its codes, per CPU kind. On an AVX2 AMD EPYC (Zen 4)
-# the default model's 120 projections at 1 row took 6.9 ms from their codes against 20.2 with
-# cpu_gemv.c, 8.4 against 21.9 at 2 rows, 13.7 against 26.9 at 4 and 22.6 against 37.0 at 8
-# (the lab note); not measured on the other kinds, so not chosen there.
-LOSSLESS_MAX_ROWS = {"avx2": 8}
+# the default model's 211 products took 7.8 ms from their codes against 29.9 with cpu_gemv.c at
+# 1 row, 23.0 against oneDNN's 38.9 at 8, 33.9 against 45.6 at 12, 56.3 against 60.5 at 16 and
+# 105.2 against 75.4 at 24 (`python -m tinyvllm.entrypoints.bench.linear`,
+# docs/assets/bench/linear-codes-zen4.txt; two more runs: 16 rows a tie). Not measured on
+# the other kinds, so not chosen there.
+LOSSLESS_MAX_ROWS = {"avx2": 12}
 
 
 def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -56,7 +58,8 @@ def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 class LosslessLinear(Linear):
     """A float32 `Linear` that also keeps its weight's exact codes (`lossless_codes`): up to
-    `max_rows` rows its product reads them (cpu_lossless.c), from there on it is `Linear`'s."""
+    `max_rows` rows its product reads them (cpu_lossless.c), from there on it is `Linear`'s
+    (oneDNN's on the packed float32 weight)."""
 
     max_rows = LOSSLESS_MAX_ROWS.get(cpu_kind(), 0)
 

@@ -13,9 +13,10 @@ Two kinds of call stay opaque inside the graph, each through an operator registe
 graph in two; an operator is called by the compiled graph as PyTorch's own are, and its *fake*
 version tells the compiler the output's shape without running it):
 
-- phase 5's quantized layers (`torch.ops.tinyvllm.opaque_linear(x, index, out_features)`):
-  `make_opaque` wraps each `QuantizedLinear` so that, while compiling, it becomes this operator,
-  which runs the model's layer number `index` as it runs eagerly (its C product);
+- the layers with a C product of their own (`torch.ops.tinyvllm.opaque_linear(x, index,
+  out_features)`): `make_opaque` wraps each of phase 5's `QuantizedLinear` and `LosslessLinear`
+  layers (and float32 ones where cpu_gemv.c serves) so that, while compiling, it becomes this
+  operator, which runs the model's layer number `index` as it runs eagerly (its C product);
 - attention, `torch.ops.tinyvllm.unified_attention(layer_idx, q, k, v)`: it writes the step's
   K/V into the cache and attends through the recipe's attention part for this step (any phase's:
   paged, int8 KV, batch-invariant). Both find what they need in the *forward context* (`_STEP`,
@@ -123,8 +124,8 @@ class OpaqueLinear(nn.Module):
 
 
 def make_opaque(model: nn.Module) -> int:
-    """Wrap every `QuantizedLinear` of `model`, and each float32 `Linear` that runs cpu_gemv.c, in
-    an `OpaqueLinear`, in place, numbered in the model's order (`model.opaque_layers`: each one's
+    """Wrap every `QuantizedLinear` and `LosslessLinear` of `model`, and each float32 `Linear` that
+    runs cpu_gemv.c, in an `OpaqueLinear`, in place, numbered in the model's order (`model.opaque_layers`: each one's
     product as a callable, `kernel_call` or the `Linear` itself; the same numbers in every
     process); returns how many."""
     layers = []

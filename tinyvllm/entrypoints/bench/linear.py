@@ -1,7 +1,8 @@
 """How fast the model's matrix products run at decode-sized batches, each way `Linear` can take
 on a CPU: `F.linear` (MKL), the product written the other way round, (W @ x^T)^T, oneDNN with a
-packed weight, tinyvllm's own AVX2 loop (cpu_gemv.c), and the model's own `Linear`, which picks
-one of them by rows, CPU vendor and kind.
+packed weight, tinyvllm's own AVX2 loop (cpu_gemv.c), the weight read from its exact 4- or 8-bit
+codes where it has them (phase 5's cpu_lossless.c: "codes"), and the model's own `Linear`, which
+picks one of the first four by rows, CPU vendor and kind.
 
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear                  # the default model, CPU
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear --rows 1 2 12 16 64 --repeat 7
@@ -35,6 +36,24 @@ def time_linears(linears: list, rows: int, fn, repeat: int) -> float:
     return best(times(one_pass, repeat))  # the first pass warms up, and is not kept
 
 
+def lossless_layers(linears: list) -> dict:
+    """For each weight that lies exactly on 4- or 8-bit codes (phase 5's `lossless_codes`), its
+    product read from them (cpu_lossless.c) at any row count, by the layer's id."""
+    from phases.p05_quantization.lossless import LOSSLESS, lossless_codes
+
+    def product(m, q, scale, zero):
+        def call(x):
+            y = torch.empty(len(x), m.out_features)
+            LOSSLESS.lib.lossless_matmul(x.data_ptr(), q.data_ptr(), scale.data_ptr(), 0 if zero is None else
+                                         zero.data_ptr(), y.data_ptr(), len(x), m.out_features, m.in_features,
+                                         4 if zero is not None else 8)
+            return y
+        return call
+
+    found = {id(m): lossless_codes(m.weight) for m in linears}
+    return {key: product(m, *found[id(m)]) for m in linears if (key := id(m)) and found[key] is not None}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tinyvllm.entrypoints.bench.linear", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +84,9 @@ def main(argv: list[str] | None = None) -> None:
                                                                           "none", [], "")
     if GEMV.available():
         ways["cpu_gemv"] = lambda m, x: gemv(x, m.weight, m.bias)
+    codes = lossless_layers(linears)
+    if codes:
+        ways["codes"] = lambda m, x: codes[id(m)](x) if id(m) in codes else m(x)
     ways["Linear"] = lambda m, x: m(x)
     print(f"{len(linears)} weight matrices, {params / 1e6:.0f}M weights, torch {torch.__version__}, "
           f"{cpu_vendor() or 'unknown'} CPU, {torch.get_num_threads()} threads; ms, best of {args.repeat} "
