@@ -125,9 +125,9 @@ class OpaqueLinear(nn.Module):
 
 def make_opaque(model: nn.Module) -> int:
     """Wrap every `QuantizedLinear` and `LosslessLinear` of `model`, and each float32 `Linear` that
-    runs cpu_gemv.c, in an `OpaqueLinear`, in place, numbered in the model's order (`model.opaque_layers`: each one's
-    product as a callable, `kernel_call` or the `Linear` itself; the same numbers in every
-    process); returns how many."""
+    runs cpu_gemv.c, in an `OpaqueLinear`, in place, numbered in the model's order
+    (`model.opaque_layers`: each one's product as a callable, `kernel_call` or the layer itself;
+    the same numbers in every process); returns how many."""
     layers = []
     for name, m in list(model.named_modules()):
         if type(m) in (QuantizedLinear, LosslessLinear) or type(m) is Linear and m.gemv_max_rows():
@@ -157,11 +157,11 @@ NATIVE = torch_extension(Path(__file__).with_name("cpu_ops.cpp"), AVX2_FLAGS,
 
 
 def layer_row(m) -> list[int]:
-    """An opaque layer as cpu_ops.cpp reads it: the C product its kernel runs, 4, 8 or 32 bits (1: codes),
-    the weight's pointers (values, scales, zero points, bias), its sizes and group, the row count
-    from which another kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where
-    its kernel is none of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the
-    layer from Python)."""
+    """An opaque layer as cpu_ops.cpp reads it: the C product its kernel runs, its kind (4, 8 or
+    32 bits; 1 for float32 read from codes, their bits in the group field), the weight's pointers
+    (values, scales, zero points, bias), its sizes and group, the row count from which another
+    kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where its kernel is none
+    of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the layer from Python)."""
     if type(m) is Linear:   # float32 (tinyvllm.model): cpu_gemv.c
         fn, kind, tensors = GEMV.address("f32_matmul"), 32, (m.weight, None, None)
         group, many = 1, m.gemv_max_rows() + 1

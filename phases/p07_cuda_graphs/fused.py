@@ -9,9 +9,10 @@ same weight row; what changes is the number of operator calls per layer (5 produ
 a few microseconds of dispatch on a CPU, a kernel launch on a GPU. Done once at engine start, on
 plain `tinyvllm.model.Linear` layers and on phase 5's quantized ones alike: int8 keeps a scale per
 output row and int4 its groups within a row, so stacking the quantized rows (and their scales) is
-the quantization of the stacked float rows, exactly. Phase 5's `LosslessLinear` layers fuse as
-float ones, and the stacked rows' codes are found again. There it pays most: each int8 call quantizes
+the quantization of the stacked float rows, exactly. There it pays most: each int8 call quantizes
 its activations and crosses into phase 5's C kernel, a fixed cost whatever the weight's size.
+Phase 5's `LosslessLinear` layers fuse as float ones, and the codes of the stacked rows are found
+again.
 
 `decode_forward` is the model's forward written with fewer operators around those products
 (vLLM's fused residual add + RMSNorm, one rotation for q and k together), for the decode steps

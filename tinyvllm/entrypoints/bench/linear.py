@@ -51,7 +51,7 @@ def lossless_layers(linears: list) -> dict:
         return call
 
     found = {id(m): lossless_codes(m.weight) for m in linears}
-    return {key: product(m, *found[id(m)]) for m in linears if (key := id(m)) and found[key] is not None}
+    return {id(m): product(m, *found[id(m)]) for m in linears if found[id(m)] is not None}
 
 
 def main(argv: list[str] | None = None) -> None:
