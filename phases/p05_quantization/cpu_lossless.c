@@ -3,14 +3,14 @@
  * A checkpoint stored quantized (a GGUF file in Q4_1 or Q8_0, as the default model ships) and
  * converted to float32 has weights that lie exactly on a grid: in each block of 32 columns of a
  * row, w = q * scale + zero with q in 0..15 (Q4_1), or w = q * scale with q in -127..127 (Q8_0).
- * `lossless_find` looks for those codes (each block's scale and zero as
- * `quantize_int4` and `quantize_int8` would choose them, but per block of 32) and say whether
- * they give back every weight bit for bit: q * scale + zero in float32, rounded after the
- * multiply and after the add, as `dequantize_int4` computes it (so this file is compiled with
- * -ffp-contract=off: no fused multiply-add there).
+ * `lossless_find` looks for those codes (each block's scale and zero as `quantize_int4` and
+ * `quantize_int8` would choose them, but per block of 32) and says whether they give back every
+ * weight bit for bit: q * scale + zero in float32, rounded after the multiply and after the add,
+ * as `dequantize_int4` computes it (so this file is compiled with -ffp-contract=off: no fused
+ * multiply-add there).
  *
  * `lossless_matmul` is then the float32 product y (M, O) = x (M, I) @ w (O, I)^T with the weight
- * read from its codes: 4.5 or 9 bits a weight from memory instead of 32. Each weight is rebuilt in
+ * read from its codes: 6 or 9 bits a weight from memory instead of 32 (scales included). Each weight is rebuilt in
  * registers, exactly (the same two roundings), and multiplied by x in float32: the arithmetic of
  * the float32 product, summed in another order. A batch-1 decode step reads every weight once,
  * so it is bound by the bytes it reads, and this is the cheapest way to read fewer of them
@@ -23,7 +23,7 @@
  * a time against up to 4 rows of x, four sums a row of x (two from the 3rd row of x on) so that
  * several chains of multiply-adds are in flight; output rows split between OpenMP threads.
  *
- * Built by cpu_int8.py with `cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp`, called through
+ * Built by lossless.py with `cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp`, called through
  * ctypes (and from phase 7's compiled step, cpu_ops.cpp). */
 #include <immintrin.h>
 #include <math.h>
