@@ -80,7 +80,7 @@ _STEP = threading.local()
 # only once the engine has run this many decode steps eagerly, or a waiter asks. Making them costs
 # the serving thread: reading imports TorchDynamo and inductor (about 3 s of Python holding the
 # interpreter's lock, on a 2-core CPU), and a compiling worker shares the cores for a minute or
-# more; a compiled step saves 5 to 7 ms at batch 1. So a run of a few hundred tokens would lose
+# more; a compiled step saves 5 to 9 ms at batch 1 (lab note 7). So a run of a few hundred tokens would lose
 # by it, and stays eager; a longer one starts paying here, having lost at most what the graphs
 # cost (ski rental: rent until the rent adds up to the price, then buy).
 COMPILE_AFTER_STEPS = 512
