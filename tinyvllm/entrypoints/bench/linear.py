@@ -37,21 +37,17 @@ def time_linears(linears: list, rows: int, fn, repeat: int) -> float:
 
 
 def lossless_layers(linears: list) -> dict:
-    """For each weight that lies exactly on 4- or 8-bit codes (phase 5's `lossless_codes`), its
-    product read from them (cpu_lossless.c) at any row count, by the layer's id."""
-    from phases.p05_quantization.lossless import LOSSLESS, lossless_codes
+    """For each weight that lies exactly on 4- or 8-bit codes (phase 5's `lossless_codes`), a
+    `LosslessLinear` of it that reads them at any row count, by the layer's id."""
+    from phases.p05_quantization.lossless import LosslessLinear, lossless_codes
 
-    def product(m, q, scale, zero):
-        def call(x):
-            y = torch.empty(len(x), m.out_features)
-            LOSSLESS.lib.lossless_matmul(x.data_ptr(), q.data_ptr(), scale.data_ptr(), 0 if zero is None else
-                                         zero.data_ptr(), y.data_ptr(), len(x), m.out_features, m.in_features,
-                                         4 if zero is not None else 8)
-            return y
-        return call
-
-    found = {id(m): lossless_codes(m.weight) for m in linears}
-    return {id(m): product(m, *found[id(m)]) for m in linears if found[id(m)] is not None}
+    layers = {}
+    for m in linears:
+        codes = lossless_codes(m.weight)
+        if codes is not None:
+            layers[id(m)] = LosslessLinear(m, *codes)
+            layers[id(m)].max_rows = 1 << 30      # this layer's own: its codes at every row count
+    return layers
 
 
 def main(argv: list[str] | None = None) -> None:
