@@ -13,7 +13,7 @@ Layouts are `QuantizedLinear`'s: int8 qweight (N, K) with scale (N,); int4 qweig
 uint8, column 2j in the low nibble, with scale and zero (N, K/group). Checked against the
 reference on a CPU through Triton's interpreter (test_triton_quant.py, in a subprocess with
 TRITON_INTERPRET=1), and compiled on CUDA by the gpu-marked tests; their speed on an H100 is in the bench reports
-(docs/assets/bench/gpu-h100-latency-int8.json, -int4.json).
+(docs/assets/bench/gpu-h100-latency-p7-int8.json, -p7-int4.json, gpu-h100-throughput-64-int4.json).
 """
 
 from __future__ import annotations
@@ -77,24 +77,27 @@ def _wq_gemm_kernel(x_ptr, qw_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, stride
 
 
 GEMV_MAX_ROWS = 8  # up to here one program per row (decode); beyond, tl.dot tiles
+# A decode step's products are small (576 outputs): 16 outputs a program give 4x the programs of
+# 64, and 128 columns an iteration a quarter of the dependent loads of 32. On an H100, phase 7 at
+# batch 1 went from 210 to 271 tok/s with int4 weights, 255 to 293 with int8 (lab note 5).
+GEMV_BLOCKS = dict(BLOCK_N=16, BLOCK_K=128)
 
 
 def wq_matmul(x: torch.Tensor, layer, gemv: bool | None = None) -> torch.Tensor:
     """x (M, K) @ dequantize(layer)^T -> (M, N), dequantizing inside the kernel. `layer`: a
     `QuantizedLinear`; `gemv`: force one kernel (None: by the number of rows)."""
     x = x.contiguous()
-    m, k = x.shape
-    n = layer.out_features
+    (m, k), n = x.shape, layer.out_features
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     int4 = layer.method == "int4"
     zero = layer.zero if int4 else layer.scale  # unused for int8
     stride_sn = layer.scale.stride(0) if int4 else 0
     group = layer.group_size if int4 else 1
     if gemv if gemv is not None else m <= GEMV_MAX_ROWS:
-        grid = (m, triton.cdiv(n, 64))
+        grid = (m, triton.cdiv(n, GEMV_BLOCKS["BLOCK_N"]))
         _wq_gemv_kernel[grid](x, layer.qweight, layer.scale, zero, out, n, k, x.stride(0),
                               layer.qweight.stride(0), stride_sn, out.stride(0), GROUP=group,
-                              INT4=int4, BLOCK_N=64, BLOCK_K=32)
+                              INT4=int4, **GEMV_BLOCKS)
     else:
         grid = (triton.cdiv(m, 32), triton.cdiv(n, 64))
         _wq_gemm_kernel[grid](x, layer.qweight, layer.scale, zero, out, m, n, k, x.stride(0),
