@@ -68,6 +68,32 @@ def test_linear_gemv_equals_f_linear_and_serves_its_rows(shape, monkeypatch):
     assert layer.half().gemv_max_rows() == 0   # float32 only
 
 
+@pytest.mark.parametrize("shape", [(1, 576), (3, 40), (2, 1003)])   # (rows, width): a tail past 16 too
+def test_fused_add_rms_norm_equals_the_add_then_the_norm(shape):
+    """vLLM's fused residual add + RMSNorm in one call of cpu_norm.c: residual += x exactly, x
+    overwritten with RMSNorm's numbers up to float rounding; without a residual a new tensor;
+    None (the caller takes PyTorch's operators) for another dtype and inside a traced graph."""
+    from tinyvllm import model
+
+    if not model.NORM.available():
+        pytest.skip("cpu_norm.c needs AVX2 and a C compiler")
+    torch.manual_seed(0)
+    norm = model.RMSNorm(shape[1], 1e-5).requires_grad_(False)
+    norm.weight.normal_()
+    x, residual = torch.randn(shape), torch.randn(shape)
+    added = x + residual
+    out, res = model.fused_add_rms_norm(x, residual, norm)
+    assert out is x and res is residual and torch.equal(residual, added)
+    torch.testing.assert_close(out, norm(added), rtol=1e-5, atol=1e-5)
+    y = torch.randn(shape)
+    out, res = model.fused_add_rms_norm(y, None, norm)
+    assert res is y and out is not y
+    torch.testing.assert_close(out, norm(y), rtol=1e-5, atol=1e-5)
+    assert model.fused_add_rms_norm(y.double(), None, norm) is None
+    traced = torch.compile(lambda t: model.fused_add_rms_norm(t, None, norm), fullgraph=True, backend="eager")
+    assert traced(y) is None
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_linear_traces_into_one_graph(rows):
     """TorchDynamo traces `Linear` whole (notebook 07 compiles the model itself, not through

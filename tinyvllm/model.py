@@ -135,6 +135,27 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     return y if bias is None else y.add_(bias)
 
 
+NORM = CKernel(Path(__file__).with_name("cpu_norm.c"), ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-shared",
+              "-fPIC"], AVX2_FLAGS, {"add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]},
+              fallback="the residual add and RMSNorm stay PyTorch's operators")
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
+                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """vLLM's fused residual add + RMSNorm in one call of cpu_norm.c, for float32 rows (N, D) in a
+    CPU's memory: residual += x, then x = norm(residual), both in place, returns (x, residual);
+    without a residual, (norm(x), x). None where it does not run (another dtype or device, a
+    graph being traced, no AVX2 or no C compiler): the caller takes PyTorch's operators."""
+    if (x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or not x.is_contiguous()
+            or (residual is not None and not residual.is_contiguous()) or torch.compiler.is_compiling()
+            or (NORM.lib if NORM.tried else NORM.load()) is None):   # built and loaded at the first call only
+        return None
+    out = torch.empty_like(x) if residual is None else x
+    NORM.lib.add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), norm.weight.data_ptr(),
+                          out.data_ptr(), x.shape[0], x.shape[1], norm.eps)
+    return out, x if residual is None else residual
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same weight, same names), with faster paths on an x86 CPU.
 

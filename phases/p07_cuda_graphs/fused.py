@@ -16,7 +16,9 @@ again.
 
 `decode_forward` is the model's forward written with fewer operators around those products
 (vLLM's fused residual add + RMSNorm, one rotation for q and k together), for the decode steps
-of a fused model; its outputs are the model's own, bit for bit.
+of a fused model; its outputs are the model's own, bit for bit, but where the fused add + RMSNorm
+is one C call (float32 on a CPU: tinyvllm.model's `fused_add_rms_norm`), which sums the squares
+in its own order (float32 rounding apart).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 
 from phases.p05_quantization.lossless import LosslessLinear, lossless
 from phases.p05_quantization.quant import QuantizedLinear
-from tinyvllm.model import Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary
+from tinyvllm.model import Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary, fused_add_rms_norm
 
 
 def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
@@ -67,8 +69,7 @@ class FusedLlamaAttention(torch.nn.Module):
     def forward(self, x, rope, attn):
         n, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv_proj(x).split([h * d, kvh * d, kvh * d], dim=-1)
-        q, k = q.reshape(n, h, d), k.reshape(n, kvh, d)                  # (N, H, d), (N, KVH, d)
-        v = v.reshape(n, kvh, d)
+        q, k, v = q.reshape(n, h, d), k.reshape(n, kvh, d), v.reshape(n, kvh, d)   # (N, H, d), (N, KVH, d) x 2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, *rope)
@@ -125,7 +126,9 @@ def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
     """vLLM's fused residual add + RMSNorm: residual <- x + residual, returns (norm(residual),
-    residual)."""
+    residual). In float32 on a CPU one C call, `fused_add_rms_norm` (x overwritten)."""
+    if (fused := fused_add_rms_norm(x, residual, norm)) is not None:
+        return fused
     residual = x if residual is None else x + residual
     return rms_norm(residual, norm), residual
 
@@ -135,7 +138,7 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
     """`model.forward` for a fused model, with fewer operators: the same hidden states (N, D).
 
     What it saves per layer, against `LlamaDecoderLayer` and the fused modules above:
-    - the residual add and the next RMSNorm as `add_rms_norm` (two calls instead of nine);
+    - the residual add and the next RMSNorm as `add_rms_norm` (one call or two instead of nine);
     - Qwen3's per-head norms of q and k as one `F.rms_norm` call each;
     - RoPE once on q and k together (they sit side by side in qkv_proj's output), with
       `rotate_half(x) * sin` written as `roll(x, d/2) * [-sin, sin]`: the same products,

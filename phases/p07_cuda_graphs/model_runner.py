@@ -44,8 +44,7 @@ class StaticModelRunner:
             return self.inner.execute(plan)
         seqs = [seq for seq, _ in plan.scheduled]
         ib = self.input_batch
-        rows = ib.sync(seqs)                      # each sequence's row, in the plan's order
-        n = ib.num_reqs
+        rows, n = ib.sync(seqs), ib.num_reqs      # each sequence's row, in the plan's order; how many rows
         bucket = bucket_for(n, self.capture_sizes)
         order = torch.tensor(rows)
         sampling = SamplingTensors(ib.temperature[:n][order], ib.top_k[:n][order], ib.top_p[:n][order],

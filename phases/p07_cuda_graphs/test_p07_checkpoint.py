@@ -144,7 +144,10 @@ def test_seeded_sampling_equals_eager(make_llm, tiny_model_dir):
     p = SamplingParams(max_tokens=6, temperature=0.9, seed=4, presence_penalty=0.5, logprobs=2)
     o1, o2 = fast.generate(PROMPTS[:2], p, use_tqdm=False), eager.generate(PROMPTS[:2], p, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in o1] == [o.outputs[0].token_ids for o in o2]
-    assert o1[0].outputs[0].logprobs == o2[0].outputs[0].logprobs
+    # the same top tokens; their logprobs within float32's rounding (the decode step's fused
+    # add + RMSNorm sums the squares in its own order)
+    for a, b in zip(o1[0].outputs[0].logprobs, o2[0].outputs[0].logprobs):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
 
 
 @pytest.mark.parametrize("kwargs,match,exc", [
@@ -203,8 +206,10 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir, kv_cache_
 @pytest.mark.parametrize("fixture,quantization", [("tiny_model_dir", None), ("tiny_model_dir_llama3", None),
                                                   ("tiny_model_dir", "int8"), ("tiny_model_dir", "int4"),
                                                   ("tiny_qwen3_dir", None), ("tiny_qwen2_dir", "int8")])
-def test_fused_projections_are_bit_identical(request, fixture, quantization):
+def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quantization):
     import copy
+
+    import phases.p07_cuda_graphs.fused as fused_module
 
     from phases.p07_cuda_graphs.fused import (
         FusedLlamaAttention,
@@ -240,8 +245,13 @@ def test_fused_projections_are_bit_identical(request, fixture, quantization):
             ids, pos = torch.randint(0, 300, (n,)), torch.arange(n) + 5
             expected = model(ids, pos, NoCache())
             assert torch.equal(expected, fused(ids, pos, NoCache()))
-            # the leaner decode forward (add + RMSNorm fused, one RoPE for q and k): same bits
-            assert torch.equal(expected, decode_forward(fused, ids, pos, NoCache()))
+            # the leaner decode forward (add + RMSNorm fused, one RoPE for q and k): float32's
+            # rounding apart with cpu_norm.c's norm (its own order of the squares' sum), the same
+            # bits with PyTorch's
+            torch.testing.assert_close(decode_forward(fused, ids, pos, NoCache()), expected, rtol=1e-4, atol=1e-4)
+            with monkeypatch.context() as m:
+                m.setattr(fused_module, "fused_add_rms_norm", lambda *args: None)
+                assert torch.equal(expected, decode_forward(fused, ids, pos, NoCache()))
 
 
 # -- the static step runs the attention the recipe chose ---------------------------------------
