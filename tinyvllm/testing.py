@@ -197,14 +197,14 @@ def make_random_like(source: str | os.PathLike, folder: str | os.PathLike, *, se
 
 def on_codes(w: torch.Tensor, bits: int) -> torch.Tensor:
     """w (O, I) rounded to 4-bit codes (asymmetric: a scale and the minimum per block of 32
-    columns) or 8-bit ones (symmetric: a scale per block), in float32: what converting a Q4_1 or
-    a Q8_0 checkpoint to float32 gives."""
+    columns) or 8-bit ones (symmetric: a scale per block), the scales and minimums 16-bit floats,
+    in float32: what converting a Q4_1 or a Q8_0 checkpoint to float32 gives."""
     blocks = w.float().reshape(w.shape[0], -1, 32)
     if bits == 4:
-        lo = blocks.amin(-1, keepdim=True)
-        scale = ((blocks.amax(-1, keepdim=True) - lo) / 15).clamp(min=1e-8)
+        lo = blocks.amin(-1, keepdim=True).half().float()
+        scale = ((blocks.amax(-1, keepdim=True) - lo) / 15).half().float().clamp(min=2 ** -14)
         return (torch.round((blocks - lo) / scale).clamp(0, 15) * scale + lo).reshape(w.shape)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
     return (torch.round(blocks / scale) * scale).reshape(w.shape)
 
 

@@ -5,14 +5,17 @@
  * row, w = q * scale + zero with q in 0..15 (Q4_1), or w = q * scale with q in -127..127 (Q8_0).
  * `lossless_find` looks for those codes (each block's scale and zero as `quantize_int4` and
  * `quantize_int8` would choose them, but per block of 32) and says whether they give back every
- * weight bit for bit: q * scale + zero in float32, rounded after the multiply and after the add,
- * as `dequantize_int4` computes it (so this file is compiled with -ffp-contract=off: no fused
- * multiply-add there).
+ * weight bit for bit: q * scale + zero in float32 rounded once (a fused multiply-add), q * scale
+ * for 8 bits. A GGUF file's scales and minimums are 16-bit floats, so q * scale is exact in
+ * float32 and its reader's float32 weights are rounded once, at the add, whatever it computes
+ * them with. (This file is compiled with -ffp-contract=off: no multiply-add is fused but those
+ * written so.)
  *
  * `lossless_matmul` is then the float32 product y (M, O) = x (M, I) @ w (O, I)^T with the weight
- * read from its codes: 6 or 9 bits a weight from memory instead of 32 (scales included). Each weight is rebuilt in
- * registers, exactly (the same two roundings), and multiplied by x in float32: the arithmetic of
- * the float32 product, summed in another order. A batch-1 decode step reads every weight once,
+ * read from its codes: 6 or 9 bits a weight from memory instead of 32 (scales included). Each
+ * weight is rebuilt in registers, exactly (the same multiply-add, one instruction for 8
+ * weights), and multiplied by x in float32: the arithmetic of the float32 product, summed in
+ * another order. A batch-1 decode step reads every weight once,
  * so it is bound by the bytes it reads, and this is the cheapest way to read fewer of them
  * without changing a single weight. From a few rows of x on, the products of rebuilt weights cost
  * more than the bytes they save, and the caller takes the float32 weight instead (lossless.py).
@@ -47,14 +50,16 @@ static inline float hmax(__m256 v) {
 #define ROUND(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)  /* ties to even, as torch.round */
 
 /* one block's codes k (as floats) for scale s and zero l (0 for 8 bits): round((w - l) / s) in
- * 0..15 or -127..127; whether k * s + l gives back all 32 weights */
+ * 0..15 or -127..127; whether k * s + l (4 bits: one rounding, a fused multiply-add; 8 bits: the
+ * product's) gives back all 32 weights */
 static inline int block_codes(const __m256 *v, float s, float l, const int bits, __m256 *k) {
     const __m256 sv = _mm256_set1_ps(s), lv = _mm256_set1_ps(l);
     const __m256 low = _mm256_set1_ps(bits == 4 ? 0.f : -127.f), high = _mm256_set1_ps(bits == 4 ? 15.f : 127.f);
     int same = 1;
     for (int c = 0; c < 4; c++) {
         k[c] = _mm256_min_ps(_mm256_max_ps(ROUND(_mm256_div_ps(_mm256_sub_ps(v[c], lv), sv)), low), high);
-        same &= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_mul_ps(k[c], sv), lv), v[c], _CMP_EQ_OQ)) == 0xFF;
+        const __m256 back = bits == 4 ? _mm256_fmadd_ps(k[c], sv, lv) : _mm256_mul_ps(k[c], sv);
+        same &= _mm256_movemask_ps(_mm256_cmp_ps(back, v[c], _CMP_EQ_OQ)) == 0xFF;
     }
     return same;
 }
@@ -118,8 +123,8 @@ static inline __attribute__((always_inline)) void rebuild(const uint8_t *q, cons
         const __m256i low4 = _mm256_set1_epi32(15);
         for (int h = 0; h < 2; h++) {
             __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * h)));
-            w[2 * h] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), s), z);
-            w[2 * h + 1] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s), z);
+            w[2 * h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), s, z);
+            w[2 * h + 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), s, z);
         }
     } else {
         for (int c = 0; c < 4; c++)

@@ -551,6 +551,26 @@ def test_lossless_codes_give_back_every_weight_bit_for_bit(bits, monkeypatch):
 
 
 @needs_lossless
+def test_lossless_codes_round_once_as_a_fused_multiply_add(monkeypatch):
+    """4-bit weights are `q * s + m` rounded once (a GGUF reader's, whose q * s is exact): with
+    scales of 24 significant bits, where rounding q * s first would move some weights, the codes
+    are found and the kernel's one multiply-add gives every weight back bit for bit."""
+    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randint(0, 16, (24, 64), generator=g).double()
+    q[:, ::32], q[:, 1::32] = 0, 15                                   # each block spans 0..15
+    s = (torch.rand(24, 2, 1, generator=g) * 0.01 + 0.005).expand(24, 2, 32).reshape(24, 64)
+    m = (torch.rand(24, 2, 1, generator=g) * -0.05).expand(24, 2, 32).reshape(24, 64)
+    once = (q * s.float().double() + m.float().double()).float()      # exact in float64, rounded once
+    twice = (q.float() * s.float()) + m.float()
+    assert not torch.equal(once, twice)                               # the two roundings differ here
+    codes, scale, zero = lossless_codes(once)
+    layer = LosslessLinear(_linear(once), codes, scale, zero)
+    eye = torch.eye(64)
+    assert torch.equal(torch.cat([layer(eye[j:j + 8]) for j in range(0, 64, 8)]).T, once)
+
+
+@needs_lossless
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
 def test_lossless_linear_is_the_float32_product_read_from_its_codes(rows, monkeypatch):
     """Up to max_rows rows the product reads the codes (changing them changes it), from there on
