@@ -90,6 +90,7 @@ def test_fused_add_rms_norm_equals_the_add_then_the_norm(shape):
     assert res is y and out is not y
     torch.testing.assert_close(out, norm(y), rtol=1e-5, atol=1e-5)
     assert model.fused_add_rms_norm(y.double(), None, norm) is None
+    assert model.fused_add_rms_norm(y, torch.randn(shape[0] + 1, shape[1]), norm) is None   # another shape
     traced = torch.compile(lambda t: model.fused_add_rms_norm(t, None, norm), fullgraph=True, backend="eager")
     assert traced(y) is None
 

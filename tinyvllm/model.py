@@ -146,12 +146,15 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
     CPU's memory: residual += x, then x = norm(residual), both in place, returns (x, residual);
     without a residual, (norm(x), x). None where it does not run (another dtype or device, a
     graph being traced, no AVX2 or no C compiler): the caller takes PyTorch's operators."""
-    if (x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or not x.is_contiguous()
-            or (residual is not None and not residual.is_contiguous()) or torch.compiler.is_compiling()
+    w = norm.weight
+    if (x.dtype != torch.float32 or w.dtype != torch.float32 or not x.is_cpu or x.dim() != 2
+            or not x.is_contiguous() or w.shape != x.shape[1:]
+            or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous()))
+            or torch.compiler.is_compiling()
             or (NORM.lib if NORM.tried else NORM.load()) is None):   # built and loaded at the first call only
         return None
     out = torch.empty_like(x) if residual is None else x
-    NORM.lib.add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), norm.weight.data_ptr(),
+    NORM.lib.add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), w.data_ptr(),
                           out.data_ptr(), x.shape[0], x.shape[1], norm.eps)
     return out, x if residual is None else residual
 
