@@ -17,7 +17,7 @@ again.
 `decode_forward` is the model's forward written with fewer operators around those products
 (vLLM's fused residual add + RMSNorm, one rotation for q and k together), for the decode steps
 of a fused model; its outputs are the model's own, bit for bit, but where the fused add + RMSNorm
-is one C call (float32 on a CPU: tinyvllm.model's `fused_add_rms_norm`), which sums the squares
+is one C call (float32 on an AVX2 CPU: tinyvllm.model's `fused_add_rms_norm`), which sums the squares
 in its own order (float32 rounding apart).
 """
 
@@ -126,7 +126,7 @@ def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
     """vLLM's fused residual add + RMSNorm: residual <- x + residual, returns (norm(residual),
-    residual). In float32 on a CPU one C call, `fused_add_rms_norm` (x overwritten)."""
+    residual). In float32 on an AVX2 CPU one C call, `fused_add_rms_norm` (x overwritten)."""
     if (fused := fused_add_rms_norm(x, residual, norm)) is not None:
         return fused
     residual = x if residual is None else x + residual
