@@ -61,14 +61,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from phases.p04_triton_kernels.cpu_attention import DECODE, CpuPagedAttention, c_decode_runs
-from phases.p05_quantization import QuantizedLinear, cpu_int8
-from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear
+from phases.p05_quantization import QuantizedLinear
+from phases.p05_quantization.lossless import LosslessLinear
 from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir
 from tinyvllm.hardware import AVX2_FLAGS, cpu_flags
-from tinyvllm.model import GEMV, Linear
+from tinyvllm.model import Linear
 
+from .cpu_step import attention_row, layer_row
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 from .fused import decode_forward, fused_model
 
@@ -154,46 +154,6 @@ _operator("unified_attention(int layer_idx, Tensor q, Tensor k, Tensor v) -> Ten
 NATIVE = torch_extension(Path(__file__).with_name("cpu_ops.cpp"), AVX2_FLAGS,
                          {"use_step": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]},
                          "the compiled step calls its operators through Python")
-
-
-def layer_row(m) -> list[int]:
-    """An opaque layer as cpu_ops.cpp reads it: the C product its kernel runs, its kind (4, 8 or
-    32 bits; 1 for float32 read from codes, their bits in the group field), the weight's pointers
-    (values, scales, zero points, bias), its sizes and group, the row count from which another
-    kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where its kernel is none
-    of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the layer from Python)."""
-    if type(m) is Linear:   # float32 (tinyvllm.model): cpu_gemv.c
-        fn, kind, tensors = GEMV.address("f32_matmul"), 32, (m.weight, None, None)
-        group, many = 1, m.gemv_max_rows() + 1
-    elif type(m) is LosslessLinear:   # float32 read from its codes (phase 5's cpu_lossless.c)
-        fn, kind, tensors = LOSSLESS.address("lossless_matmul"), 1, (m.codes, m.scale, m.zero)
-        group, many = m.bits, m.max_rows + 1
-    elif (kernel := m.choose_kernel(1)) == "cpu_int4" or kernel == "cpu_int8" and m.layout == "rows":
-        four = kernel == "cpu_int4"
-        fn, kind = cpu_int8.AVX2.address("int4_matmul" if four else "int8_matmul"), 4 if four else 8
-        tensors, group = (m.qweight, m.scale, m.zero if four else None), m.group_size if four else 1
-        many = m.dequant_from_rows() or 1 << 62
-    else:
-        return [0] * 10
-    return [fn, kind, *(0 if t is None else t.data_ptr() for t in (*tensors, m.bias)), m.out_features, m.in_features,
-            group, many]
-
-
-def attention_row(attention) -> torch.Tensor | None:
-    """The step's attention as cpu_ops.cpp reads it, where it is decodes through phase 4's
-    `CpuPagedAttention` with its C kernel over a float32 cache: the C function, the step's
-    slots, block table (and its row stride), lengths and longest length (the static buffers'
-    tensors, contiguous: read in place), the block size, KV heads, and where the cache starts
-    and each layer's K and V lie in it. None for any other step or attention part."""
-    if type(attention) is not CpuPagedAttention or attention.meta.prefill_rows:
-        return None
-    meta, kv = attention.meta, attention.cache.kv        # kv: (layers, 2, blocks, block_size, KVH, d)
-    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-    if not c_decode_runs(kv, kv) or tables.stride(1) != 1 or not lens.is_contiguous():
-        return None
-    return torch.tensor([DECODE.address("paged_decode_attention"), meta.slot_mapping.data_ptr(), tables.data_ptr(),
-                         tables.stride(0), lens.data_ptr(), meta.max_decode_seq_len, *kv.shape[3:5], kv.data_ptr(),
-                         *kv.stride()[:2]])
 
 
 def use_step(layers: torch.Tensor | None, attention=None) -> None:
@@ -357,7 +317,10 @@ class CompiledDecodeRunner(DecodeRunner):
 
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
         """The compiled decode on the first `bucket` rows of the buffers -> logits (bucket, V);
-        the eager one while the graphs are still being made. `buf`: the compile's own rows."""
+        the eager one while the graphs are still being made; cpu_step.c's at the rows it serves
+        (faster than a graph there: lab note 7). `buf`: the compile's own rows."""
+        if buf is None and self.c_step.serves(bucket):
+            return super().run(bucket)
         if buf is None and not self.ready.is_set():
             self.eager_steps += 1
             if self.eager_steps >= COMPILE_AFTER_STEPS:

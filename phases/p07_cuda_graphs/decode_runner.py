@@ -26,6 +26,7 @@ import torch
 
 from phases.p02_paged_kv import AttentionMetadata
 
+from .cpu_step import CStep
 from .fused import decode_forward, fused_model
 
 
@@ -115,12 +116,17 @@ class DecodeRunner:
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, fixed_shapes: bool = False):
         self.model, self.buf, self.attention, self.fixed_shapes = model, buffers, attention, fixed_shapes
         self.model_forward = partial(decode_forward, model) if fused_model(model) else model
+        self.c_step = CStep(model) if buffers.input_ids.is_cpu else None   # the layers in one C call
 
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
-        """The forward on the first `bucket` rows of `buf` (the runner's own buffers unless given)."""
+        """The forward on the first `bucket` rows of `buf` (the runner's own buffers unless given):
+        cpu_step.c's where it serves, `decode_forward` (or the model's own) elsewhere."""
         b = self.buf if buf is None else buf
-        hidden = self.model_forward(b.input_ids[:bucket], b.positions[:bucket],
-                                    self.attention(b.metadata(bucket, self.fixed_shapes)))  # (bucket, D)
+        ids, positions = b.input_ids[:bucket], b.positions[:bucket]
+        attention = self.attention(b.metadata(bucket, self.fixed_shapes))
+        hidden = self.c_step(ids, positions, attention) if self.c_step else None
+        if hidden is None:
+            hidden = self.model_forward(ids, positions, attention)                       # (bucket, D)
         return self.model.compute_logits(hidden)                                          # (bucket, V)
 
 

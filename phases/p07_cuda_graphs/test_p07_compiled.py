@@ -29,6 +29,7 @@ from phases.p04_triton_kernels.cpu_attention import CpuPagedAttention
 from phases.p05_quantization import QuantizedLinear
 from phases.p07_cuda_graphs import compiled
 from phases.p07_cuda_graphs.compiled import CompiledDecodeRunner
+from phases.p07_cuda_graphs.cpu_step import CStep
 from phases.p07_cuda_graphs.decode_runner import DecodeRunner
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.hardware import cpu_kind
@@ -37,6 +38,13 @@ PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three fo
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 NEW_GRAPH = ("a step made a graph of its own: the two graphs of the start must serve every bucket "
              "(batch 1, and every larger bucket through one graph whose batch dimension is marked dynamic)")
+
+
+@pytest.fixture(autouse=True)
+def graphs_not_cpu_step(monkeypatch):
+    """The compiled graphs are what this file checks: cpu_step.c, which serves the steps it can
+    ahead of them (test_p07_cpu_step.py), is off (every step takes decode_forward or a graph)."""
+    monkeypatch.setattr(CStep, "serves", lambda self, rows: False)
 
 
 def graphs_made(runner) -> tuple[int, set]:

@@ -1,0 +1,110 @@
+/* tinyvllm phase 7: a decode step's decoder layers in one C call, on an AVX2 CPU.
+ *
+ * `decode_forward` (fused.py) is a layer's work in a dozen PyTorch operators and five C calls
+ * through ctypes: each costs microseconds from Python, a third of a batch-1 step of the default
+ * model. This is the same loop in C, as llama.cpp runs its graph: per layer the fused q/k/v
+ * product, RoPE, the step's K/V written and attended (phase 4's C kernel), o_proj, the residual
+ * add and RMSNorm (tinyvllm's cpu_norm.c), gate/up, SiLU times up, down, the next add + norm.
+ * The products and the attention are the kernels the eager step calls, reached by the addresses
+ * in its tables (the same rows the compiled step's C++ operators read, compiled.py's layer_row
+ * and attention_row), so their numbers are the eager step's own; RoPE is computed as PyTorch
+ * computes `x * cos + roll(x, d/2) * [-sin, sin]` (each product rounded, then the sum: built with
+ * -ffp-contract=off); SiLU takes libm's expf, which can differ from PyTorch's in the last bit.
+ *
+ * The embedding, the rotary table and the LM head stay in Python: once a step each. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* the kernels, as phase 5 (cpu_int8.c, cpu_lossless.c), tinyvllm (cpu_gemv.c, cpu_norm.c) and
+ * phase 4 (cpu_attention.c) define them */
+typedef void (*F32Fn)(const float *, const float *, float *, int64_t, int64_t, int64_t);
+typedef void (*LosslessFn)(const float *, const uint8_t *, const float *, const float *, float *, int64_t,
+                           int64_t, int64_t, int64_t);
+typedef void (*Int4Fn)(const float *, const uint8_t *, const float *, const float *, float *, int8_t *,
+                       float *, float *, int64_t, int64_t, int64_t, int64_t);
+typedef void (*Int8Fn)(const float *, const int8_t *, const float *, float *, int16_t *, float *, int64_t,
+                       int64_t, int64_t);
+typedef void (*NormFn)(float *, float *, const float *, float *, int64_t, int64_t, float);
+typedef void (*AttentionFn)(const float *, const float *, const float *, float *, float *, const int64_t *,
+                            const int64_t *, const int64_t *, float *, float *, int64_t, int64_t, int64_t,
+                            int64_t, int64_t, int64_t, int64_t, float);
+
+/* a product's row (layer_row), the step's attention row (attention_row), as cpu_ops.cpp reads them */
+enum { FN, BITS, WEIGHT, SCALE, ZERO, BIAS, OUT, IN, GROUP, MANY, LAYER_FIELDS };
+enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET };
+/* a decoder layer's row of the plan: its two norms' weights, then its four products' rows */
+enum { POST_NORM, NEXT_NORM, QKV, O_PROJ = QKV + LAYER_FIELDS, GATE_UP = O_PROJ + LAYER_FIELDS,
+       DOWN = GATE_UP + LAYER_FIELDS, PLAN_FIELDS = DOWN + LAYER_FIELDS };
+/* the step's sizes and pointers (`shape`) */
+enum { ROWS, HIDDEN, HEADS, KV_HEADS_, HEAD_DIM, FFN, COS, SIN, NORM_FN, FIRST_NORM, WORK, SHAPE_FIELDS };
+
+/* y (M, OUT) = x (M, IN) @ W^T + bias through the layer's own C kernel; scratch: what an int8 or
+ * int4 product rounds x into (at most M * (I + 2 I / 32 + I) floats) */
+static void linear(const int64_t *e, const float *x, float *y, int64_t M, float *scratch) {
+    const int64_t O = e[OUT], I = e[IN];
+    if (e[BITS] == 32)
+        ((F32Fn)e[FN])(x, (const float *)e[WEIGHT], y, M, O, I);
+    else if (e[BITS] == 1)   /* float32 from its codes; GROUP holds their bits */
+        ((LosslessFn)e[FN])(x, (const uint8_t *)e[WEIGHT], (const float *)e[SCALE], (const float *)e[ZERO], y, M, O,
+                            I, e[GROUP]);
+    else if (e[BITS] == 4) {
+        const int64_t C = (I + 63) / 64;
+        ((Int4Fn)e[FN])(x, (const uint8_t *)e[WEIGHT], (const float *)e[SCALE], (const float *)e[ZERO], y,
+                        (int8_t *)scratch, scratch + M * 16 * C, scratch + M * 18 * C, M, O, I, e[GROUP]);
+    } else {
+        const int64_t half = (M * I + 1) / 2;
+        ((Int8Fn)e[FN])(x, (const int8_t *)e[WEIGHT], (const float *)e[SCALE], y, (int16_t *)scratch,
+                        scratch + half, M, O, I);
+    }
+    if (e[BIAS])
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t o = 0; o < O; o++) y[m * O + o] += ((const float *)e[BIAS])[o];
+}
+
+/* out (d,) = x * cos + roll(x, d/2) * [-sin, sin]: the first half takes -x[i + d/2] * sin[i] */
+static void rope(const float *x, const float *cos, const float *sin, float *out, int64_t d) {
+    const int64_t half = d / 2;
+    for (int64_t i = 0; i < d; i++) {
+        const float a = x[i] * cos[i], b = i < half ? -x[i + half] * sin[i] : x[i - half] * sin[i];
+        out[i] = a + b;
+    }
+}
+
+/* Every layer of a decode step of M rows. x (M, D): the embeddings in, then the residual stream;
+ * h (M, D): the final norm's output. work: shape[WORK] floats (decode_step_floats). */
+void decode_layers(const int64_t *plan, int64_t L, const int64_t *attention, const int64_t *shape, float *x,
+                   float *h, float eps) {
+    const int64_t M = shape[ROWS], D = shape[HIDDEN], H = shape[HEADS], KVH = shape[KV_HEADS_];
+    const int64_t d = shape[HEAD_DIM], F = shape[FFN], W = (H + 2 * KVH) * d, T = attention[MAX_LEN];
+    const float *cos = (const float *)shape[COS], *sin = (const float *)shape[SIN];
+    const NormFn norm = (NormFn)shape[NORM_FN];
+    float *qkv = (float *)shape[WORK], *q = qkv + M * W, *k = q + M * H * d, *v = k + M * KVH * d;
+    float *att = v + M * KVH * d, *gu = att + M * H * d, *act = gu + M * 2 * F, *scores = act + M * F;
+    float *scratch = scores + M * H * T;
+    norm(x, NULL, (const float *)shape[FIRST_NORM], h, M, D, eps);   /* the first layer's input norm */
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *p = plan + l * PLAN_FIELDS;
+        linear(p + QKV, h, qkv, M, scratch);
+        for (int64_t m = 0; m < M; m++) {   /* q and k rotated, v copied: each (M, heads, d) in a row */
+            const float *row = qkv + m * W, *c = cos + m * d, *s = sin + m * d;
+            for (int64_t j = 0; j < H; j++) rope(row + j * d, c, s, q + (m * H + j) * d, d);
+            for (int64_t j = 0; j < KVH; j++) rope(row + (H + j) * d, c, s, k + (m * KVH + j) * d, d);
+            memcpy(v + m * KVH * d, row + (H + KVH) * d, KVH * d * sizeof(float));
+        }
+        float *k_cache = (float *)attention[KV] + l * attention[LAYER_STRIDE];
+        ((AttentionFn)attention[A_FN])(q, k, v, k_cache, k_cache + attention[V_OFFSET], (const int64_t *)attention[SLOTS],
+            (const int64_t *)attention[TABLES], (const int64_t *)attention[LENS], att, scores, M, H, KVH, d,
+            attention[BLOCK], attention[TABLE_STRIDE], T, (float)(1.0 / sqrt((double)d)));
+        linear(p + O_PROJ, att, h, M, scratch);
+        norm(h, x, (const float *)p[POST_NORM], h, M, D, eps);       /* x += h; h = norm(x) */
+        linear(p + GATE_UP, h, gu, M, scratch);
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t i = 0; i < F; i++) {
+                const float g = gu[m * 2 * F + i];
+                act[m * F + i] = g / (1.f + expf(-g)) * gu[m * 2 * F + F + i];
+            }
+        linear(p + DOWN, act, h, M, scratch);
+        norm(h, x, (const float *)p[NEXT_NORM], h, M, D, eps);       /* the next layer's, or the final */
+    }
+}
