@@ -159,3 +159,21 @@ class CpuPagedAttention(PagedAttention):
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer_idx)
         return cpu_paged_attention(q, k, v, k_cache, v_cache, self.meta)
+
+
+def attention_row(attention) -> torch.Tensor | None:
+    """The step's attention as a C caller reads it (phase 7's compiled step and its cpu_step.c),
+    where it is decodes through `CpuPagedAttention` with cpu_attention.c over a float32 cache:
+    the C function, the step's slots, block table (and its row stride), lengths and longest
+    length (the static buffers' tensors, contiguous: read in place), the block size, KV heads,
+    and where the cache starts and each layer's K and V lie in it. None for any other step or
+    attention part."""
+    if type(attention) is not CpuPagedAttention or attention.meta.prefill_rows:
+        return None
+    meta, kv = attention.meta, attention.cache.kv        # kv: (layers, 2, blocks, block_size, KVH, d)
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    if not c_decode_runs(kv, kv) or tables.stride(1) != 1 or not lens.is_contiguous():
+        return None
+    return torch.tensor([DECODE.address("paged_decode_attention"), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+                         tables.stride(0), lens.data_ptr(), meta.max_decode_seq_len, *kv.shape[3:5], kv.data_ptr(),
+                         *kv.stride()[:2]])

@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from phases.p04_triton_kernels.cpu_attention import attention_row
 from phases.p05_quantization import QuantizedLinear
 from phases.p05_quantization.lossless import LosslessLinear
 from tinyvllm.ckernel import torch_extension
@@ -68,9 +69,8 @@ from tinyvllm.download import cache_dir
 from tinyvllm.hardware import AVX2_FLAGS, cpu_flags
 from tinyvllm.model import Linear
 
-from .cpu_step import attention_row, layer_row
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
-from .fused import decode_forward, fused_model
+from .fused import decode_forward, fused_model, layer_row
 
 # The step now running in this thread (vLLM's forward context): its attention and the model's
 # opaque layers, found by the operators below while a compiled graph runs. A thread's own, so a
@@ -319,7 +319,7 @@ class CompiledDecodeRunner(DecodeRunner):
         """The compiled decode on the first `bucket` rows of the buffers -> logits (bucket, V);
         the eager one while the graphs are still being made; cpu_step.c's at the rows it serves
         (faster than a graph there: lab note 7). `buf`: the compile's own rows."""
-        if buf is None and self.c_step.serves(bucket):
+        if buf is None and self.c_step and self.c_step.serves(bucket):
             return super().run(bucket)
         if buf is None and not self.ready.is_set():
             self.eager_steps += 1

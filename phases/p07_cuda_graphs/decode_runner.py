@@ -25,9 +25,10 @@ from functools import partial
 import torch
 
 from phases.p02_paged_kv import AttentionMetadata
+from phases.p04_triton_kernels.cpu_attention import attention_row
+from tinyvllm.cpu_step import CStep
 
-from .cpu_step import CStep
-from .fused import decode_forward, fused_model
+from .fused import decode_forward, fused_model, layer_row
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -116,7 +117,7 @@ class DecodeRunner:
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, fixed_shapes: bool = False):
         self.model, self.buf, self.attention, self.fixed_shapes = model, buffers, attention, fixed_shapes
         self.model_forward = partial(decode_forward, model) if fused_model(model) else model
-        self.c_step = CStep(model) if buffers.input_ids.is_cpu else None   # the layers in one C call
+        self.c_step = CStep(model, layer_row) if buffers.input_ids.is_cpu else None   # the layers in one C call
 
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
         """The forward on the first `bucket` rows of `buf` (the runner's own buffers unless given):
@@ -124,7 +125,7 @@ class DecodeRunner:
         b = self.buf if buf is None else buf
         ids, positions = b.input_ids[:bucket], b.positions[:bucket]
         attention = self.attention(b.metadata(bucket, self.fixed_shapes))
-        hidden = self.c_step(ids, positions, attention) if self.c_step else None
+        hidden = self.c_step(ids, positions, attention_row(attention)) if self.c_step else None
         if hidden is None:
             hidden = self.model_forward(ids, positions, attention)                       # (bucket, D)
         return self.model.compute_logits(hidden)                                          # (bucket, V)

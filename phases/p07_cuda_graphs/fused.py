@@ -26,9 +26,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phases.p05_quantization.lossless import LosslessLinear, lossless
+from phases.p05_quantization import cpu_int8
+from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear, lossless
 from phases.p05_quantization.quant import QuantizedLinear
-from tinyvllm.model import Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary, fused_add_rms_norm
+from tinyvllm.model import GEMV, Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary, fused_add_rms_norm
 
 
 def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
@@ -166,3 +167,28 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
         nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         h, residual = add_rms_norm(layer.mlp.down_proj(F.silu(gate) * up), residual, nxt)
     return h
+
+
+def layer_row(m: torch.nn.Module) -> list[int]:
+    """A layer's product as a C caller runs it (the compiled step's cpu_ops.cpp, tinyvllm's
+    cpu_step.c): the C product its kernel runs, its kind (4, 8 or 32 bits; 1 for float32 read
+    from codes, their bits in the group field), the weight's pointers
+    (values, scales, zero points, bias), its sizes and group, the row count from which another
+    kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where its kernel is none
+    of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the layer from Python)."""
+    kernel = m.choose_kernel(1) if type(m) is QuantizedLinear else None
+    if type(m) is Linear and m.gemv_max_rows():   # float32 (tinyvllm.model): cpu_gemv.c
+        fn, kind, tensors = GEMV.address("f32_matmul"), 32, (m.weight, None, None)
+        group, many = 1, m.gemv_max_rows() + 1
+    elif type(m) is LosslessLinear and m.max_rows and LOSSLESS.available():   # float32 from its codes
+        fn, kind, tensors = LOSSLESS.address("lossless_matmul"), 1, (m.codes, m.scale, m.zero)
+        group, many = m.bits, m.max_rows + 1
+    elif (kernel == "cpu_int4" or kernel == "cpu_int8" and m.layout == "rows") and cpu_int8.AVX2.available():
+        four = kernel == "cpu_int4"
+        fn, kind = cpu_int8.AVX2.address("int4_matmul" if four else "int8_matmul"), 4 if four else 8
+        tensors, group = (m.qweight, m.scale, m.zero if four else None), m.group_size if four else 1
+        many = m.dequant_from_rows() or 1 << 62
+    else:
+        return [0] * 10
+    return [fn, kind, *(0 if t is None else t.data_ptr() for t in (*tensors, m.bias)), m.out_features, m.in_features,
+            group, many]

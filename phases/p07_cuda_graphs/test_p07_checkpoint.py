@@ -240,15 +240,19 @@ def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quan
         assert torch.equal(rows(qkv), torch.cat([rows(m) for m in parts]))
         # the same bytes, or fewer: one layout's padding (cpu_int8_vnni's panels of 64 rows) for all
         assert qkv.weight_bytes() <= sum(m.weight_bytes() for m in parts)
+    # an int8 or int4 layer rounds its input to integers: a last-bit difference in the norm's
+    # output can move one of them by a step
+    tol = 1e-3 if quantization else 1e-4
+    g = torch.Generator().manual_seed(0)
     with torch.inference_mode():
         for n in (1, 2, 3, 8):
-            ids, pos = torch.randint(0, 300, (n,)), torch.arange(n) + 5
+            ids, pos = torch.randint(0, 300, (n,), generator=g), torch.arange(n) + 5
             expected = model(ids, pos, NoCache())
             assert torch.equal(expected, fused(ids, pos, NoCache()))
             # the leaner decode forward (add + RMSNorm fused, one RoPE for q and k): float32's
             # rounding apart with cpu_norm.c's norm (its own order of the squares' sum), the same
             # bits with PyTorch's
-            torch.testing.assert_close(decode_forward(fused, ids, pos, NoCache()), expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(decode_forward(fused, ids, pos, NoCache()), expected, rtol=tol, atol=tol)
             with monkeypatch.context() as m:
                 m.setattr(fused_module, "fused_add_rms_norm", lambda *args: None)
                 assert torch.equal(expected, decode_forward(fused, ids, pos, NoCache()))

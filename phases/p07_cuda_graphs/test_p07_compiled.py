@@ -29,9 +29,9 @@ from phases.p04_triton_kernels.cpu_attention import CpuPagedAttention
 from phases.p05_quantization import QuantizedLinear
 from phases.p07_cuda_graphs import compiled
 from phases.p07_cuda_graphs.compiled import CompiledDecodeRunner
-from phases.p07_cuda_graphs.cpu_step import CStep
 from phases.p07_cuda_graphs.decode_runner import DecodeRunner
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.cpu_step import CStep
 from tinyvllm.hardware import cpu_kind
 
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]

@@ -1,0 +1,115 @@
+"""Phase 7 checkpoint, cpu_step.c: a decode step's layers in one C call, on an AVX2 CPU.
+
+- at every row count it serves, its logits are `decode_forward`'s within float32 rounding (its
+  SiLU takes libm's expf), the first layer's K/V written bit for bit (the same products, RoPE's
+  same roundings, the same cache write), later layers' within rounding; on float32 weights
+  (cpu_gemv.c), a checkpoint on codes, int8 and int4 weights, and q/k/v biases (Qwen2); and
+  `decode_forward` does not run;
+- greedy tokens equal phase 6's (enforce_eager=True) at batch 1 and across buckets;
+- it serves only where every product and the attention have C kernels: Qwen3 (per-head norms)
+  and an int8 KV cache take `decode_forward`, as do more rows than the products' kernels take;
+- with the compiled step on, the rows it serves never make a compile due, and run it even when
+  the graphs are ready.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phases.p07_cuda_graphs import compiled
+from tinyvllm import LLM, SamplingParams
+from tinyvllm.cpu_step import CStep
+from tinyvllm.hardware import cpu_kind
+
+PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def tokens(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def serving(llm, rows: int = 1) -> CStep:
+    """The engine's cpu_step.c, skipping where it serves no step of `rows` here."""
+    c_step = llm.llm_engine.runner.decode_runner.c_step
+    if not c_step.serves(rows):
+        assert cpu_kind() != "avx2", "on an AVX2 CPU every product of these models has a C kernel"
+        pytest.skip("cpu_step.c serves where every product has a C kernel (an AVX2 CPU's)")
+    return c_step
+
+
+CASES = [("tiny_model_dir", {}), ("tiny_codes_dir", {}), ("tiny_model_dir", {"quantization": "int8"}),
+         ("tiny_model_dir", {"quantization": "int4"}), ("tiny_qwen2_dir", {})]
+
+
+@pytest.mark.parametrize("fixture, kw", CASES)
+def test_cpu_step_equals_decode_forward(request, make_llm, fixture, kw, monkeypatch):
+    llm = make_llm(request.getfixturevalue(fixture), 7, max_num_seqs=8, num_kv_blocks=64, **kw)
+    engine, c_step = llm.llm_engine, serving(llm, 8)
+    runner = engine.runner.decode_runner
+    python_forward, calls = runner.model_forward, []
+    monkeypatch.setattr(runner, "model_forward", lambda *a: calls.append(1) or python_forward(*a))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"c{i}", prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    engine.step()                                   # the prefills
+    engine.step()                                   # a decode step: the buffers hold 5 real rows
+    kv = engine.kv_cache.kv                         # (layers, 2, blocks, block_size, KVH, d)
+    for bucket in (1, 2, 4, 8):
+        before = kv.clone()
+        runner.c_step = None
+        want = runner.run(bucket)                   # decode_forward: writes this step's K/V ...
+        kv_want = kv.clone()
+        kv.copy_(before)                            # ... undone: cpu_step.c writes them again
+        runner.c_step, calls[:] = c_step, []
+        got = runner.run(bucket)
+        assert calls == [], "cpu_step.c served the step: decode_forward must not run"
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        assert torch.equal(kv[0], kv_want[0])       # the first layer's K/V: the same arithmetic
+        torch.testing.assert_close(kv, kv_want, rtol=1e-5, atol=1e-6)
+    engine.abort_request([f"c{i}" for i in range(len(PROMPTS))])
+
+
+@pytest.mark.parametrize("fixture, kw", CASES[1:])
+def test_cpu_step_gives_eager_tokens(request, make_llm, fixture, kw):
+    model = request.getfixturevalue(fixture)
+    llm = make_llm(model, 7, max_num_seqs=8, **kw)
+    serving(llm)
+    eager = make_llm(model, 7, max_num_seqs=8, enforce_eager=True, **kw)
+    assert tokens(llm, PROMPTS[:1]) == tokens(eager, PROMPTS[:1])              # batch 1
+    assert tokens(llm, PROMPTS) == tokens(eager, PROMPTS)                      # buckets 8, 4, 2, 1
+
+
+def test_cpu_step_serves_only_c_kernels(make_llm, tiny_model_dir, tiny_qwen3_dir):
+    llm = make_llm(tiny_model_dir, 7, max_num_seqs=16)
+    c_step = serving(llm)
+    eager = make_llm(tiny_model_dir, 7, max_num_seqs=16, enforce_eager=True)
+    prompts = PROMPTS * 2                                                   # 10 rows: bucket 16
+    assert not c_step.serves(16) and tokens(llm, prompts) == tokens(eager, prompts)
+    # Qwen3's per-head norms of q and k: none of its steps
+    assert not make_llm(tiny_qwen3_dir, 7, max_num_seqs=8).llm_engine.runner.decode_runner.c_step.serves(1)
+    # an int8 KV cache is phase 5's attention, not phase 4's C kernel: its first step finds out
+    int8_kv = make_llm(tiny_model_dir, 7, max_num_seqs=8, kv_cache_dtype="int8")
+    want = tokens(make_llm(tiny_model_dir, 7, max_num_seqs=8, kv_cache_dtype="int8", enforce_eager=True), PROMPTS)
+    assert tokens(int8_kv, PROMPTS) == want
+    assert not int8_kv.llm_engine.runner.decode_runner.c_step.serves(1)
+
+
+def test_rows_cpu_step_serves_never_make_a_compile_due(tiny_model_dir, monkeypatch, tmp_path):
+    """With the compiled step on, a step cpu_step.c serves is not an eager step of the compile
+    rule (the graphs would not serve it: compiling for it only costs), and it runs cpu_step.c
+    even once the graphs are ready (faster at its rows: lab note 7)."""
+    monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
+    monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(compiled, "COMPILE_AFTER_STEPS", 1)
+    llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8)
+    runner = llm.llm_engine.runner.decode_runner
+    serving(llm)
+    want = tokens(LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, enforce_eager=True), PROMPTS)
+    assert tokens(llm, PROMPTS) == want
+    assert runner.eager_steps == 0 and not runner.due.is_set() and runner.worker is None
+    started = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, compilation_mode=1)
+    graphs = started.llm_engine.runner.decode_runner.graphs
+    for shape in list(graphs):
+        graphs[shape] = lambda *a: pytest.fail("a step cpu_step.c serves ran a compiled graph")
+    assert tokens(started, PROMPTS) == want
