@@ -1,17 +1,18 @@
-/* tinyvllm phase 7: a decode step's decoder layers in one C call, on an AVX2 CPU.
+/* tinyvllm: a decode step's decoder layers in one C call, on an AVX2 CPU (cpu_step.py's CStep).
  *
- * `decode_forward` (fused.py) is a layer's work in a dozen PyTorch operators and five C calls
- * through ctypes: each costs microseconds from Python, a third of a batch-1 step of the default
- * model. This is the same loop in C, as llama.cpp runs its graph: per layer the fused q/k/v
- * product, RoPE, the step's K/V written and attended (phase 4's C kernel), o_proj, the residual
- * add and RMSNorm (tinyvllm's cpu_norm.c), gate/up, SiLU times up, down, the next add + norm.
+ * Phase 7's `decode_forward` is a layer's work in about twenty PyTorch operators and seven C
+ * calls through ctypes, each microseconds in the interpreter: a third of a batch-1 step of the
+ * default model. This is the same loop in C, as llama.cpp runs its graph: per layer the fused
+ * q/k/v product, RoPE, the step's K/V written and attended (phase 4's C kernel), o_proj, the
+ * residual add and RMSNorm (cpu_norm.c), gate/up, SiLU times up, down, the next add + norm.
  * The products and the attention are the kernels the eager step calls, reached by the addresses
- * in its tables (the same rows the compiled step's C++ operators read, compiled.py's layer_row
- * and attention_row), so their numbers are the eager step's own; RoPE is computed as PyTorch
- * computes `x * cos + roll(x, d/2) * [-sin, sin]` (each product rounded, then the sum: built with
- * -ffp-contract=off); SiLU takes libm's expf, which can differ from PyTorch's in the last bit.
+ * in the caller's tables (phase 7's layer_row and phase 4's attention_row, the rows its compiled
+ * step's C++ operators read too), so their numbers are the eager step's own; RoPE is computed as
+ * PyTorch computes `x * cos + roll(x, d/2) * [-sin, sin]` (each product rounded, then the sum:
+ * built with -ffp-contract=off); SiLU takes libm's expf, which can differ from PyTorch's in the
+ * last bit.
  *
- * The embedding, the rotary table and the LM head stay in Python: once a step each. */
+ * The embedding, the rotary table and the LM head stay in PyTorch: once a step each. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
