@@ -112,7 +112,9 @@ class DecodeRunner:
     (`StaticDecodeBuffers.metadata`), eagerly; a `CudaGraphDecodeRunner` always does.
 
     A fused model (`fuse_projections`) runs `decode_forward`, the same numbers with fewer
-    operator calls (float or quantized); any other (a layer it could not fuse) runs its own forward."""
+    operator calls (float or quantized); any other (a layer it could not fuse) runs its own forward.
+    On a CPU, a step `CStep` serves (every product and the attention with a C kernel, up to the
+    rows they take) runs as one call of tinyvllm's cpu_step.c instead."""
 
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, fixed_shapes: bool = False):
         self.model, self.buf, self.attention, self.fixed_shapes = model, buffers, attention, fixed_shapes

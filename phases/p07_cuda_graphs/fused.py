@@ -19,6 +19,10 @@ again.
 of a fused model; its outputs are the model's own, bit for bit, but where the fused add + RMSNorm
 is one C call (float32 on an AVX2 CPU: tinyvllm.model's `fused_add_rms_norm`), which sums the squares
 in its own order (float32 rounding apart).
+
+`layer_row` describes a layer's product for a caller in C: the kernel's address and the
+weight's pointers and sizes. tinyvllm's `CStep` (cpu_step.c) runs `decode_forward`'s layers in
+one C call from these rows, and the compiled step's C++ operators (cpu_ops.cpp) read them too.
 """
 
 from __future__ import annotations
