@@ -41,7 +41,7 @@ enum { POST_NORM, NEXT_NORM, QKV, O_PROJ = QKV + LAYER_FIELDS, GATE_UP = O_PROJ 
 enum { ROWS, HIDDEN, HEADS, KV_HEADS_, HEAD_DIM, FFN, COS, SIN, NORM_FN, FIRST_NORM, WORK, SHAPE_FIELDS };
 
 /* y (M, OUT) = x (M, IN) @ W^T + bias through the layer's own C kernel; scratch: what an int8 or
- * int4 product rounds x into (at most M * (I + 2 I / 32 + I) floats) */
+ * int4 product rounds x into (under M * (I + 32) floats, as cpu_ops.cpp sizes it) */
 static void linear(const int64_t *e, const float *x, float *y, int64_t M, float *scratch) {
     const int64_t O = e[OUT], I = e[IN];
     if (e[BITS] == 32)
@@ -73,7 +73,7 @@ static void rope(const float *x, const float *cos, const float *sin, float *out,
 }
 
 /* Every layer of a decode step of M rows. x (M, D): the embeddings in, then the residual stream;
- * h (M, D): the final norm's output. work: shape[WORK] floats (decode_step_floats). */
+ * h (M, D): the final norm's output. work: the buffers below, sized by cpu_step.py. */
 void decode_layers(const int64_t *plan, int64_t L, const int64_t *attention, const int64_t *shape, float *x,
                    float *h, float eps) {
     const int64_t M = shape[ROWS], D = shape[HIDDEN], H = shape[HEADS], KVH = shape[KV_HEADS_];

@@ -2,8 +2,8 @@
 
 An eager decode step on a CPU spends a third of its time between the kernels: each of the 592
 PyTorch operator calls and 211 ctypes calls of `decode_forward` at batch 1 on the default model
-costs microseconds in the interpreter. A CUDA graph removes that on a GPU and torch.compile does on a CPU, once its
-graphs are made (a minute of compiling, seconds to read back). cpu_step.c removes it at once:
+costs microseconds in the interpreter. A CUDA graph removes that on a GPU and torch.compile
+does on a CPU, once its graphs are made (a minute of compiling, seconds to read back). cpu_step.c removes it at once:
 it is phase 7's `decode_forward` (fused q/k/v and gate/up projections, the residual add fused
 with RMSNorm, one RoPE for q and k) written as a C loop over the layers, the way llama.cpp runs
 a model, calling the kernels the eager step calls by their addresses.
@@ -39,14 +39,16 @@ class CStep:
     `step(input_ids, positions, attention)`, attention a step's row (phase 4's `attention_row`),
     gives the final norm's output (N, D), or None where it does not serve. It serves up to
     `max_rows` rows, the fewest any product's kernel takes; none (0) where a product has no C
-    kernel, the model has per-head norms of q and k (Qwen3) or norms of different eps, or the
-    CPU lacks AVX2; and none from the first step whose attention is not phase 4's C kernel."""
+    kernel, the model is not float32, has per-head norms of q and k (Qwen3) or norms of
+    different eps, or the CPU lacks AVX2; and none from the first step whose attention is not
+    phase 4's C kernel."""
 
     def __init__(self, model: torch.nn.Module, row_of: Callable[[torch.nn.Module], list[int]]):
         self.model, m, self.max_rows = model, model.model, 0
         layers = m.layers
         if not all(hasattr(la.self_attn, "qkv_proj") and hasattr(la.mlp, "gate_up_proj")
-                   and getattr(la.self_attn, "q_norm", None) is None for la in layers) or not STEP.available():
+                   and getattr(la.self_attn, "q_norm", None) is None for la in layers) \
+                or m.embed_tokens.weight.dtype != torch.float32 or not STEP.available():   # its C is float32's
             return
         nexts = [la.input_layernorm for la in layers[1:]] + [m.norm]      # the norm after each layer
         rows = [[la.post_attention_layernorm.weight.data_ptr(), nxt.weight.data_ptr()]
@@ -84,7 +86,8 @@ class CStep:
         _, H, KVH, d, F = self.sizes
         # cpu_step.c's buffers: q/k/v, then q, k and v apart; the attention's output and scores;
         # gate/up and SiLU x up; what an int8 or int4 product rounds its input into
-        work = torch.empty(n * (2 * (H + 2 * KVH) * d + H * (d + int(attention[5])) + 3 * F + self.widest + 32))
+        longest = int(attention[5])                                      # the step's longest sequence
+        work = torch.empty(n * (2 * (H + 2 * KVH) * d + H * (d + longest) + 3 * F + self.widest + 32))
         h = torch.empty_like(x)
         shape = torch.tensor([n, *self.sizes, cos.data_ptr(), sin.data_ptr(), *self.norm, work.data_ptr()])
         STEP.lib.decode_layers(self.plan.data_ptr(), len(self.plan), attention.data_ptr(), shape.data_ptr(),
