@@ -4,7 +4,8 @@
  * calls through ctypes, each microseconds in the interpreter: a third of a batch-1 step of the
  * default model. This is the same loop in C, as llama.cpp runs its graph: per layer the fused
  * q/k/v product, RoPE, the step's K/V written and attended (phase 4's C kernel), o_proj, the
- * residual add and RMSNorm (cpu_norm.c), gate/up, SiLU times up, down, the next add + norm.
+ * residual add and RMSNorm (cpu_norm.c), gate/up, SiLU times up, down, the next add + norm
+ * (Qwen3's per-head norms of q and k too, before RoPE).
  * The products and the attention are the kernels the eager step calls, reached by the addresses
  * in the caller's tables (phase 7's layer_row and phase 4's attention_row, the rows its compiled
  * step's C++ operators read too), so their numbers are the eager step's own; RoPE is computed as
@@ -34,8 +35,9 @@ typedef void (*AttentionFn)(const float *, const float *, const float *, float *
 /* a product's row (layer_row), the step's attention row (attention_row), as cpu_ops.cpp reads them */
 enum { FN, BITS, WEIGHT, SCALE, ZERO, BIAS, OUT, IN, GROUP, MANY, LAYER_FIELDS };
 enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET };
-/* a decoder layer's row of the plan: its two norms' weights, then its four products' rows */
-enum { POST_NORM, NEXT_NORM, QKV, O_PROJ = QKV + LAYER_FIELDS, GATE_UP = O_PROJ + LAYER_FIELDS,
+/* a decoder layer's row of the plan: its norms' weights (q's and k's per head, Qwen3's, or 0),
+ * then its four products' rows */
+enum { POST_NORM, NEXT_NORM, Q_NORM, K_NORM, QKV, O_PROJ = QKV + LAYER_FIELDS, GATE_UP = O_PROJ + LAYER_FIELDS,
        DOWN = GATE_UP + LAYER_FIELDS, PLAN_FIELDS = DOWN + LAYER_FIELDS };
 /* the step's sizes and pointers (`shape`) */
 enum { ROWS, HIDDEN, HEADS, KV_HEADS_, HEAD_DIM, FFN, COS, SIN, NORM_FN, FIRST_NORM, WORK, SHAPE_FIELDS };
@@ -88,15 +90,20 @@ void decode_layers(const int64_t *plan, int64_t L, const int64_t *attention, con
         const int64_t *p = plan + l * PLAN_FIELDS;
         linear(p + QKV, h, qkv, M, scratch);
         for (int64_t m = 0; m < M; m++) {   /* q and k rotated, v copied: each (M, heads, d) in a row */
-            const float *row = qkv + m * W, *c = cos + m * d, *s = sin + m * d;
+            float *row = qkv + m * W;
+            const float *c = cos + m * d, *s = sin + m * d;
+            if (p[Q_NORM]) {   /* Qwen3: each head of q and of k normed before RoPE, in place */
+                norm(row, NULL, (const float *)p[Q_NORM], row, H, d, eps);
+                norm(row + H * d, NULL, (const float *)p[K_NORM], row + H * d, KVH, d, eps);
+            }
             for (int64_t j = 0; j < H; j++) rope(row + j * d, c, s, q + (m * H + j) * d, d);
             for (int64_t j = 0; j < KVH; j++) rope(row + (H + j) * d, c, s, k + (m * KVH + j) * d, d);
             memcpy(v + m * KVH * d, row + (H + KVH) * d, KVH * d * sizeof(float));
         }
         float *k_cache = (float *)attention[KV] + l * attention[LAYER_STRIDE];
-        ((AttentionFn)attention[A_FN])(q, k, v, k_cache, k_cache + attention[V_OFFSET], (const int64_t *)attention[SLOTS],
-            (const int64_t *)attention[TABLES], (const int64_t *)attention[LENS], att, scores, M, H, KVH, d,
-            attention[BLOCK], attention[TABLE_STRIDE], T, (float)(1.0 / sqrt((double)d)));
+        ((AttentionFn)attention[A_FN])(q, k, v, k_cache, k_cache + attention[V_OFFSET],
+            (const int64_t *)attention[SLOTS], (const int64_t *)attention[TABLES], (const int64_t *)attention[LENS],
+            att, scores, M, H, KVH, d, attention[BLOCK], attention[TABLE_STRIDE], T, (float)(1.0 / sqrt((double)d)));
         linear(p + O_PROJ, att, h, M, scratch);
         norm(h, x, (const float *)p[POST_NORM], h, M, D, eps);       /* x += h; h = norm(x) */
         linear(p + GATE_UP, h, gu, M, scratch);

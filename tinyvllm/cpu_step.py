@@ -5,7 +5,7 @@ PyTorch operator calls and 211 ctypes calls of `decode_forward` at batch 1 on th
 costs microseconds in the interpreter. A CUDA graph removes that on a GPU and torch.compile
 does on a CPU, once its graphs are made (a minute of compiling, seconds to read back). cpu_step.c removes it at once:
 it is phase 7's `decode_forward` (fused q/k/v and gate/up projections, the residual add fused
-with RMSNorm, one RoPE for q and k) written as a C loop over the layers, the way llama.cpp runs
+with RMSNorm, Qwen3's per-head norms, one RoPE for q and k) written as a C loop over the layers, the way llama.cpp runs
 a model, calling the kernels the eager step calls by their addresses.
 
 What each product's kernel is, the caller says, as a row of ten integers per layer
@@ -39,25 +39,27 @@ class CStep:
     `step(input_ids, positions, attention)`, attention a step's row (phase 4's `attention_row`),
     gives the final norm's output (N, D), or None where it does not serve. It serves up to
     `max_rows` rows, the fewest any product's kernel takes; none (0) where a product has no C
-    kernel, the model is not float32, has per-head norms of q and k (Qwen3) or norms of
-    different eps, or the CPU lacks AVX2; and none from the first step whose attention is not
-    phase 4's C kernel."""
+    kernel, the model is not float32 or has norms of different eps, or the CPU lacks AVX2; and
+    none from the first step whose attention is not phase 4's C kernel."""
 
     def __init__(self, model: torch.nn.Module, row_of: Callable[[torch.nn.Module], list[int]]):
         self.model, m, self.max_rows = model, model.model, 0
         layers = m.layers
-        if not all(hasattr(la.self_attn, "qkv_proj") and hasattr(la.mlp, "gate_up_proj")
-                   and getattr(la.self_attn, "q_norm", None) is None for la in layers) \
+        if not all(hasattr(la.self_attn, "qkv_proj") and hasattr(la.mlp, "gate_up_proj") for la in layers) \
                 or m.embed_tokens.weight.dtype != torch.float32 or not STEP.available():   # its C is float32's
             return
         nexts = [la.input_layernorm for la in layers[1:]] + [m.norm]      # the norm after each layer
+        qk_norms = [() if getattr(la.self_attn, "q_norm", None) is None else (la.self_attn.q_norm, la.self_attn.k_norm)
+                    for la in layers]                                   # Qwen3's per-head norms
         rows = [[la.post_attention_layernorm.weight.data_ptr(), nxt.weight.data_ptr()]
+                + ([n.weight.data_ptr() for n in qk] or [0, 0])
                 + [x for p in (la.self_attn.qkv_proj, la.self_attn.o_proj, la.mlp.gate_up_proj, la.mlp.down_proj)
                    for x in row_of(getattr(p, "layer", p))]   # a wrapper's own layer (phase 7's OpaqueLinear)
-                for la, nxt in zip(layers, nexts)]
-        self.plan = torch.tensor(rows, dtype=torch.int64)                # (L, 2 + 4 products x FIELDS)
-        products = self.plan[:, 2:].reshape(-1, FIELDS)
-        eps = {n.eps for la in layers for n in (la.input_layernorm, la.post_attention_layernorm)} | {m.norm.eps}
+                for la, nxt, qk in zip(layers, nexts, qk_norms)]
+        self.plan = torch.tensor(rows, dtype=torch.int64)                # (L, 4 norms + 4 products x FIELDS)
+        products = self.plan[:, 4:].reshape(-1, FIELDS)
+        eps = {m.norm.eps} | {n.eps for la, qk in zip(layers, qk_norms)
+                              for n in (la.input_layernorm, la.post_attention_layernorm, *qk)}
         if not ((products[:, 0] != 0).all() and len(eps) == 1 and NORM.available()):
             return
         self.max_rows = int(products[:, 9].min()) - 1
