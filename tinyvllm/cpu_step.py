@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import AVX2_FLAGS
+from tinyvllm.hardware import AVX2_FLAGS, cpu_kind
 from tinyvllm.model import NORM
 
 P = ctypes.c_void_p
@@ -31,6 +31,10 @@ STEP = CKernel(Path(__file__).with_name("cpu_step.c"), ["-O3", "-mavx2", "-mfma"
                "-fPIC"], AVX2_FLAGS, {"decode_layers": [P, ctypes.c_int64, P, P, P, P, ctypes.c_float]},
                fallback="decode steps run in PyTorch")
 FIELDS = 10   # a product's row: its kernel (0: none in C), kind, four pointers, out, in, group, rows it serves to
+# The CPU kinds where `CStep` serves: measured on an AVX2 Zen 4 EPYC (lab note 7: a batch-1 step
+# 18.8 -> 12.1 ms eager, 12.5 -> 11.5 against the compiled graph), not yet on the avx512_vnni kind,
+# where the compiled step keeps the steps it would take (its int4 products are these kernels too).
+CSTEP_KINDS = ("avx2",)
 
 
 class CStep:
@@ -39,14 +43,15 @@ class CStep:
     `step(input_ids, positions, attention)`, attention a step's row (phase 4's `attention_row`),
     gives the final norm's output (N, D), or None where it does not serve. It serves up to
     `max_rows` rows, the fewest any product's kernel takes; none (0) where a product has no C
-    kernel, the model is not float32 or has norms of different eps, or the CPU lacks AVX2; and
-    none from the first step whose attention is not phase 4's C kernel."""
+    kernel, the model is not float32 or has norms of different eps, or the CPU is not of a kind
+    in `CSTEP_KINDS`; and none from the first step whose attention is not phase 4's C kernel."""
 
     def __init__(self, model: torch.nn.Module, row_of: Callable[[torch.nn.Module], list[int]]):
         self.model, m, self.max_rows = model, model.model, 0
         layers = m.layers
         if not all(hasattr(la.self_attn, "qkv_proj") and hasattr(la.mlp, "gate_up_proj") for la in layers) \
-                or m.embed_tokens.weight.dtype != torch.float32 or not STEP.available():   # its C is float32's
+                or m.embed_tokens.weight.dtype != torch.float32 or cpu_kind() not in CSTEP_KINDS \
+                or not STEP.available():   # its C is float32's; measured where CSTEP_KINDS says
             return
         nexts = [la.input_layernorm for la in layers[1:]] + [m.norm]      # the norm after each layer
         qk_norms = [() if getattr(la.self_attn, "q_norm", None) is None else (la.self_attn.q_norm, la.self_attn.k_norm)

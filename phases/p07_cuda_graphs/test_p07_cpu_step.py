@@ -8,7 +8,8 @@
   norms of q and k (Qwen3); and `decode_forward` does not run;
 - greedy tokens equal phase 6's (enforce_eager=True) at batch 1 and across buckets;
 - it serves only where every product and the attention have C kernels: bfloat16 and an int8 KV
-  cache take `decode_forward`, as do more rows than the products' kernels take;
+  cache take `decode_forward`, as do more rows than the products' kernels take; and only on the
+  CPU kinds where it was measured (`CSTEP_KINDS`);
 - with the compiled step on, the rows it serves never make a compile due, and run it even when
   the graphs are ready.
 """
@@ -19,6 +20,7 @@ import pytest
 import torch
 
 from phases.p07_cuda_graphs import compiled
+from phases.p07_cuda_graphs.fused import layer_row
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.cpu_step import CStep
 from tinyvllm.hardware import cpu_kind
@@ -95,6 +97,18 @@ def test_cpu_step_serves_only_c_kernels(make_llm, tiny_model_dir):
     want = tokens(make_llm(tiny_model_dir, 7, max_num_seqs=8, kv_cache_dtype="int8", enforce_eager=True), PROMPTS)
     assert tokens(int8_kv, PROMPTS) == want
     assert not int8_kv.llm_engine.runner.decode_runner.c_step.serves(1)
+
+
+def test_cpu_step_serves_only_where_it_was_measured(tiny_model_dir, monkeypatch):
+    """A CPU kind not in CSTEP_KINDS (here: as if this one were an avx512_vnni Xeon) keeps the
+    step it had: decode_forward, or the compiled graph."""
+    import tinyvllm.cpu_step as cpu_step
+
+    monkeypatch.setattr(cpu_step, "cpu_kind", lambda: "avx512_vnni")
+    llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, quantization="int4", compilation_mode=0)
+    assert not llm.llm_engine.runner.decode_runner.c_step
+    monkeypatch.setattr(cpu_step, "cpu_kind", lambda: "avx2")
+    assert CStep(llm.llm_engine.model, layer_row).serves(1) == cpu_step.STEP.supported()
 
 
 def test_rows_cpu_step_serves_never_make_a_compile_due(tiny_model_dir, monkeypatch, tmp_path):
