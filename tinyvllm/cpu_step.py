@@ -3,10 +3,11 @@
 An eager decode step on a CPU spends a third of its time between the kernels: each of the 592
 PyTorch operator calls and 211 ctypes calls of `decode_forward` at batch 1 on the default model
 costs microseconds in the interpreter. A CUDA graph removes that on a GPU and torch.compile
-does on a CPU, once its graphs are made (a minute of compiling, seconds to read back). cpu_step.c removes it at once:
-it is phase 7's `decode_forward` (fused q/k/v and gate/up projections, the residual add fused
-with RMSNorm, Qwen3's per-head norms, one RoPE for q and k) written as a C loop over the layers, the way llama.cpp runs
-a model, calling the kernels the eager step calls by their addresses.
+does on a CPU, once its graphs are made (a minute of compiling, seconds to read back).
+cpu_step.c removes it at once: it is phase 7's `decode_forward` (fused q/k/v and gate/up
+projections, the residual add fused with RMSNorm, Qwen3's per-head norms, one RoPE for q and k)
+written as a C loop over the layers, the way llama.cpp runs a model, calling the kernels the
+eager step calls by their addresses.
 
 What each product's kernel is, the caller says, as a row of ten integers per layer
 (`row_of(module)`: phase 7's `layer_row`, the same rows its compiled step's C++ operators
