@@ -3,9 +3,8 @@
 - at every row count it serves, its logits are `decode_forward`'s within float32 rounding (its
   SiLU takes libm's expf), the first layer's K/V written bit for bit (the same products, RoPE's
   same roundings, the same cache write; but Qwen3's, normed per head in C), later layers' within
-  rounding; on float32 weights
-  (cpu_gemv.c), a checkpoint on codes, int8 and int4 weights, q/k/v biases (Qwen2), per-head
-  norms of q and k (Qwen3); and `decode_forward` does not run;
+  rounding; on float32 weights (cpu_gemv.c), a checkpoint on codes, int8 and int4 weights, q/k/v
+  biases (Qwen2), per-head norms of q and k (Qwen3); and `decode_forward` does not run;
 - greedy tokens equal phase 6's (enforce_eager=True) at batch 1 and across buckets;
 - it serves only where every product and the attention have C kernels: bfloat16 and an int8 KV
   cache take `decode_forward`, as do more rows than the products' kernels take; and only on the
@@ -38,7 +37,7 @@ def serving(llm, rows: int = 1) -> CStep:
     c_step = llm.llm_engine.runner.decode_runner.c_step
     if not c_step.serves(rows):
         assert cpu_kind() != "avx2", "on an AVX2 CPU every product of these models has a C kernel"
-        pytest.skip("cpu_step.c serves where every product has a C kernel (an AVX2 CPU's)")
+        pytest.skip(f"cpu_step.c serves on the CPU kinds of CSTEP_KINDS (this one: {cpu_kind()!r})")
     return c_step
 
 
