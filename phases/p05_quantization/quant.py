@@ -277,7 +277,7 @@ class QuantizedLinear(nn.Module):
         kernel = self.choose_kernel(x.shape[0])
         if kernel == "reference":
             return self.reference_forward(x)
-        return KERNEL_FNS[kernel](self, x)
+        return KERNEL_FNS[kernel](self, x).to(x.dtype)  # the C kernels compute in float32
 
     def kernel_call(self):
         """This layer's product as one callable, x (N, I) on a CPU -> (N, O), with its kernel
@@ -286,7 +286,7 @@ class QuantizedLinear(nn.Module):
         the switch to `dequant_sgemm` at `dequant_from_rows()`); the other kernels, chosen by the
         number of rows, keep `forward`."""
         kernel, many = self.choose_kernel(1), self.dequant_from_rows()
-        if not kernel.startswith("cpu_"):
+        if not kernel.startswith("cpu_") or self.dtype != torch.float32:
             return self.forward
         return partial(KERNEL_FNS[kernel], self) if many is None else lambda x: KERNEL_FNS[
             kernel if x.shape[0] < many else "dequant_sgemm"](self, x)
@@ -303,7 +303,7 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (*self.buffers(), *self.parameters()))
 
 
-# -- kernels: each takes (layer, x (N, I) float32) -> (N, O) ----------------------------------
+# -- kernels: each takes (layer, x (N, I)) -> (N, O), float32 (PyTorch's int8pack/int4pack: x's dtype) ---
 
 def _pack_fbgemm(layer: QuantizedLinear):
     # torch 2.13 warns that quantized tensors (qint8) are deprecated (pytorch/pytorch#184982);
@@ -361,7 +361,8 @@ def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant_sgemm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size), layer.bias)
+    w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size)
+    return F.linear(x.float(), w, None if layer.bias is None else layer.bias.float())
 
 
 def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:  # a layer stored as rows
@@ -384,8 +385,7 @@ def _int4pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias
 
 
-KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8a8": _fbgemm_w8a8,
-              "int8pack_mm": _int8pack_mm,
+KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8a8": _fbgemm_w8a8, "int8pack_mm": _int8pack_mm,
               "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm, "dequant_sgemm": _dequant_sgemm}
 PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4,  # cpu_int4: the weight's caller
            "cpu_int4": lambda layer: cpu_int8.int4_matmul(layer.qweight, layer.scale, layer.zero, layer.group_size),

@@ -101,6 +101,12 @@ def test_each_cpu_kernel_matches_the_reference(method, kernel, rows):
     # argued element by element in test_cpu_int4_groups_and_odd_shapes)
     tol = {"fbgemm_w8a8": 0.05, "cpu_int8": 1e-3, "cpu_int8_vnni": 1e-3, "cpu_int4": 2e-2}.get(kernel, 1e-4)
     assert ((layer(x) - ref).norm() / ref.norm()) < tol
+    # a bfloat16 layer: every kernel hands back x's dtype (the C ones compute in float32), with
+    # the bias, also through kernel_call (phase 7's compiled step)
+    half = QuantizedLinear(w.bfloat16(), b.bfloat16(), method, 32, kernel=kernel)
+    ref = half.reference_forward(x.bfloat16()).float()
+    for y in (half(x.bfloat16()), half.kernel_call()(x.bfloat16())):
+        assert y.dtype == torch.bfloat16 and ((y.float() - ref).norm() / ref.norm()) < max(tol, 1e-2)
 
 
 NO_VNNI = (f"cpu_int8_vnni needs AVX512-VNNI (avx512_vnni, avx512bw and avx512vl in /proc/cpuinfo) and a C "
@@ -329,15 +335,20 @@ def test_same_memory_holds_more_blocks_and_admits_more_sequences(tiny_model_dir,
 INT8_BOUND = 1e-3 if cpu_int8.available() or cpu_int8.vnni_available() else 0.15
 
 
-@pytest.mark.parametrize("quantization,kv,bound", [("int8", "auto", INT8_BOUND), ("int4", "auto", 0.05),
-                                                   (None, "int8", 0.05), (None, "fp8", 0.15)])
-def test_engine_logits_match_float_with_the_rounded_weights(tiny_model_dir, make_llm, quantization, kv, bound):
-    ref = LLM(str(tiny_model_dir), phase=5)
+@pytest.mark.parametrize("quantization,kv,bound,dtype", [
+    ("int8", "auto", INT8_BOUND, "float32"), ("int4", "auto", 0.05, "float32"), (None, "int8", 0.05, "float32"),
+    (None, "fp8", 0.15, "float32"),
+    # a bfloat16 model: the C kernels compute in float32 and hand back bfloat16 (bfloat16's own
+    # rounding, 8 bits, sets the bound)
+    ("int8", "auto", 0.02, "bfloat16"), ("int4", "auto", 0.05, "bfloat16")])
+def test_engine_logits_match_float_with_the_rounded_weights(tiny_model_dir, make_llm, quantization, kv, bound, dtype):
+    ref = LLM(str(tiny_model_dir), phase=5, dtype=dtype)
     if quantization:  # each layer rounded as the engine rounds it (the LM head: HEAD_METHOD)
         for name, m in linear_layers(ref.llm_engine.model):
             method = HEAD_METHOD.get(quantization, quantization) if name == "lm_head" else quantization
             m.weight.data = QuantizedLinear(m.weight, None, method, 32).dequantize()
-    llm = make_llm(tiny_model_dir, 5, quantization=quantization, quantization_group_size=32, kv_cache_dtype=kv)
+    llm = make_llm(tiny_model_dir, 5, quantization=quantization, quantization_group_size=32, kv_cache_dtype=kv,
+                   dtype=dtype)
     if quantization:
         formats = {name: m.method for name, m in llm.llm_engine.model.named_modules() if isinstance(m, QuantizedLinear)}
         assert formats.pop("lm_head") == HEAD_METHOD.get(quantization, quantization)
