@@ -1,12 +1,13 @@
 """`tinyvllm bench accuracy` on a tiny model with a few tokens: the float engine against itself
-scores zero KL and full agreement, a quantized one is reported beside it, and --json writes it."""
+scores zero KL and full agreement, a quantized or bfloat16 one is reported beside it, and --json
+writes it."""
 
 import json
 import math
 
 import pytest
 
-from tinyvllm.entrypoints.bench.accuracy import TEXT_PATH, load_text, run_accuracy
+from tinyvllm.entrypoints.bench.accuracy import TEXT_PATH, format_accuracy, load_text, run_accuracy
 
 
 def test_shipped_text_is_long_enough_and_licensed():
@@ -25,6 +26,7 @@ def test_accuracy_report(tiny_model_dir):
     report = run_accuracy(str(tiny_model_dir), quantizations=(None, "int8"), kv_cache_dtypes=("auto", "int8"),
                           group_size=32, window=24, max_text_tokens=72, kl_tokens=40, num_chat=2,
                           chat_tokens=6, phase=5)
+    assert {r["dtype"] for r in report["results"]} == {"float32"}   # "auto" on a CPU
     rows = {(r["quantization"], r["kv_cache_dtype"]): r for r in report["results"]}
     assert set(rows) == {(None, "auto"), (None, "int8"), ("int8", "auto"), ("int8", "int8")}
     base = rows[(None, "auto")]
@@ -41,11 +43,26 @@ def test_accuracy_cli_json(tiny_model_dir, tmp_path):
     from tinyvllm.entrypoints.cli import main
     out = tmp_path / "acc.json"
     rc = main(["bench", "accuracy", "--model", str(tiny_model_dir), "--quantization-list", "int4",
-               "--kv-cache-dtypes", "fp8", "--window", "16",
+               "--kv-cache-dtypes", "fp8", "--dtypes", "float32", "--window", "16",
                "--max-text-tokens", "32", "--kl-tokens", "8", "--num-chat", "1", "--chat-tokens", "4",
                "--json", str(out)])
     assert rc in (0, None)
     report = json.loads(out.read_text())
-    assert [(r["quantization"], r["kv_cache_dtype"]) for r in report["results"]] == [(None, "auto"), ("int4", "fp8")]
+    assert [(r["dtype"], r["quantization"], r["kv_cache_dtype"]) for r in report["results"]] == [
+        ("float32", None, "auto"), ("float32", "int4", "fp8")]
     # no group size asked: the engine's default (the tiny model's inputs 64 and 128 take 32), recorded
     assert report["group_size"] == report["results"][1]["group_size"] == 32
+
+
+def test_accuracy_report_puts_bfloat16_beside_float32(tiny_model_dir):
+    report = run_accuracy(str(tiny_model_dir), quantizations=(None, "int8"), kv_cache_dtypes=("auto",),
+                          group_size=32, window=24, max_text_tokens=48, kl_tokens=24, num_chat=1,
+                          chat_tokens=4, phase=5, dtypes=("float32", "bfloat16"))
+    rows = {(r["dtype"], r["quantization"]): r for r in report["results"]}
+    assert list(rows) == [("float32", None), ("float32", "int8"), ("bfloat16", None), ("bfloat16", "int8")]
+    base = rows[("float32", None)]
+    for key in (("bfloat16", None), ("bfloat16", "int8")):   # measured against float32, not itself
+        r = rows[key]
+        assert r["mean_kl"] > 0 and math.isfinite(r["perplexity"])
+        assert r["perplexity_change"] == pytest.approx(r["perplexity"] / base["perplexity"] - 1)
+    assert "bfloat16" in format_accuracy(report)

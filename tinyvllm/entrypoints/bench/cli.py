@@ -35,7 +35,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="throughput (many requests at once), latency (one request: TTFT, TPOT), "
                         "prefix (a shared system prompt: TTFT cold vs cached), kernels (the attention "
                         "kernels alone, against the memory bandwidth), accuracy (perplexity, KL "
-                        "divergence and top-1 agreement of quantized engines against float), serve "
+                        "divergence and top-1 agreement of quantized or bfloat16 engines against float32), serve "
                         "(a load test of an OpenAI-compatible server); default throughput")
     p.add_argument("--model", default=None,
                    help="path to a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
