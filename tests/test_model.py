@@ -42,6 +42,35 @@ def test_linear_fast_paths_equal_f_linear(rows, bias, vendor_rule):
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
+@pytest.mark.parametrize("out_features", [80, 2500])   # one chunk of the weight, and three (the last short)
+def test_bfloat16_linear_runs_many_rows_in_float32_on_the_kinds_it_was_measured(out_features, monkeypatch):
+    """In bfloat16 on a CPU kind BF16_UPCAST_ROWS names, from that many rows Linear computes in
+    float32 (`upcast_linear`, the weight made float32 a chunk at a time): float32's product of
+    the same bfloat16 numbers, rounded once to bfloat16; fewer rows, or a kind not named, keep
+    PyTorch's bfloat16 product."""
+    from tinyvllm import model
+    from tinyvllm.hardware import cpu_kind
+
+    torch.manual_seed(0)
+    layer = model.Linear(48, out_features, bias=True).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(40, 48, dtype=torch.bfloat16)
+    exact = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+    got = model.upcast_linear(x, layer.weight, layer.bias)
+    assert got.dtype == torch.bfloat16   # within bfloat16's one rounding of float32's result
+    torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
+    assert layer.upcast_rows == model.BF16_UPCAST_ROWS.get(cpu_kind(), 0)
+    calls = []
+    monkeypatch.setattr(model, "upcast_linear", lambda *a: calls.append(len(a[0])) or exact[: len(a[0])].bfloat16())
+    layer.upcast_rows = 16
+    with torch.inference_mode():
+        for rows in (1, 15, 16, 40):
+            y = layer(x[:rows])
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        layer.upcast_rows = 0   # a kind where it was not measured
+        layer(x)
+    assert calls == [16, 40]
+
+
 @pytest.mark.parametrize("shape", [(80, 48), (7, 13), (963, 1536)])   # (out, in): odd sizes too
 def test_linear_gemv_equals_f_linear_and_serves_its_rows(shape, monkeypatch):
     """tinyvllm's own float32 product (cpu_gemv.c) gives F.linear's numbers up to float rounding,

@@ -135,6 +135,29 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
     return y if bias is None else y.add_(bias)
 
 
+# From how many rows a bfloat16 product on the CPU runs in float32, per CPU kind. Without
+# bfloat16 arithmetic (AVX2: no AVX512-BF16, no AMX) PyTorch's bfloat16 product ran at about 20
+# GFLOP/s on an AVX2 Zen 4 EPYC against float32's 80-110, so a prompt of 1,000 tokens took 10.0 s
+# to its first token against float32's 2.4; each chunk of the weight made float32 first, it took
+# 2.6. The default model's 121 products in bfloat16 against in float32 a chunk at a time, ms
+# (median of 5, two runs): 16 rows 166 / 234 against 101 / 131, 24 rows 300 / 313 against 123 /
+# 173, 512 rows 5,694 against 1,201; at 12 rows one win, one loss; at one row (a decode) reading
+# half the bytes wins, 18 against 138. Not measured where bfloat16 is native (avx512_vnni kind).
+BF16_UPCAST_ROWS = {"avx2": 16}
+
+
+def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  chunk: int = 1024) -> torch.Tensor:
+    """x (N, I) @ weight (O, I)^T + bias computed in float32, returned in x's dtype: the weight
+    made float32 `chunk` output rows at a time (2.4 MB at I = 576: it stays in the core's cache
+    for the product), never all at once."""
+    xf, out = x.float(), x.new_empty(x.shape[0], weight.shape[0])
+    for s in range(0, weight.shape[0], chunk):
+        out[:, s:s + chunk] = F.linear(xf, weight[s:s + chunk].float(),
+                                       None if bias is None else bias[s:s + chunk].float())
+    return out
+
+
 NORM = CKernel(Path(__file__).with_name("cpu_norm.c"), ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-shared",
               "-fPIC"], AVX2_FLAGS, {"add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]},
               fallback="the residual add and RMSNorm stay PyTorch's operators")
@@ -183,6 +206,9 @@ class Linear(nn.Linear):
       without AVX-512): tinyvllm's own AVX2 loop (cpu_gemv.c), which streams the weights faster
       than either library there. Phase 7's compiled step calls it from C++.
 
+    In bfloat16 on a CPU of a kind `BF16_UPCAST_ROWS` names (no bfloat16 arithmetic), from that
+    many rows (a prefill, a large batch) the product runs in float32 (`upcast_linear`).
+
     Elsewhere (a GPU, another dtype, an ARM CPU, or when autograd needs the weight's gradient)
     it is plain `F.linear`. Inside a graph torch.compile traces with a dynamic row count, the
     oneDNN product is the operator `torch.ops.tinyvllm.onednn_linear` (phase 7's compiled step).
@@ -198,11 +224,15 @@ class Linear(nn.Linear):
     # MKL's small-row kernel on an Intel CPU, the transposed product elsewhere: up to here
     small_rows, small_rows_mkl = (3, True) if cpu_vendor() == "Intel" else (2, False)
     gemv_rows = GEMV_MAX_ROWS.get(cpu_kind(), 0)
+    upcast_rows = BF16_UPCAST_ROWS.get(cpu_kind(), 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] if x.dim() == 2 else 0
         if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32
                 or (self.weight.requires_grad and torch.is_grad_enabled())):
+            if (x.dtype == torch.bfloat16 and x.is_cpu and 0 < self.upcast_rows <= n
+                    and not torch.compiler.is_compiling() and not torch.is_grad_enabled()):
+                return upcast_linear(x, self.weight, self.bias)   # (a trace never asks)
             return F.linear(x, self.weight, self.bias)
         if not torch.compiler.is_compiling() and n <= self.gemv_max_rows():   # (a trace never asks)
             return gemv(x, self.weight, self.bias)
@@ -231,6 +261,13 @@ class Linear(nn.Linear):
             cached = w._gemv_ok = (key, w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
                                    and GEMV.available())
         return self.gemv_rows if cached[1] else 0
+
+    def has_own_product(self) -> bool:
+        """Whether `forward` runs a product of its own on this weight (cpu_gemv.c in float32,
+        `upcast_linear` in bfloat16) that a compiler tracing it would not see: phase 7's compiled
+        step calls such a layer as it is."""
+        w = self.weight
+        return bool(self.gemv_max_rows()) or (w.dtype == torch.bfloat16 and w.is_cpu and self.upcast_rows > 0)
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's layout, packed again if the weight was replaced or changed."""

@@ -124,13 +124,13 @@ class OpaqueLinear(nn.Module):
 
 
 def make_opaque(model: nn.Module) -> int:
-    """Wrap every `QuantizedLinear` and `LosslessLinear` of `model`, and each float32 `Linear` that
-    runs cpu_gemv.c, in an `OpaqueLinear`, in place, numbered in the model's order
-    (`model.opaque_layers`: each one's product as a callable, `kernel_call` or the layer itself;
-    the same numbers in every process); returns how many."""
+    """Wrap every `QuantizedLinear` and `LosslessLinear` of `model`, and each `Linear` with a
+    product of its own (cpu_gemv.c, bfloat16's `upcast_linear`), in an `OpaqueLinear`, in place,
+    numbered in the model's order (`model.opaque_layers`: each one's product as a callable,
+    `kernel_call` or the layer itself; the same numbers in every process); returns how many."""
     layers = []
     for name, m in list(model.named_modules()):
-        if type(m) in (QuantizedLinear, LosslessLinear) or type(m) is Linear and m.gemv_max_rows():
+        if type(m) in (QuantizedLinear, LosslessLinear) or type(m) is Linear and m.has_own_product():
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m, len(layers)))
             layers.append(m)

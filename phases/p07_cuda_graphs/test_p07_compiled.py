@@ -177,26 +177,33 @@ def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_mod
     assert runner.shapes_seen == {False} and graphs_made(runner) == (1, {False})
 
 
-@pytest.mark.parametrize("batch_invariant", [False, True])
-def test_float32_layers_are_opaque_where_cpu_gemv_serves_them(make_llm, tiny_model_dir, batch_invariant):
+@pytest.mark.parametrize("batch_invariant,dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
+def test_layers_are_opaque_where_a_product_of_their_own_serves_them(make_llm, tiny_model_dir, batch_invariant, dtype):
     """`make_opaque` wraps each float32 `Linear` that runs tinyvllm's own product (cpu_gemv.c:
-    on the avx2 kind), as cpu_ops.cpp calls it, and never a subclass with a product of its own
-    (phase 3's `BatchInvariantLinear` keeps its bits)."""
+    on the avx2 kind), as cpu_ops.cpp calls it, and each bfloat16 one where `upcast_linear`
+    serves its many rows (the avx2 kind: cpu_ops.cpp calls it from Python, its row all zeros),
+    and never a subclass with a product of its own (phase 3's `BatchInvariantLinear` keeps its
+    bits)."""
     import copy
 
-    from tinyvllm.model import GEMV, Linear
+    from tinyvllm.model import BF16_UPCAST_ROWS, GEMV, Linear
 
     if batch_invariant:
         from phases.p03_continuous_batching.batch_invariant import KERNELS
         if not KERNELS.available():
             pytest.skip("batch_invariant=True needs AVX2 and a C compiler")
-    model = copy.deepcopy(make_llm(tiny_model_dir, 7, batch_invariant=batch_invariant).llm_engine.model)
+    llm = make_llm(tiny_model_dir, 7, batch_invariant=batch_invariant, dtype=dtype, compilation_mode=0)
+    model = copy.deepcopy(llm.llm_engine.model)
     plain = [m for m in model.modules() if type(m) is Linear]
-    served = not batch_invariant and cpu_kind() == "avx2" and GEMV.available()
+    served = not batch_invariant and (GEMV.available() if dtype == "float32" else cpu_kind() in BF16_UPCAST_ROWS)
     assert bool(plain) != batch_invariant
-    assert compiled.make_opaque(model) == (len(plain) if served else 0)
+    assert compiled.make_opaque(model) == (len(plain) if served and cpu_kind() == "avx2" else 0)
     rows = model.native_layers
-    assert (rows[:, 1] == 32).all() and (rows[:, -1] == 9).all() and len(rows) == len(model.opaque_layers)
+    assert len(rows) == len(model.opaque_layers)
+    if dtype == "float32":
+        assert (rows[:, 1] == 32).all() and (rows[:, -1] == 9).all()
+    else:
+        assert (rows == 0).all()
 
 
 def test_compiled_step_reads_a_checkpoint_on_codes_from_them(tiny_codes_dir, monkeypatch):
