@@ -61,14 +61,14 @@ def test_bfloat16_linear_runs_many_rows_in_float32_on_the_kinds_it_was_measured(
     assert layer.upcast_rows == model.BF16_UPCAST_ROWS.get(cpu_kind(), 0)
     calls = []
     monkeypatch.setattr(model, "upcast_linear", lambda *a: calls.append(len(a[0])) or exact[: len(a[0])].bfloat16())
-    layer.upcast_rows = 16
+    layer.upcast_rows = 24
     with torch.inference_mode():
-        for rows in (1, 15, 16, 40):
+        for rows in (1, 23, 24, 40):
             y = layer(x[:rows])
             assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
         layer.upcast_rows = 0   # a kind where it was not measured
         layer(x)
-    assert calls == [16, 40]
+    assert calls == [24, 40]
 
 
 @pytest.mark.parametrize("shape", [(80, 48), (7, 13), (963, 1536)])   # (out, in): odd sizes too

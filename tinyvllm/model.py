@@ -137,13 +137,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 
 # From how many rows a bfloat16 product on the CPU runs in float32, per CPU kind. Without
 # bfloat16 arithmetic (AVX2: no AVX512-BF16, no AMX) PyTorch's bfloat16 product ran at about 20
-# GFLOP/s on an AVX2 Zen 4 EPYC against float32's 80-110, so a prompt of 1,000 tokens took 10.0 s
-# to its first token against float32's 2.4; each chunk of the weight made float32 first, it took
-# 2.6. The default model's 121 products in bfloat16 against in float32 a chunk at a time, ms
-# (median of 5, two runs): 16 rows 166 / 234 against 101 / 131, 24 rows 300 / 313 against 123 /
-# 173, 512 rows 5,694 against 1,201; at 12 rows one win, one loss; at one row (a decode) reading
-# half the bytes wins, 18 against 138. Not measured where bfloat16 is native (avx512_vnni kind).
-BF16_UPCAST_ROWS = {"avx2": 16}
+# GFLOP/s on an AVX2 Zen 4 EPYC against float32's 80-110: a prompt of 1,000 tokens took 10.0 s to
+# its first token against float32's 2.5; with each chunk of the weight made float32 first, 3.2.
+# A decode step of the default model, bfloat16's products against float32's a chunk at a time,
+# alternating rounds in one process (ms, median of 5 steps a round): 48 rows 562-797 against
+# 337-544, 32 rows 453-558 against 366-438, 24 rows 343-452 against 196-395 (each round won); 16
+# rows two rounds of four won; one row (reading half the bytes wins) 18 against 138 for the
+# products alone. Not measured where bfloat16 is native (the avx512_vnni kind).
+BF16_UPCAST_ROWS = {"avx2": 24}
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
