@@ -121,8 +121,7 @@ def vnni_pack(qweight: torch.Tensor) -> torch.Tensor:
 def vnni_int8_matmul(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
     """x (M, I) float32, wp from `vnni_pack`, scale (O,) float32 -> (M, O) float32."""
     lib = VNNI.lib or VNNI.load()
-    x = x.contiguous()
-    m, i = x.shape
+    x, (m, i) = x.contiguous(), x.shape
     y = torch.empty(m, out_features)
     lib.vnni_int8_matmul(x.data_ptr(), wp.data_ptr(), scale.data_ptr(), y.data_ptr(),
                          _scratch.get("xq8", 2 * m * 4 * -(-i // 4), torch.int8).data_ptr(),  # two parts a row

@@ -303,7 +303,7 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (*self.buffers(), *self.parameters()))
 
 
-# -- kernels: each takes (layer, x (N, I)) -> (N, O), float32 (PyTorch's int8pack/int4pack: x's dtype) ---
+# -- kernels: each takes (layer, x (N, I)) -> (N, O), float32 (int8pack_mm, int4pack_mm: x's dtype) --
 
 def _pack_fbgemm(layer: QuantizedLinear):
     # torch 2.13 warns that quantized tensors (qint8) are deprecated (pytorch/pytorch#184982);
@@ -385,7 +385,8 @@ def _int4pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias
 
 
-KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8a8": _fbgemm_w8a8, "int8pack_mm": _int8pack_mm,
+KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8a8": _fbgemm_w8a8,
+              "int8pack_mm": _int8pack_mm,
               "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm, "dequant_sgemm": _dequant_sgemm}
 PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4,  # cpu_int4: the weight's caller
            "cpu_int4": lambda layer: cpu_int8.int4_matmul(layer.qweight, layer.scale, layer.zero, layer.group_size),
