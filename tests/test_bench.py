@@ -568,6 +568,23 @@ def test_engine_runner_reports_its_own_tokens(tiny_model_dir):
     assert len(result.ttft_s) == 3 and result.wall_s > 0
 
 
+def test_the_bench_waits_for_graphs_only_where_a_step_would_use_them(tiny_model_dir):
+    """Phase 7 on a CPU compiles in the background; the bench waits for the graphs before its
+    timed rounds, but not for a workload of one request at a time where the C step serves a
+    batch of one (its steps never use the graphs, nor make them due)."""
+    runner = EngineRunner(7, str(tiny_model_dir), {})
+    decode = runner.engine.runner.decode_runner
+    calls = []
+    decode.wait_until_compiled = lambda *a: calls.append(a) or True
+    decode.c_step = SimpleNamespace(serves=lambda rows: rows <= 8)
+    runner.wait_until_compiled(1)
+    assert calls == []
+    runner.wait_until_compiled(None)   # all at once: batches of any size
+    decode.c_step = None               # no C step (another kind, a bfloat16 model): one request waits too
+    runner.wait_until_compiled(1)
+    assert len(calls) == 2
+
+
 # -- the roofline --------------------------------------------------------------------------------
 def test_roofline_is_memory_bound_small_and_compute_bound_large(tiny_model_dir):
     cfg = ModelConfig.from_pretrained(tiny_model_dir)

@@ -241,7 +241,7 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
         for r in runners:
             if hasattr(r, "wait_until_compiled"):
                 bar.set_description(f"compiling {r.name}")
-                compile_wait[r.name] = r.wait_until_compiled()
+                compile_wait[r.name] = r.wait_until_compiled(1 if workload.sequential else None)
         for k, wl in enumerate(rounds):
             run_round(k, wl, f"round {k + 1}/{repeat}")
         while (loose := loose_engines(results, repeat, spread_limit)) and extra < len(extra_salts):
