@@ -277,7 +277,9 @@ class QuantizedLinear(nn.Module):
         kernel = self.choose_kernel(x.shape[0])
         if kernel == "reference":
             return self.reference_forward(x)
-        return KERNEL_FNS[kernel](self, x).to(x.dtype)  # the C kernels compute in float32
+        # the C kernels compute in float32; a bfloat16 x gets bfloat16 back (a dtype test, not
+        # .to(): a microsecond less at each of a step's 211 calls)
+        return y if (y := KERNEL_FNS[kernel](self, x)).dtype == x.dtype else y.to(x.dtype)
 
     def kernel_call(self):
         """This layer's product as one callable, x (N, I) on a CPU -> (N, O), with its kernel
