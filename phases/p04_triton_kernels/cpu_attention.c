@@ -1,4 +1,5 @@
-/* tinyvllm phase 4: a decode step's attention over the paged float32 cache, for x86 CPUs with AVX2.
+/* tinyvllm phase 4: a decode step's attention over the paged float32 cache, for x86 CPUs with AVX2
+ * (and, at the end of the file, a prefill chunk's).
  *
  * What the Triton kernel does on a GPU, for the step that runs most: B sequences, one new query
  * each. PyTorch's path (phase 2's decode_attention) spends ten operator calls per layer around
@@ -216,4 +217,139 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
         }
     }
     free(parts);
+}
+
+/* ---- A prefill chunk: Tq queries, the last Tq of Tk keys, causal (lower-right) ----
+ *
+ * The same flash-attention loop as the Triton kernel's (and as SDPA's CPU kernel): a task is one
+ * KV head and PREFILL_ROWS query rows (BQ tokens x the G query heads sharing that KV head, so
+ * each key tile is read once for all of them); it walks the key tiles of PREFILL_KEYS keys up to
+ * its last query's position, keeping each row's running max, sum and output (online softmax):
+ *
+ *     s = q k^T * scale                  (rows, keys)   scores_6x16, six rows by 16 keys at a time
+ *     top = max(max_row, max_t s);  alpha = exp(max_row - top)
+ *     p = exp(s - top), 0 past the row's own position;   sum = sum * alpha + sum_t p
+ *     o = o * alpha + p v                (rows, d)      values_6x16, six rows by 16 of d at a time
+ *
+ * and divides by the sums at the end. Both products are register tiles of 6 x 16 floats (12 AVX2
+ * registers of sums): a key's 16 floats are loaded once for six rows, a query's float broadcast
+ * once for 16 keys. So the keys are first laid out transposed, tile by tile ((KVH, tiles, d,
+ * PREFILL_KEYS) in kt, which the caller allocates): row i of a tile holds dimension i of its keys.
+ * A row's numbers depend on its own query and keys only, with tiles that start at key 0 whatever
+ * the chunk: the same at any chunking of a prompt.
+ *
+ * q: rows of qs floats, each (H, d); k, v: rows of ks, vs floats, each (KVH, d); out: rows of os
+ * floats, each (H, d). d a multiple of 16. */
+#define PREFILL_KEYS 64   /* keys per tile */
+#define PREFILL_ROWS 48   /* query rows per task, about: BQ = PREFILL_ROWS / G tokens */
+
+/* s[r][0..16) = qp_r . kt[:, 0..16) for the 6 rows r of qp (d floats each), kt a tile's columns:
+ * the 12 sums named one by one (GCC keeps an array of them in memory) */
+#define QK2(r) a##r##0 = _mm256_fmadd_ps(x = _mm256_broadcast_ss(qp + r * d + i), k0, a##r##0), \
+               a##r##1 = _mm256_fmadd_ps(x, k1, a##r##1)
+#define STORE2(r, dst, ld) _mm256_storeu_ps(dst + r * ld, a##r##0), _mm256_storeu_ps(dst + r * ld + 8, a##r##1)
+static inline void scores_6x16(const float *qp, int64_t d, const float *kt, float *s) {
+    __m256 x, a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00,
+           a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+    for (int64_t i = 0; i < d; i++, kt += PREFILL_KEYS) {
+        __m256 k0 = _mm256_loadu_ps(kt), k1 = _mm256_loadu_ps(kt + 8);
+        QK2(0); QK2(1); QK2(2); QK2(3); QK2(4); QK2(5);
+    }
+    STORE2(0, s, PREFILL_KEYS); STORE2(1, s, PREFILL_KEYS); STORE2(2, s, PREFILL_KEYS);
+    STORE2(3, s, PREFILL_KEYS); STORE2(4, s, PREFILL_KEYS); STORE2(5, s, PREFILL_KEYS);
+}
+
+/* o[r][0..16) += sum_j p[r][j] v_j[0..16) for 6 rows r (d floats apart) and the n keys v_j = v + j * vs */
+#define PV2(r) a##r##0 = _mm256_fmadd_ps(x = _mm256_broadcast_ss(p + r * PREFILL_KEYS + j), v0, a##r##0), \
+               a##r##1 = _mm256_fmadd_ps(x, v1, a##r##1)
+#define LOAD2(r) __m256 a##r##0 = _mm256_loadu_ps(o + r * d), a##r##1 = _mm256_loadu_ps(o + r * d + 8)
+static inline void values_6x16(const float *p, const float *v, int64_t vs, int64_t n, float *o, int64_t d) {
+    __m256 x;
+    LOAD2(0); LOAD2(1); LOAD2(2); LOAD2(3); LOAD2(4); LOAD2(5);
+    for (int64_t j = 0; j < n; j++, v += vs) {
+        __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8);
+        PV2(0); PV2(1); PV2(2); PV2(3); PV2(4); PV2(5);
+    }
+    STORE2(0, o, d); STORE2(1, o, d); STORE2(2, o, d); STORE2(3, o, d); STORE2(4, o, d); STORE2(5, o, d);
+}
+
+/* the online softmax of one row's tile of scores s, of which the first `see` count (0 < see):
+ * p = exp(s - top) in place, 0 past `see`; the row's max and sum updated; returns alpha, the
+ * factor its output so far takes */
+static inline float tile_softmax(float *s, int64_t see, float *top_io, float *sum_io) {
+    for (int64_t j = see; j < PREFILL_KEYS; j++) s[j] = -INFINITY;
+    __m256 m8 = _mm256_loadu_ps(s);
+    for (int64_t j = 8; j < PREFILL_KEYS; j += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(s + j));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float top = fmaxf(*top_io, fmaxf(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4))));
+    float alpha = top == *top_io ? 1.f : _mm256_cvtss_f32(exp8(_mm256_set1_ps(*top_io - top)));
+    __m256 top8 = _mm256_set1_ps(top), acc = _mm256_setzero_ps();
+    for (int64_t j = 0; j < PREFILL_KEYS; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), top8));
+        if (see < j + 8)   /* keys past the row's own position weigh nothing (exp8 stops at ~1e-38) */
+            e = _mm256_and_ps(e, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(see - j)),
+                                                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+        _mm256_storeu_ps(s + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    *top_io = top;
+    *sum_io = *sum_io * alpha + hsum(acc);
+    return alpha;
+}
+
+void causal_prefill_attention(const float *q, const float *k, const float *v, float *out, float *kt, int64_t Tq,
+                              int64_t Tk, int64_t H, int64_t KVH, int64_t d, int64_t qs, int64_t ks, int64_t vs,
+                              int64_t os, float scale) {
+    const int64_t BK = PREFILL_KEYS;
+    int64_t G = H / KVH, BQ = PREFILL_ROWS / G > 0 ? PREFILL_ROWS / G : 1, M = (BQ * G + 5) / 6 * 6;
+    int64_t tiles = (Tk + BK - 1) / BK, tasks = KVH * ((Tq + BQ - 1) / BQ), past = Tk - Tq;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(static)
+        for (int64_t ht = 0; ht < KVH * tiles; ht++) {   /* kt: each tile of keys transposed, zeros past Tk */
+            float *t = kt + ht * d * BK;
+            for (int64_t j = 0; j < BK; j++) {
+                int64_t key = ht % tiles * BK + j;
+                const float *src = k + key * ks + ht / tiles * d;
+                for (int64_t i = 0; i < d; i++) t[i * BK + j] = key < Tk ? src[i] : 0.f;
+            }
+        }
+        /* a task's rows: r = token * G + head; M rows, a multiple of 6 (the rows past BQ * G are zeros) */
+        float qp[M * d], o[M * d], s[M * BK], top[M], sum[M];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = tasks - 1; task >= 0; task--) {   /* the longest tasks (the last queries') first */
+            int64_t h = task % KVH, t0 = task / KVH * BQ, t1 = t0 + BQ < Tq ? t0 + BQ : Tq, rows = (t1 - t0) * G;
+            memset(qp, 0, sizeof(qp));
+            memset(o, 0, sizeof(o));
+            for (int64_t r = 0; r < M; r++) {
+                for (int64_t i = 0; r < rows && i < d; i++) qp[r * d + i] = q[(t0 + r / G) * qs + (h * G + r % G) * d + i] * scale;
+                top[r] = -INFINITY, sum[r] = 0.f;
+            }
+            int64_t last = past + t1 - 1;   /* the last query's position: it sees keys 0 .. last */
+            for (int64_t b = 0; b * BK <= last; b++) {
+                int64_t j0 = b * BK, n = last + 1 - j0 < BK ? last + 1 - j0 : BK;
+                const float *tile = kt + (h * tiles + b) * d * BK;
+                for (int64_t r = 0; r < M; r += 6)
+                    for (int64_t c = 0; c < BK; c += 16) scores_6x16(qp + r * d, d, tile + c, s + r * BK + c);
+                for (int64_t r = 0; r < M; r++) {
+                    int64_t see = past + t0 + r / G + 1 - j0;   /* the keys of this tile row r sees */
+                    if (r >= rows || see <= 0) {   /* none: the row's p are zeros */
+                        memset(s + r * BK, 0, BK * sizeof(float));
+                        continue;
+                    }
+                    float alpha = tile_softmax(s + r * BK, see < n ? see : n, top + r, sum + r);
+                    if (alpha != 1.f)
+                        for (int64_t i = 0; i < d; i += 8)
+                            _mm256_storeu_ps(o + r * d + i, _mm256_mul_ps(_mm256_set1_ps(alpha), _mm256_loadu_ps(o + r * d + i)));
+                }
+                for (int64_t r = 0; r < M; r += 6)
+                    for (int64_t c = 0; c < d; c += 16) values_6x16(s + r * BK, v + j0 * vs + h * d + c, vs, n, o + r * d + c, d);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *dst = out + (t0 + r / G) * os + (h * G + r % G) * d, inv = 1.f / sum[r];
+                for (int64_t i = 0; i < d; i++) dst[i] = o[r * d + i] * inv;
+            }
+        }
+    }
 }

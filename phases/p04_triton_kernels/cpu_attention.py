@@ -15,6 +15,9 @@ kernels. What it changes from phase 2's `paged_attention`:
   cached keys in one call, the chunk's own causally in another, merged by their log-sum-exps, as
   split-KV merges its segments; on a GPU's tensors (a reference in tests) SDPA with the mask.
 - A prompt with nothing cached attends over the K/V it just computed: no read of the cache.
+- In float32 on an AVX2 CPU of a kind in `PREFILL_KINDS`, a chunk goes instead through
+  `cpu_attention.c`'s `causal_prefill_attention`: the same loop in register tiles, lower-right
+  causal in one call, faster than SDPA at every length measured (the lesson's table).
 - Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
   the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
   about ten operator calls (float32 cache, AVX2; elsewhere phase 2's). In a step of decodes only
@@ -35,13 +38,17 @@ import torch.nn.functional as F
 from phases.p02_paged_kv import AttentionMetadata, PagedAttention
 from phases.p02_paged_kv.paged_attention import decode_attention
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import AVX2_FLAGS
+from tinyvllm.hardware import AVX2_FLAGS, cpu_kind
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
-DECODE = CKernel(Path(__file__).with_name("cpu_attention.c"),
-                 ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
-                 {"paged_decode_attention": [P] * 10 + [I64] * 7 + [ctypes.c_float]},
-                 fallback="decode steps attend through phase 2's decode_attention")
+KERNELS = CKernel(Path(__file__).with_name("cpu_attention.c"),
+                  ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
+                  {"paged_decode_attention": [P] * 10 + [I64] * 7 + [ctypes.c_float],
+                   "causal_prefill_attention": [P] * 5 + [I64] * 9 + [ctypes.c_float]},
+                  fallback="attention takes PyTorch's path (phase 2's decode_attention, SDPA)")
+PREFILL_KEYS = 64          # keys per tile in causal_prefill_attention (PREFILL_KEYS in the C)
+# where causal_prefill_attention was measured against SDPA, and won (the lesson's table)
+PREFILL_KINDS = ("avx2",)
 # The op SDPA's CPU flash kernel is: (q, k, v, dropout_p, is_causal) -> (out, logsumexp), the
 # second the log of each query's sum of exp(score), which SDPA itself drops. Heads may be grouped.
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -52,7 +59,7 @@ def c_decode_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     piece, on an AVX2 CPU (a GPU's tensors go to phase 2's decode_attention)."""
     if not (q.is_cpu and k_cache.is_cpu):
         return False
-    lib = DECODE.lib if DECODE.tried else DECODE.load()   # built and loaded at the first call only
+    lib = KERNELS.lib if KERNELS.tried else KERNELS.load()   # built and loaded at the first call only
     return lib is not None and q.dtype == k_cache.dtype == torch.float32 and k_cache.is_contiguous()
 
 
@@ -71,11 +78,30 @@ def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     scores = torch.empty(b * h * meta.max_decode_seq_len)
-    (DECODE.lib or DECODE.load()).paged_decode_attention(
+    (KERNELS.lib or KERNELS.load()).paged_decode_attention(
         q.data_ptr(), k.data_ptr() if write else None, v.data_ptr() if write else None, k_cache.data_ptr(),
         v_cache.data_ptr(), meta.slot_mapping.data_ptr() if write else None, tables.data_ptr(), lens.data_ptr(),
         out.data_ptr(), scores.data_ptr(), b, h, kvh, d, block_size, tables.stride(0), meta.max_decode_seq_len,
         1 / math.sqrt(d))
+    return out
+
+
+def c_prefill_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
+    """cpu_attention.c's prefill kernel can attend here: float32 tensors in the CPU's memory, each
+    token's heads in one piece, d a multiple of 16, on a CPU kind in PREFILL_KINDS."""
+    return (all(x.is_cpu and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                for x in (q, k, v, out)) and q.shape[2] % 16 == 0 and cpu_kind() in PREFILL_KINDS
+            and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
+
+
+def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`prefill_attention` in one call of cpu_attention.c, written into out: q, out (Tq, H, d);
+    k, v (Tk, KVH, d), Tk >= Tq, the queries the last Tq of the keys (see c_prefill_runs)."""
+    (tq, h, d), (tk, kvh) = q.shape, k.shape[:2]
+    kt = torch.empty(kvh * -(-tk // PREFILL_KEYS) * PREFILL_KEYS * d)   # the keys transposed, tile by tile
+    KERNELS.lib.causal_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), kt.data_ptr(),
+                                         tq, tk, h, kvh, d, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
+                                         1 / math.sqrt(d))
     return out
 
 
@@ -119,12 +145,13 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                        v_cache: torch.Tensor, meta: AttentionMetadata, c_prefill: bool = True) -> torch.Tensor:
     """Attention for one step's flat batch on a CPU (the new K/V already written to the cache).
 
     q: (N, H, d); k, v: (N, KVH, d), this step's new keys and values (a prompt with nothing
     cached attends over these directly); k_cache, v_cache: (num_blocks, block_size, KVH, d)
-    -> (N, H, d).
+    -> (N, H, d). c_prefill=False keeps every prefill chunk on SDPA (`tinyvllm bench kernels`
+    times both).
     """
     block_size = k_cache.shape[1]
     if not meta.prefill_rows:  # only decodes (most steps)
@@ -139,7 +166,10 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
             blocks = meta.block_tables[b, : -(-lens[b] // block_size)]
             kb = k_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]   # (L, KVH, d)
             vb = v_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]
-        out[rows] = prefill_attention(q[rows], kb, vb)
+        if c_prefill and c_prefill_runs(q, kb, vb, out):
+            c_prefill_attention(q[rows], kb, vb, out[rows])
+        else:
+            out[rows] = prefill_attention(q[rows], kb, vb)
     if len(meta.decode_token_idx):
         idx = meta.decode_token_idx
         out[idx] = decode_rows(q[idx], k_cache, v_cache, meta)
@@ -174,6 +204,6 @@ def attention_row(attention) -> torch.Tensor | None:
     tables, lens = meta.decode_block_tables, meta.decode_seq_lens
     if not c_decode_runs(kv, kv) or tables.stride(1) != 1 or not lens.is_contiguous():
         return None
-    return torch.tensor([DECODE.address("paged_decode_attention"), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+    return torch.tensor([KERNELS.address("paged_decode_attention"), meta.slot_mapping.data_ptr(), tables.data_ptr(),
                          tables.stride(0), lens.data_ptr(), meta.max_decode_seq_len, *kv.shape[3:5], kv.data_ptr(),
                          *kv.stride()[:2]])

@@ -19,15 +19,18 @@ LIMITS = MachineLimits(memory_bandwidth=10e9, matmul_flops=50e9, matmul_dtype="f
 
 def test_rows_bytes_and_ratios():
     report = run_kernels(4, 2, 16, torch.float32, torch.device("cpu"), block_size=16, batch_sizes=[1, 3],
-                         context_lens=[5, 40], prefill_len=20, repeat=1, limits=LIMITS)
+                         context_lens=[5, 40], prefill_lens=[20, 600], repeat=1, limits=LIMITS)
     rows = report["rows"]
     cases = {(r["case"], r["batch"], r["context"]) for r in rows}
-    assert cases == {("decode", 1, 5), ("decode", 3, 5), ("decode", 1, 40), ("decode", 3, 40), ("prefill", 1, 20)}
+    assert cases == {("decode", 1, 5), ("decode", 3, 5), ("decode", 1, 40), ("decode", 3, 40), ("prefill", 1, 20),
+                     ("prefill", 1, 600), ("chunk", 1, 600)}   # 600 tokens: a last chunk of 512 after 88
     for case in cases:
         mine = {r["kernel"]: r for r in rows if (r["case"], r["batch"], r["context"]) == case}
-        assert set(mine) == {"phase3", "cpu", "triton"}
+        # the prefills also through SDPA, where the CPU path may take cpu_attention.c
+        assert set(mine) == {"phase3", "cpu", "triton"} | ({"sdpa"} if case[0] != "decode" else set())
         b, ctx = case[1], case[2]
-        qlen = ctx if case[0] == "prefill" else 1
+        qlen = {"decode": 1, "prefill": ctx, "chunk": 512}[case[0]]
+        assert mine["cpu"]["query_len"] == qlen
         # K and V of every cached token, plus q and the output, 4 bytes each
         assert mine["cpu"]["bytes"] == (2 * b * ctx * 2 * 16 + 2 * b * qlen * 4 * 16) * 4
         assert mine["phase3"]["speedup_vs_phase3"] == 1.0

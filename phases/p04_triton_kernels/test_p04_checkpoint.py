@@ -23,7 +23,8 @@ from phases.p04_triton_kernels import (
     cpu_paged_attention,
     prefill_attention,
 )
-from phases.p04_triton_kernels.cpu_attention import DECODE, c_decode_attention, c_decode_runs
+from phases.p04_triton_kernels import cpu_attention
+from phases.p04_triton_kernels.cpu_attention import KERNELS, c_decode_attention, c_decode_runs, c_prefill_attention
 from phases.p04_triton_kernels.tools.kernel_cases import (
     DECODES,
     MIXED,
@@ -36,7 +37,12 @@ from tinyvllm import LLM, SamplingParams
 @pytest.mark.parametrize("batch", [MIXED, DECODES, [("bs+3", "bs+3")], [("2*bs+9", 8)]],
                          ids=["mixed", "decodes", "one-prompt", "chunk-after-cache"])
 @pytest.mark.parametrize("bs,d,group,kvh", [(16, 64, 1, 2), (16, 80, 3, 2), (32, 64, 8, 1)])
-def test_cpu_path_equals_phase3_attention(batch, bs, d, group, kvh):
+@pytest.mark.parametrize("prefill", ["c", "sdpa"])
+def test_cpu_path_equals_phase3_attention(monkeypatch, batch, bs, d, group, kvh, prefill):
+    """The prefill chunks through cpu_attention.c's kernel (where it runs) and through
+    `prefill_attention` (SDPA): both phase 3's attention."""
+    if prefill == "sdpa":
+        monkeypatch.setattr(cpu_attention, "PREFILL_KINDS", ())
     meta, k_cache, v_cache, g = make_batch(batch, bs, kvh, d, torch.float32, "cpu")
     n = len(meta.slot_mapping)
     q = torch.randn(n, group * kvh, d, generator=g)
@@ -71,7 +77,69 @@ def test_a_chunk_after_cached_keys_merges_two_maskless_calls(monkeypatch, dtype,
     torch.testing.assert_close(out.double(), ref[0].transpose(0, 1), atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+def float64_attention(q, k, v):
+    """Causal attention of q (Tq, H, d), the last Tq of the keys k, v (Tk, KVH, d), in float64."""
+    qh, kh, vh = (x.double().transpose(0, 1)[None] for x in (q, k, v))
+    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(diagonal=k.shape[0] - q.shape[0])
+    out = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+@pytest.mark.parametrize("tq,tk,h,kvh,d", [(1, 1, 9, 3, 64), (5, 5, 9, 3, 64), (70, 70, 9, 3, 64), (130, 300, 9, 3, 64),
+                                           (7, 40, 6, 2, 32), (64, 129, 16, 8, 128), (50, 50, 8, 1, 16),
+                                           (33, 97, 4, 4, 80)])
+@pytest.mark.parametrize("spread", [1.0, 300.0])
+def test_the_c_prefill_kernel_is_causal_attention(tq, tk, h, kvh, d, spread):
+    """cpu_attention.c's prefill kernel against the attention in float64: chunks with and without
+    cached keys, 1 to 8 query heads per KV head (a task's rows not a multiple of six), the last key
+    tile part full, the queries a view with K/V beside them in each row (as the model's fused
+    projection leaves them). Scores hundreds apart give no infinity or NaN, and errors of the size
+    of SDPA's in float32 (`prefill_attention`): a score near 2,000 is known to about 1e-4."""
+    g = torch.Generator().manual_seed(tq * tk + d)
+    qkv = torch.randn(tk, h + 2 * kvh, d, generator=g)
+    qkv[:, :h] *= spread
+    q, k, v = qkv[tk - tq:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
+    out = c_prefill_attention(q, k, v, torch.empty_like(q))
+    ref = float64_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    error, sdpa_error = ((x.double() - ref).abs().max() for x in (out, prefill_attention(q, k, v)))
+    assert error <= max(2 * sdpa_error, 1e-4)
+    if spread == 1.0:
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+def test_the_c_prefill_kernel_gives_the_same_numbers_at_any_chunking():
+    """A query's output depends on its own keys only, in tiles that start at key 0: a 300-token
+    prompt's attention in one call equals, bit for bit, its three chunks' (100 tokens, then 37
+    after them, then the rest after 137)."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(300, 9, 64, generator=g), torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
+    whole = c_prefill_attention(q, k, v, torch.empty_like(q))
+    chunks = torch.cat([c_prefill_attention(q[a:b], k[:b], v[:b], torch.empty_like(q[a:b]))
+                        for a, b in [(0, 100), (100, 137), (137, 300)]])
+    assert torch.equal(whole, chunks)
+
+
+def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch):
+    """cpu_paged_attention's prefill rows: cpu_attention.c's kernel in float32 on a CPU kind in
+    PREFILL_KINDS; `prefill_attention` (SDPA) in bfloat16 and on any other kind."""
+    calls = []
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda q, k, v: calls.append("sdpa") or q.clone())
+    monkeypatch.setattr(cpu_attention, "c_prefill_attention", lambda q, k, v, out: calls.append("c"))
+    monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "avx2")
+    for dtype, kinds, expected in [(torch.float32, ("avx2",), "c" if KERNELS.available() else "sdpa"),
+                                   (torch.bfloat16, ("avx2",), "sdpa"), (torch.float32, (), "sdpa")]:
+        monkeypatch.setattr(cpu_attention, "PREFILL_KINDS", kinds)
+        meta, k_cache, v_cache, g = make_batch([(20, 20)], 16, 2, 64, dtype, "cpu")
+        q, k = torch.randn(20, 6, 64, generator=g).to(dtype), torch.randn(20, 2, 64, generator=g).to(dtype)
+        calls.clear()
+        cpu_paged_attention(q, k, k, k_cache, v_cache, meta)
+        assert calls == [expected], (dtype, kinds)
+
+
+@pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 def test_the_c_decode_path_takes_only_tensors_in_the_cpus_memory():
     """cpu_attention.c reads raw pointers: a GPU's tensors (here the `meta` device's, which hold
     no memory at all) attend through phase 2's decode_attention, never the C call."""
@@ -80,7 +148,7 @@ def test_the_c_decode_path_takes_only_tensors_in_the_cpus_memory():
     assert not c_decode_runs(q.to("meta"), k_cache.to("meta"))
 
 
-@pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+@pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 @pytest.mark.parametrize("bs,d,group,kvh", [(16, 64, 3, 3), (16, 36, 1, 2), (32, 80, 8, 1), (16, 128, 2, 2)])
 @pytest.mark.parametrize("columns", ["all", "some"])
 def test_decode_step_in_c_equals_phase2(bs, d, group, kvh, columns):
@@ -109,7 +177,7 @@ def test_decode_step_in_c_equals_phase2(bs, d, group, kvh, columns):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+@pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 @pytest.mark.parametrize("spread", [1.0, 30.0, 300.0])
 def test_c_decode_exponentials_over_any_spread_of_scores(spread):
     """cpu_attention.c's exponentials, eight at a time: scores hundreds apart (e^-87 and below
@@ -124,7 +192,7 @@ def test_c_decode_exponentials_over_any_spread_of_scores(spread):
 
 
 
-@pytest.mark.skipif(not DECODE.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+@pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 @pytest.mark.parametrize("bs", [16, 12])
 def test_c_decode_splits_long_sequences_the_same_at_any_batch(bs):
     """A sequence longer than a segment (512 keys, in whole blocks) is attended by several tasks,

@@ -6,11 +6,13 @@
 Decoding reads every cached K and V of every sequence once per layer, and does little arithmetic
 with them, so a decode attention kernel is as fast as it moves bytes: its time is compared with
 the machine's best copy (`measure_limits`, measured in the same run). For each case (decode
-batches of B sequences at context L, and one prefill of a prompt), with the model's query heads,
+batches of B sequences at context L, prefills of whole prompts, and the last chunk of a long
+prompt after the rest cached, as the CPU engine prefills it), with the model's query heads,
 KV heads and head_dim, one layer:
 
 - `phase3`: phase 3's attention (on a CUDA GPU this is SDPA over the gathered blocks);
-- `cpu`: phase 4's CPU path (fused SDPA for the prefill too);
+- `cpu`: phase 4's CPU path (cpu_attention.c for the decodes, and for the prefill where it runs);
+- `sdpa`: the same path with every prefill chunk through PyTorch's fused SDPA (prefill rows only);
 - `triton`: phase 4's `unified_attention` (CUDA only: on a CPU Triton runs only in its
   interpreter, far too slow to time, so the row is skipped with that reason).
 
@@ -32,7 +34,7 @@ import torch
 
 DEFAULT_BATCH_SIZES = (1, 8, 64)
 DEFAULT_CONTEXT_LENS = (512, 4096)
-DEFAULT_PREFILL_LEN = 512
+DEFAULT_PREFILL_LENS = (512,)
 
 
 def add_kernel_args(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +44,9 @@ def add_kernel_args(parser: argparse.ArgumentParser) -> None:
                    help="decode batch sizes (default 1 8 64)")
     k.add_argument("--context-lens", type=int, nargs="+", default=list(DEFAULT_CONTEXT_LENS), metavar="L",
                    help="decode context lengths (default 512 4096)")
-    k.add_argument("--prefill-len", type=int, default=DEFAULT_PREFILL_LEN, metavar="T",
-                   help="tokens of the one prefill case (default 512)")
+    k.add_argument("--prefill-len", type=int, nargs="+", default=list(DEFAULT_PREFILL_LENS), metavar="T",
+                   help="prompt lengths of the prefill cases (default 512); a prompt longer than a CPU "
+                        "step (512 tokens) also gives the case of its last chunk, after the rest cached")
 
 
 def _paged_inputs(batch: int, context: int, query_len: int, heads: int, kv_heads: int, head_dim: int,
@@ -77,6 +80,8 @@ def _kernels(device: torch.device) -> tuple[dict, str | None]:
     makers = {"phase3": lambda meta: lambda q, k, v, kc, vc: paged_attention(q, kc, vc, meta),
               "cpu": lambda meta: lambda q, k, v, kc, vc: cpu_paged_attention(q, k, v, kc, vc, meta)}
     if device.type != "cuda":
+        makers["sdpa"] = lambda meta: lambda q, k, v, kc, vc: cpu_paged_attention(q, k, v, kc, vc, meta,
+                                                                                 c_prefill=False)
         return makers, ("Triton compiles for CUDA GPUs only; on a CPU it runs in its interpreter "
                         "(TRITON_INTERPRET=1), far too slow to time: see test_p04_kernels.py for its checks")
     from phases.p04_triton_kernels.triton_attention import unified_attention
@@ -94,15 +99,19 @@ def _kernels(device: torch.device) -> tuple[dict, str | None]:
 @torch.inference_mode()
 def run_kernels(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                 block_size: int = 16, batch_sizes=DEFAULT_BATCH_SIZES, context_lens=DEFAULT_CONTEXT_LENS,
-                prefill_len: int = DEFAULT_PREFILL_LEN, repeat: int = 5, limits=None) -> dict:
+                prefill_lens=DEFAULT_PREFILL_LENS, repeat: int = 5, limits=None) -> dict:
     """Time every kernel on every case; returns the report (rows, limits, machine)."""
+    from phases.p03_continuous_batching.recipe import DEFAULT_MAX_NUM_BATCHED_TOKENS
+
     from .machine import _best_time, machine_info, measure_limits
 
     limits = limits or measure_limits(device, dtype)
     fns, triton_skip = _kernels(device)
     elem = torch.empty((), dtype=dtype).element_size()
     cases = [("decode", b, L, 1) for L in context_lens for b in batch_sizes]
-    cases.append(("prefill", 1, prefill_len, prefill_len))
+    step = DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]   # a CPU step's tokens: a longer prompt's chunks
+    for t in prefill_lens:
+        cases += [("prefill", 1, t, t)] + ([("chunk", 1, t, step)] if t > step and device.type == "cpu" else [])
     rows = []
     for kind, batch, context, qlen in cases:
         q, k, v, kc, vc, meta = _paged_inputs(batch, context, qlen, heads, kv_heads, head_dim,
@@ -110,6 +119,8 @@ def run_kernels(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, de
         nbytes = (2 * batch * context * kv_heads * head_dim + 2 * q.numel()) * elem
         base = None
         for name, make in fns.items():
+            if name == "sdpa" and kind == "decode":   # the decodes' path is cpu's
+                continue
             s = _best_time(partial(make(meta), q, k, v, kc, vc), device, repeat)
             base = base or s
             rows.append(dict(case=kind, batch=batch, context=context, query_len=qlen, kernel=name,
@@ -163,7 +174,7 @@ def run_kernels_command(args: argparse.Namespace, argv: list[str]) -> int:
     from tinyvllm.download import resolve_model
     from tinyvllm.weights import resolve_device, resolve_dtype
 
-    if args.repeat < 1 or min(args.batch_sizes + args.context_lens + [args.prefill_len]) < 1:
+    if args.repeat < 1 or min(args.batch_sizes + args.context_lens + args.prefill_len) < 1:
         raise ValueError("--repeat, --batch-sizes, --context-lens and --prefill-len must be >= 1")
     config = ModelConfig.from_pretrained(resolve_model(args.model))
     device = resolve_device(getattr(args, "device", "auto"))
