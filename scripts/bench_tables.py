@@ -20,7 +20,8 @@ The marker's fields, separated by `|`:
   (step breakdowns, kernels, accuracy), `key = header` pairs;
 - `baseline:` the row the speedup column divides by (the displayed tok/s over the baseline's
   displayed tok/s, so every speedup agrees with the numbers beside it);
-- `where:` for a rows report, `key = value` filters (`batch = 1`);
+- `where:` for a rows report, `key = value` filters (`batch = 1`; `key != value` leaves rows out);
+  a column `key*1000 = header` shows the value times 1000 (seconds as ms);
 - `rungs:` instead of a report, the ladder: `phase2/phase1@latency.json, ...`, each phase over the
   one below on the workload of its own report, with the machine on each row (`= text` names a
   rung in the plot); `plot: NAME.png`
@@ -327,7 +328,9 @@ def render(spec_text: str) -> str:
         items = [r for rep in reports.values() for r in rep.get("rows", rep.get("results", []))]
         for cond in spec.get("where", []):
             key, _, value = (s.strip() for s in cond.partition("="))
-            items = [r for r in items if str(r.get(key)) == value]
+            negate = key.endswith("!")
+            key = key.rstrip("!").strip()
+            items = [r for r in items if (str(r.get(key)) == value) != negate]
         pairs = [(k.strip(), h.strip() or k.strip()) for k, _, h in (c.partition("=") for c in spec.get("columns", []))]
         if not pairs:
             raise TableError("a table of rows needs `columns: key = header, ...`")
@@ -335,7 +338,9 @@ def render(spec_text: str) -> str:
         for r in items:
             cells = []
             for k, _ in pairs:
-                v = r.get(k)
+                k, _, scale = k.partition("*")
+                v = r.get(k.strip())
+                v = v * float(scale) if scale and isinstance(v, (int, float)) else v
                 cells.append("-" if v is None else f"{v:,.2f}" if isinstance(v, float) else str(v))
             body.append(cells)
         header = [h for _, h in pairs]

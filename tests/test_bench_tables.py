@@ -54,6 +54,17 @@ def test_the_speedup_agrees_with_the_numbers_beside_it():
     assert speedup == f"{new / base:.2f}x"
 
 
+def test_rows_can_be_left_out_and_scaled():
+    """`where: key != value` leaves rows out; a column `key*1000` shows seconds as ms."""
+    report = bench_tables.load("kernels-prefill-zen4.json")
+    table = bench_tables.render("kernels-prefill-zen4.json | where: case = chunk, kernel != triton | "
+                                "columns: kernel = kernel, seconds*1000 = ms")
+    rows = [line.split("|")[1:-1] for line in table.splitlines() if re.match(r"\| (cpu|sdpa|phase3|triton) ", line)]
+    expected = [r for r in report["rows"] if r["case"] == "chunk" and r["kernel"] != "triton"]
+    assert [r[0].strip() for r in rows] == [r["kernel"] for r in expected] and expected
+    assert [r[1].strip() for r in rows] == [f"{r['seconds'] * 1000:,.2f}" for r in expected]
+
+
 def test_one_table_one_machine():
     with pytest.raises(bench_tables.TableError, match="another machine"):
         bench_tables.render("throughput-ladder.json + throughput-peers.json | engines: phase2@throughput-ladder.json, vllm")

@@ -20,10 +20,10 @@ from phases.p02_paged_kv import KVCache, PagedAttention, paged_attention
 from phases.p04_triton_kernels import (
     CpuPagedAttention,
     TritonPagedAttention,
+    cpu_attention,
     cpu_paged_attention,
     prefill_attention,
 )
-from phases.p04_triton_kernels import cpu_attention
 from phases.p04_triton_kernels.cpu_attention import KERNELS, c_decode_attention, c_decode_runs, c_prefill_attention
 from phases.p04_triton_kernels.tools.kernel_cases import (
     DECODES,
