@@ -99,9 +99,9 @@ def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     k, v (Tk, KVH, d), Tk >= Tq, the queries the last Tq of the keys (see c_prefill_runs)."""
     (tq, h, d), (tk, kvh) = q.shape, k.shape[:2]
     kt = torch.empty(kvh * -(-tk // PREFILL_KEYS) * PREFILL_KEYS * d)   # the keys transposed, tile by tile
-    KERNELS.lib.causal_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), kt.data_ptr(),
-                                         tq, tk, h, kvh, d, q.stride(0), k.stride(0), v.stride(0), out.stride(0),
-                                         1 / math.sqrt(d))
+    (KERNELS.lib or KERNELS.load()).causal_prefill_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), kt.data_ptr(), tq, tk, h, kvh, d, q.stride(0),
+        k.stride(0), v.stride(0), out.stride(0), 1 / math.sqrt(d))
     return out
 
 
