@@ -15,9 +15,10 @@ kernels. What it changes from phase 2's `paged_attention`:
   cached keys in one call, the chunk's own causally in another, merged by their log-sum-exps, as
   split-KV merges its segments; on a GPU's tensors (a reference in tests) SDPA with the mask.
 - A prompt with nothing cached attends over the K/V it just computed: no read of the cache.
-- In float32 on an AVX2 CPU of a kind in `PREFILL_KINDS`, a chunk goes instead through
-  `cpu_attention.c`'s `causal_prefill_attention`: the same loop in register tiles, lower-right
-  causal in one call, faster than SDPA at every length measured (the lesson's table).
+- In float32 on an AVX2 CPU of a kind in `PREFILL_KINDS`, a chunk of at least
+  `PREFILL_MIN_QUERIES` queries goes instead through `cpu_attention.c`'s
+  `causal_prefill_attention`: the same loop in register tiles, lower-right causal in one call,
+  faster than SDPA at every prompt length measured (the lab note's table).
 - Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
   the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
   about ten operator calls (float32 cache, AVX2; elsewhere phase 2's). In a step of decodes only
@@ -47,8 +48,12 @@ KERNELS = CKernel(Path(__file__).with_name("cpu_attention.c"),
                    "causal_prefill_attention": [P] * 5 + [I64] * 9 + [ctypes.c_float]},
                   fallback="attention takes PyTorch's path (phase 2's decode_attention, SDPA)")
 PREFILL_KEYS = 64          # keys per tile in causal_prefill_attention (PREFILL_KEYS in the C)
-# where causal_prefill_attention was measured against SDPA, and won (the lesson's table)
+# where causal_prefill_attention was measured against SDPA, and won (the lab note's table), and
+# from how many queries: fewer after a long context (a prefix-cache hit, a speculative verify)
+# leave two threads three tasks (one per KV head) and every key to transpose, where SDPA splits
+# the work by query head (2,000 keys: 0.87 against 0.55 ms at 2 queries, 1.00 against 1.13 at 16)
 PREFILL_KINDS = ("avx2",)
+PREFILL_MIN_QUERIES = 16
 # The op SDPA's CPU flash kernel is: (q, k, v, dropout_p, is_causal) -> (out, logsumexp), the
 # second the log of each query's sum of exp(score), which SDPA itself drops. Heads may be grouped.
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -87,11 +92,12 @@ def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 
 def c_prefill_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
-    """cpu_attention.c's prefill kernel can attend here: float32 tensors in the CPU's memory, each
-    token's heads in one piece, d a multiple of 16, on a CPU kind in PREFILL_KINDS."""
+    """cpu_attention.c's prefill kernel takes this chunk: float32 tensors in the CPU's memory, each
+    token's heads in one piece, d a multiple of 16, at least PREFILL_MIN_QUERIES queries, on a CPU
+    kind in PREFILL_KINDS."""
     return (all(x.is_cpu and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                for x in (q, k, v, out)) and q.shape[2] % 16 == 0 and cpu_kind() in PREFILL_KINDS
-            and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
+                for x in (q, k, v, out)) and q.shape[2] % 16 == 0 and q.shape[0] >= PREFILL_MIN_QUERIES
+            and cpu_kind() in PREFILL_KINDS and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
 
 
 def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -166,7 +172,7 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
             blocks = meta.block_tables[b, : -(-lens[b] // block_size)]
             kb = k_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]   # (L, KVH, d)
             vb = v_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]
-        if c_prefill and c_prefill_runs(q, kb, vb, out):
+        if c_prefill and c_prefill_runs(q[rows], kb, vb, out[rows]):
             c_prefill_attention(q[rows], kb, vb, out[rows])
         else:
             out[rows] = prefill_attention(q[rows], kb, vb)
