@@ -309,11 +309,8 @@ void causal_prefill_attention(const float *q, const float *k, const float *v, fl
         #pragma omp for schedule(static)
         for (int64_t ht = 0; ht < KVH * tiles; ht++) {   /* kt: each tile of keys transposed, zeros past Tk */
             float *t = kt + ht * d * BK;
-            for (int64_t j = 0; j < BK; j++) {
-                int64_t key = ht % tiles * BK + j;
-                const float *src = k + key * ks + ht / tiles * d;
-                for (int64_t i = 0; i < d; i++) t[i * BK + j] = key < Tk ? src[i] : 0.f;
-            }
+            for (int64_t j = 0, key = ht % tiles * BK; j < BK; j++, key++)
+                for (int64_t i = 0; i < d; i++) t[i * BK + j] = key < Tk ? k[key * ks + ht / tiles * d + i] : 0.f;
         }
         /* a task's rows: r = token * G + head; M rows, a multiple of 6 (the rows past BQ * G are zeros) */
         float qp[M * d], o[M * d], s[M * BK], top[M], sum[M];
@@ -323,7 +320,8 @@ void causal_prefill_attention(const float *q, const float *k, const float *v, fl
             memset(qp, 0, sizeof(qp));
             memset(o, 0, sizeof(o));
             for (int64_t r = 0; r < M; r++) {
-                for (int64_t i = 0; r < rows && i < d; i++) qp[r * d + i] = q[(t0 + r / G) * qs + (h * G + r % G) * d + i] * scale;
+                for (int64_t i = 0; r < rows && i < d; i++)
+                    qp[r * d + i] = q[(t0 + r / G) * qs + (h * G + r % G) * d + i] * scale;
                 top[r] = -INFINITY, sum[r] = 0.f;
             }
             int64_t last = past + t1 - 1;   /* the last query's position: it sees keys 0 .. last */
@@ -338,13 +336,13 @@ void causal_prefill_attention(const float *q, const float *k, const float *v, fl
                         memset(s + r * BK, 0, BK * sizeof(float));
                         continue;
                     }
-                    float alpha = tile_softmax(s + r * BK, see < n ? see : n, top + r, sum + r);
-                    if (alpha != 1.f)
-                        for (int64_t i = 0; i < d; i += 8)
-                            _mm256_storeu_ps(o + r * d + i, _mm256_mul_ps(_mm256_set1_ps(alpha), _mm256_loadu_ps(o + r * d + i)));
+                    __m256 alpha = _mm256_set1_ps(tile_softmax(s + r * BK, see < n ? see : n, top + r, sum + r));
+                    for (int64_t i = 0; _mm256_cvtss_f32(alpha) != 1.f && i < d; i += 8)   /* o to the new max */
+                        _mm256_storeu_ps(o + r * d + i, _mm256_mul_ps(alpha, _mm256_loadu_ps(o + r * d + i)));
                 }
                 for (int64_t r = 0; r < M; r += 6)
-                    for (int64_t c = 0; c < d; c += 16) values_6x16(s + r * BK, v + j0 * vs + h * d + c, vs, n, o + r * d + c, d);
+                    for (int64_t c = 0; c < d; c += 16)
+                        values_6x16(s + r * BK, v + j0 * vs + h * d + c, vs, n, o + r * d + c, d);
             }
             for (int64_t r = 0; r < rows; r++) {
                 float *dst = out + (t0 + r / G) * os + (h * G + r % G) * d, inv = 1.f / sum[r];

@@ -115,7 +115,7 @@ def test_the_c_prefill_kernel_gives_the_same_numbers_at_any_chunking():
     prompt's attention in one call equals, bit for bit, its three chunks' (100 tokens, then 37
     after them, then the rest after 137)."""
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(300, 9, 64, generator=g), torch.randn(300, 3, 64, generator=g), torch.randn(300, 3, 64, generator=g)
+    q, k, v = (torch.randn(300, heads, 64, generator=g) for heads in (9, 3, 3))
     whole = c_prefill_attention(q, k, v, torch.empty_like(q))
     chunks = torch.cat([c_prefill_attention(q[a:b], k[:b], v[:b], torch.empty_like(q[a:b]))
                         for a, b in [(0, 100), (100, 137), (137, 300)]])
