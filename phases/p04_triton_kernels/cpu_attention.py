@@ -18,7 +18,9 @@ kernels. What it changes from phase 2's `paged_attention`:
 - In float32 on an AVX2 CPU of a kind in `PREFILL_KINDS`, a chunk of at least
   `PREFILL_MIN_QUERIES` queries goes instead through `cpu_attention.c`'s
   `causal_prefill_attention`: the same loop in register tiles, lower-right causal in one call,
-  faster than SDPA at every prompt length measured (the lab note's table).
+  faster than SDPA at every prompt length measured (the lab note's table); fewer queries after
+  cached tokens (a speculative verify) through its decode kernel, a row per query, over the
+  block table in place (`c_tail_attention`).
 - Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
   the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
   about ten operator calls (float32 cache, AVX2; elsewhere phase 2's). In a step of decodes only
@@ -111,6 +113,22 @@ def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
     return out
 
 
+def c_tail_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+                     seq_len: int) -> torch.Tensor:
+    """A few queries after cached keys (a speculative verify, a prefix hit's short tail), their K/V
+    in the cache: cpu_attention.c's decode kernel, each query one decode row, query i seeing the
+    first seq_len - Tq + i + 1 keys of the blocks `table` lists (every row reads that one table,
+    0 rows apart), in place. q (Tq, H, d) -> (Tq, H, d)."""
+    q, table = q.contiguous(), table.contiguous()
+    (tq, h, d), (block_size, kvh) = q.shape, k_cache.shape[1:3]
+    lens = torch.arange(seq_len - tq + 1, seq_len + 1)
+    out, scores = torch.empty_like(q), torch.empty(tq * h * seq_len)
+    KERNELS.lib.paged_decode_attention(q.data_ptr(), None, None, k_cache.data_ptr(), v_cache.data_ptr(), None,
+                                       table.data_ptr(), lens.data_ptr(), out.data_ptr(), scores.data_ptr(), tq, h,
+                                       kvh, d, block_size, 0, seq_len, 1 / math.sqrt(d))
+    return out
+
+
 def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """The decode rows' attention (their K/V already in the cache): cpu_attention.c where it
     runs, phase 2's `decode_attention` elsewhere."""
@@ -166,7 +184,12 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     starts, lens = meta.query_start_loc, meta.seq_lens
     for b in meta.prefill_rows:
         rows = slice(starts[b], starts[b + 1])
-        if lens[b] == starts[b + 1] - starts[b]:  # nothing cached before: the new K/V is all of it
+        tq = starts[b + 1] - starts[b]
+        if c_prefill and tq < min(lens[b], PREFILL_MIN_QUERIES) and cpu_kind() in PREFILL_KINDS \
+                and c_decode_runs(q, k_cache):   # a few queries after cached keys: as decodes, in place
+            out[rows] = c_tail_attention(q[rows], k_cache, v_cache, meta.block_tables[b], lens[b])
+            continue
+        if lens[b] == tq:  # nothing cached before: the new K/V is all of it
             kb, vb = k[rows], v[rows]
         else:  # cached tokens first: read this sequence's blocks, in order
             blocks = meta.block_tables[b, : -(-lens[b] // block_size)]

@@ -34,12 +34,15 @@ from phases.p04_triton_kernels.tools.kernel_cases import (
 from tinyvllm import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("batch", [MIXED, DECODES, [("bs+3", "bs+3")], [("2*bs+9", 8)], [("3*bs+9", 20)]],
-                         ids=["mixed", "decodes", "one-prompt", "chunk-after-cache", "longer-chunk-after-cache"])
+@pytest.mark.parametrize("batch", [MIXED, DECODES, [("bs+3", "bs+3")], [("2*bs+9", 8)], [("3*bs+9", 20)],
+                                   [("40*bs+9", 5), ("bs+2", 1)]],
+                         ids=["mixed", "decodes", "one-prompt", "chunk-after-cache", "longer-chunk-after-cache",
+                              "tail-after-long-cache"])
 @pytest.mark.parametrize("bs,d,group,kvh", [(16, 64, 1, 2), (16, 80, 3, 2), (32, 64, 8, 1)])
 @pytest.mark.parametrize("prefill", ["c", "sdpa"])
 def test_cpu_path_equals_phase3_attention(monkeypatch, batch, bs, d, group, kvh, prefill):
-    """The prefill chunks through cpu_attention.c's kernel (where it runs) and through
+    """The prefill chunks through cpu_attention.c's kernels (where they run: a few queries after
+    cached keys as decode rows, split into segments after a long context) and through
     `prefill_attention` (SDPA): both phase 3's attention."""
     if prefill == "sdpa":
         monkeypatch.setattr(cpu_attention, "PREFILL_KINDS", ())
@@ -123,18 +126,21 @@ def test_the_c_prefill_kernel_gives_the_same_numbers_at_any_chunking():
 
 
 def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch):
-    """cpu_paged_attention's prefill rows: cpu_attention.c's kernel in float32 on a CPU kind in
-    PREFILL_KINDS, for a chunk of PREFILL_MIN_QUERIES queries or more; `prefill_attention` (SDPA)
-    in bfloat16, on any other kind, and for fewer queries (after cached keys: 8 of 40)."""
+    """cpu_paged_attention's prefill rows, on a CPU kind in PREFILL_KINDS and in float32: a chunk of
+    PREFILL_MIN_QUERIES queries or more through cpu_attention.c's prefill kernel, fewer after cached
+    keys (8 of 40) through its decode kernel, a row per query; `prefill_attention` (SDPA) for a short
+    prompt with nothing cached, in bfloat16, and on any other kind."""
     calls = []
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda q, k, v: calls.append("sdpa") or q.clone())
     monkeypatch.setattr(cpu_attention, "c_prefill_attention", lambda q, k, v, out: calls.append("c"))
+    monkeypatch.setattr(cpu_attention, "c_tail_attention", lambda q, *a: calls.append("tail") or q.clone())
     monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "avx2")
-    c = "c" if KERNELS.available() else "sdpa"
+    c, tail = ("c", "tail") if KERNELS.available() else ("sdpa", "sdpa")
     for dtype, kinds, (total, queries), expected in [
             (torch.float32, ("avx2",), (20, 20), c), (torch.float32, ("avx2",), (40, 16), c),
-            (torch.float32, ("avx2",), (40, 8), "sdpa"), (torch.bfloat16, ("avx2",), (20, 20), "sdpa"),
-            (torch.float32, (), (20, 20), "sdpa")]:
+            (torch.float32, ("avx2",), (40, 8), tail), (torch.float32, ("avx2",), (8, 8), "sdpa"),
+            (torch.bfloat16, ("avx2",), (20, 20), "sdpa"), (torch.bfloat16, ("avx2",), (40, 8), "sdpa"),
+            (torch.float32, (), (20, 20), "sdpa"), (torch.float32, (), (40, 8), "sdpa")]:
         monkeypatch.setattr(cpu_attention, "PREFILL_KINDS", kinds)
         meta, k_cache, v_cache, g = make_batch([(total, queries)], 16, 2, 64, dtype, "cpu")
         q = torch.randn(queries, 6, 64, generator=g).to(dtype)
