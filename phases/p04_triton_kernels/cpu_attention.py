@@ -75,21 +75,29 @@ def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """The decode rows' attention in one call of cpu_attention.c: q (B, H, d), the query of each
     of meta's decode rows -> (B, H, d). Given k, v (B, KVH, d) (a step of decodes only), the same
     call first writes them into meta.slot_mapping's slots."""
-    q = q.contiguous()
+    return paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                        meta.max_decode_seq_len, k, v, meta.slot_mapping)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                 lens: torch.Tensor, max_len: int, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                 slots: torch.Tensor | None = None) -> torch.Tensor:
+    """cpu_attention.c's `paged_decode_attention`: q (B, H, d), row b seeing the first lens[b]
+    keys (int64, at most max_len) of the blocks listed by tables[b] (B, M) int64, rows any number
+    of entries apart (0: one table for all) -> (B, H, d); given k, v, first writes them to slots."""
+    q, lens = q.contiguous(), lens.contiguous()
     (b, h, d), (block_size, kvh) = q.shape, k_cache.shape[1:3]
-    tables, lens = meta.decode_block_tables, meta.decode_seq_lens.contiguous()   # int64
     if tables.stride(1) != 1:
         tables = tables.contiguous()
     write = k is not None
     if write:
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
-    scores = torch.empty(b * h * meta.max_decode_seq_len)
+    scores = torch.empty(b * h * max_len)
     (KERNELS.lib or KERNELS.load()).paged_decode_attention(
         q.data_ptr(), k.data_ptr() if write else None, v.data_ptr() if write else None, k_cache.data_ptr(),
-        v_cache.data_ptr(), meta.slot_mapping.data_ptr() if write else None, tables.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), scores.data_ptr(), b, h, kvh, d, block_size, tables.stride(0), meta.max_decode_seq_len,
-        1 / math.sqrt(d))
+        v_cache.data_ptr(), slots.data_ptr() if write else None, tables.data_ptr(), lens.data_ptr(),
+        out.data_ptr(), scores.data_ptr(), b, h, kvh, d, block_size, tables.stride(0), max_len, 1 / math.sqrt(d))
     return out
 
 
@@ -117,16 +125,11 @@ def c_tail_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      seq_len: int) -> torch.Tensor:
     """A few queries after cached keys (a speculative verify, a prefix hit's short tail), their K/V
     in the cache: cpu_attention.c's decode kernel, each query one decode row, query i seeing the
-    first seq_len - Tq + i + 1 keys of the blocks `table` lists (every row reads that one table,
-    0 rows apart), in place. q (Tq, H, d) -> (Tq, H, d)."""
-    q, table = q.contiguous(), table.contiguous()
-    (tq, h, d), (block_size, kvh) = q.shape, k_cache.shape[1:3]
-    lens = torch.arange(seq_len - tq + 1, seq_len + 1)
-    out, scores = torch.empty_like(q), torch.empty(tq * h * seq_len)
-    KERNELS.lib.paged_decode_attention(q.data_ptr(), None, None, k_cache.data_ptr(), v_cache.data_ptr(), None,
-                                       table.data_ptr(), lens.data_ptr(), out.data_ptr(), scores.data_ptr(), tq, h,
-                                       kvh, d, block_size, 0, seq_len, 1 / math.sqrt(d))
-    return out
+    first seq_len - Tq + i + 1 keys of the blocks `table` (M,) lists (every row reads that one
+    table: rows 0 apart), in place. q (Tq, H, d) -> (Tq, H, d)."""
+    tq = q.shape[0]
+    return paged_decode(q, k_cache, v_cache, table.expand(tq, -1), torch.arange(seq_len - tq + 1, seq_len + 1),
+                        seq_len)
 
 
 def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
