@@ -39,6 +39,8 @@ import re
 import sys
 from pathlib import Path
 
+from tinyvllm.hardware import report_kind
+
 REPO = Path(__file__).resolve().parents[1]
 REPORTS = REPO / "docs" / "assets" / "bench"
 PAGES = ("README.md", "docs/*.md", "docs/lab/*.md", "phases/p[0-9][0-9]_*/README.md")
@@ -112,7 +114,7 @@ def machine_line(machine: dict | None, limits: dict | None) -> str:
 
 
 def _kind(m: dict) -> str | None:
-    kind = m.get("cpu_kind") or m.get("cpu_capability")
+    kind = report_kind(m) or m.get("cpu_capability")
     return {"AVX512": "avx512", "AVX2": "avx2"}.get(kind, kind)
 
 

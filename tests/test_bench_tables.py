@@ -42,7 +42,7 @@ def test_no_speed_table_is_typed_by_hand(page):
 def test_a_changed_number_is_caught(tmp_path):
     block = "<!-- bench-table: latency-peers.json | engines: phase7, llamacpp | baseline: llamacpp -->\n"
     fresh = bench_tables.rewrite(block + "<!-- /bench-table -->")
-    assert "| 1.00x |" in fresh and "llama.cpp" in fresh and "avx512_vnni" in fresh
+    assert "| 1.00x |" in fresh and "llama.cpp" in fresh and "(amx)" in fresh
     edited = re.sub(r"\| (\d+)\.(\d) \|", lambda m: f"| {int(m.group(1)) + 1}.{m.group(2)} |", fresh, count=1)
     assert edited != fresh and bench_tables.rewrite(edited) == fresh
 
@@ -84,3 +84,19 @@ def test_two_generations_under_one_name_are_two_machines():
     assert bench_tables.same_machine(zen1, dict(zen1, cpu_microarchitecture=""))  # a generation not named
     assert bench_tables.machine_line(zen4, None) == "2-core AMD EPYC Zen 4 (avx2)"
     assert bench_tables.machine_line(zen1, None) == "2-core AMD EPYC (avx2)"
+
+
+def test_an_amx_cpu_is_a_kind_of_its_own_in_every_report():
+    """AVX512-VNNI with AMX is "amx", without it "avx512_vnni": a choice measured on one is not
+    made on the other. A report from before "amx" was a kind records "avx512_vnni" and its flags;
+    its table names the kind the flags tell."""
+    from tinyvllm.hardware import kind_of
+    avx512 = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
+    assert kind_of(avx512) == "avx512_vnni" and kind_of(avx512 | {"amx_int8", "amx_bf16"}) == "amx"
+    assert kind_of({"avx2", "fma"}) == "avx2" and kind_of({"avx2"}) == "other" and kind_of(set()) == "other"
+    xeon = {"cpu": "Intel(R) Xeon(R) Processor", "cpu_kind": "avx512_vnni", "cores": 2,
+            "cpu_flags": sorted(avx512 | {"amx_int8", "amx_bf16"})}
+    assert bench_tables.machine_line(xeon, None) == "2-core Intel(R) Xeon(R) Processor (amx)"
+    zen4 = {"cpu": "AMD EPYC", "cpu_kind": "avx512_vnni", "cores": 2, "cpu_flags": sorted(avx512),
+            "cpu_microarchitecture": "Zen 4"}
+    assert bench_tables.machine_line(zen4, None) == "2-core AMD EPYC Zen 4 (avx512_vnni)"

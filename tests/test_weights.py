@@ -35,6 +35,27 @@ def test_sharded_checkpoint_loads_the_same(tiny_model_dir, tmp_path):
         assert torch.equal(a, b), n
 
 
+def test_every_weight_starts_on_a_cache_line(tiny_model_dir, tmp_path):
+    """A safetensors file puts its tensors 8 + header + offset bytes in, 8-byte aligned; the
+    model's parameters all start at multiples of 64 bytes (`ALIGN`) however the file lies, so a
+    kernel's last bits do not depend on the file's header."""
+    from tinyvllm.weights import ALIGN
+
+    d = _copy(tiny_model_dir, tmp_path / "shifted")
+    tensors, file = load_file(str(d / "model.safetensors")), d / "model.safetensors"
+    for pad in range(0, 64, 8):   # a header of another length moves every tensor in the file
+        save_file(tensors, str(file), metadata={"pad": "x" * pad})
+        data = file.read_bytes()
+        start = 8 + int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:start])
+        if any((start + v["data_offsets"][0]) % ALIGN for k, v in header.items() if k != "__metadata__"):
+            break
+    else:
+        pytest.fail("no header length put a tensor off a cache line")
+    model = load_model(d, torch.float32, torch.device("cpu"))
+    assert all(p.data_ptr() % ALIGN == 0 for p in model.parameters())
+
+
 def test_missing_tensor(tiny_model_dir, tmp_path):
     d = _copy(tiny_model_dir, tmp_path / "missing")
     t = load_file(str(d / "model.safetensors"))

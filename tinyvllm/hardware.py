@@ -8,13 +8,15 @@ runs on are not alike. Two things decide it:
   (16 lanes), and AVX512-VNNI (`vpdpbusd`: 64 byte multiply-adds in one instruction);
 - the vendor: Intel's math library (MKL) takes its fast code paths only on Intel CPUs.
 
-`cpu_kind()` names the classes the kernels were measured on: "avx512_vnni" (AVX-512 with VNNI:
-an Intel Xeon of the Sapphire Rapids generation, an AMD EPYC of the Zen 4 generation), "avx2"
-(AVX2 and FMA, no VNNI: older EPYCs and Xeons, or a newer one whose virtual machine hides
-AVX-512), and "other" (anything else, an ARM CPU included). Reports and throughput checkpoints
-record it beside the numbers; reports also record the generation where the CPU's family and
-model number name one (`cpu_microarchitecture`: "Zen 4"), since one kind spans generations
-whose cores and memory differ.
+`cpu_kind()` names the classes the kernels were measured on: "amx" (AVX-512 with VNNI and AMX's
+matrix tiles: an Intel Xeon of the Sapphire Rapids generation), "avx512_vnni" (AVX-512 with VNNI,
+no AMX: an AMD EPYC of the Zen 4 generation), "avx2" (AVX2 and FMA, no VNNI: older EPYCs and
+Xeons, or a newer one whose virtual machine hides AVX-512), and "other" (anything else, an ARM
+CPU included). A choice measured on one kind is made on that kind only. Reports and throughput
+checkpoints record it beside the numbers, with the flags it was told from (`kind_of` names the
+kind of a report's flags); reports also record the generation where the CPU's family and model
+number name one (`cpu_microarchitecture`: "Zen 4"), since one kind spans generations whose
+cores and memory differ.
 """
 
 from __future__ import annotations
@@ -101,13 +103,28 @@ def has_flags(flags: frozenset[str]) -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and flags <= cpu_flags()
 
 
+AMX_FLAGS = frozenset({"amx_int8", "amx_bf16"})
+
+
+def kind_of(flags: frozenset[str] | set[str]) -> str:
+    """The kind of an x86 CPU with these flags: "amx", "avx512_vnni", "avx2" or "other"."""
+    if AVX512_VNNI_FLAGS <= flags:
+        return "amx" if AMX_FLAGS <= flags else "avx512_vnni"
+    return "avx2" if AVX2_FLAGS <= flags else "other"
+
+
 def cpu_kind() -> str:
-    """"avx512_vnni", "avx2" or "other": the class of CPU a kernel choice was measured on."""
-    if has_flags(AVX512_VNNI_FLAGS):
-        return "avx512_vnni"
-    if has_flags(AVX2_FLAGS):
-        return "avx2"
-    return "other"
+    """"amx", "avx512_vnni", "avx2" or "other": the class of CPU a kernel choice was measured on."""
+    return kind_of(cpu_flags()) if has_flags(frozenset()) else "other"
+
+
+def report_kind(machine: dict) -> str | None:
+    """The kind a report's machine was of: told from the flags it records where it records them
+    (a report written before "amx" was a kind of its own says "avx512_vnni" for an AMX Xeon), else
+    the kind it records, else None."""
+    if machine.get("cpu_flags") and machine.get("cpu_kind"):
+        return kind_of(set(machine["cpu_flags"]))
+    return machine.get("cpu_kind")
 
 
 def reported_flags() -> list[str]:

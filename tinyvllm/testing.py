@@ -282,7 +282,7 @@ class ThroughputCheckpoint:
         bench_command: the command that reproduces the comparison.
         rounds: measured rounds per engine (after one warm-up each).
         per_cpu_kind: claims for the kinds of CPU where the gain differs ("avx2",
-            "avx512_vnni"), each a `KindClaim`; `claimed_gain`, `min_gain` and `claim_source`
+            "avx512_vnni", "amx"), each a `KindClaim`; `claimed_gain`, `min_gain` and `claim_source`
             stand for every other kind (each source says which CPU it was measured on).
     """
 

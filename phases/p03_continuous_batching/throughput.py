@@ -25,8 +25,8 @@ THROUGHPUT_CHECKPOINTS = (
         # 293, 313, 255, 252, 215, 195 tok/s against phase 3's 333, 333, 321, 272, 305, 294): 1.05x
         # on a faster CPU a step of the wide tiny model is mostly fixed costs, and the scheduler's
         # are larger than a static batch's: the 1.49x fewer steps buy less time
-        per_cpu_kind={"avx512_vnni": KindClaim(
-            1.15, 1.03, "tests/test_throughput.py -m phase03 -s on a 2-core Intel Xeon (avx512_vnni), 2026-11-24, "
+        per_cpu_kind={"amx": KindClaim(
+            1.15, 1.03, "tests/test_throughput.py -m phase03 -s on a 2-core Intel Xeon (amx), 2026-11-24, "
                         "four runs: 1.10x, 1.14x, 1.17x, 1.17x")},
         bench_command=(WIDE_CMD + "tinyvllm bench throughput --model /tmp/wide-tiny --phases 2-3 "
                        + _QUEUED_FLAGS + " --repeat 3")),
@@ -39,8 +39,8 @@ THROUGHPUT_CHECKPOINTS = (
                      "2-core EPYC): 147 / 63 tok/s = 2.3x",
         min_gain=1.3, rounds=2,  # 2.04x measured: two rounds leave room enough
         # on a faster CPU transformers' static batches lose less time to their padding rows
-        per_cpu_kind={"avx512_vnni": KindClaim(
-            1.4, 1.15, "tests/test_throughput.py -k phase3-vs-hf -s on a 2-core Intel Xeon (avx512_vnni), "
+        per_cpu_kind={"amx": KindClaim(
+            1.4, 1.15, "tests/test_throughput.py -k phase3-vs-hf -s on a 2-core Intel Xeon (amx), "
                        "2026-11-24: 1.39x, 1.38x, 1.42x; 1.28x once, in a fresh clone's full run")},
         bench_command=(WIDE_CMD + "tinyvllm bench throughput --model /tmp/wide-tiny --phases 3 --vs hf "
                        + _QUEUED_FLAGS + " --repeat 2")),

@@ -206,9 +206,9 @@ def test_the_kernel_chosen_follows_the_cpu_kind_and_a_failed_build_falls_back(mo
     int4 = QuantizedLinear(torch.randn(8, 32), None, "int4", 32)
     fallback = "fbgemm_w8a8" if fbgemm_available() else "int8pack_mm"   # at one row
     kind = cpu_kind()
-    if kind == "avx512_vnni" and cpu_int8.vnni_available():
+    if kind in ("avx512_vnni", "amx") and cpu_int8.vnni_available():
         assert layer.choose_kernel(1) == layer.choose_kernel(512) == "cpu_int8_vnni"
-    elif kind in ("avx2", "avx512_vnni") and cpu_int8.available():
+    elif kind in ("avx2", "avx512_vnni", "amx") and cpu_int8.available():
         assert layer.choose_kernel(1) == layer.choose_kernel(512) == "cpu_int8"
     else:
         assert layer.choose_kernel(1) == fallback
@@ -519,7 +519,8 @@ def test_batch_invariant_keeps_the_integer_loop_at_every_row_count(tiny_model_di
     monkeypatch.setitem(quant.DEQUANT_FROM_ROWS, cpu_kind(), 8)
     llm = LLM(str(tiny_model_dir), phase=5, quantization="int4", batch_invariant=True)
     kernels = {n: m.kernel for n, m in llm.llm_engine.model.named_modules() if isinstance(m, QuantizedLinear)}
-    assert kernels.pop("lm_head") == "cpu_int8" and set(kernels.values()) == {"cpu_int4"}  # the head: 8 bits
+    head = "cpu_int8_vnni" if cpu_int8.vnni_available() else "cpu_int8"            # the head: 8 bits
+    assert kernels.pop("lm_head") == head and set(kernels.values()) == {"cpu_int4"}
     prompt = [5, 17, 99, 3, 42, 7, 8, 61, 2]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]

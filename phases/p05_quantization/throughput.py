@@ -25,8 +25,8 @@ THROUGHPUT_CHECKPOINTS = (
                      "Triton kernels), 2026-11-26: 0.98x, 0.80x and 0.91x in three runs (33.2 vs 34.0 "
                      "tok/s in the first; an eager step is kernel launches there, not bytes)",
         min_gain=1.1, rounds=2, gpu_min_gain=0.6,
-        per_cpu_kind={"avx512_vnni": KindClaim(
-            2.35, 1.4, "tests/test_throughput.py -m phase05 on a 2-core Intel Xeon (avx512_vnni, AMX), 2026-11-24: "
+        per_cpu_kind={"amx": KindClaim(
+            2.35, 1.4, "tests/test_throughput.py -m phase05 on a 2-core Intel Xeon (amx), 2026-11-24: "
                        "80.4 vs 34.2 tok/s, 2.35x (cpu_int8_vnni; float32 through MKL's small-row kernel)")},
         bench_command=("tinyvllm bench latency --phases 4-5 --quantization int8 --input-len 32 "
                        "--output-len 128 --repeat 3")),
@@ -39,8 +39,8 @@ THROUGHPUT_CHECKPOINTS = (
                      "(avx2), 2026-11-23: 0.78x (cpu_int8); this 12-request one 0.92x there (tests/test_throughput.py "
                      "-s, 2026-11-26): a guard",
         min_gain=0.5, rounds=1, gpu_min_gain=0.5,  # a guard far below both kinds' claims: one round
-        per_cpu_kind={"avx512_vnni": KindClaim(
-            1.91, 1.3, "the bench_command with 24 requests on a 2-core Intel Xeon (avx512_vnni, AMX), 2026-11-24: 443.4 vs "
+        per_cpu_kind={"amx": KindClaim(
+            1.91, 1.3, "the bench_command with 24 requests on a 2-core Intel Xeon (amx), 2026-11-24: 443.4 vs "
                        "231.6 tok/s, 1.91x (cpu_int8_vnni); 1.59x on 64 requests of 16-256 new tokens "
                        "(docs/assets/bench/throughput-64-int8-vnni.json); not measured on a GPU")},
         bench_command=("tinyvllm bench throughput --phases 4-5 --quantization int8 --num-prompts 12 "
@@ -55,8 +55,8 @@ THROUGHPUT_CHECKPOINTS = (
                      "2026-11-23: 319.2 vs 344.8 tok/s, 0.93x (a step of this tiny model is kernel launches, "
                      "not bytes)",
         min_gain=0.8, gpu_min_gain=0.7,
-        per_cpu_kind={"avx512_vnni": KindClaim(
-            1.37, 0.8, "tests/test_throughput.py -m phase05 on a 2-core Intel Xeon (avx512_vnni, AMX), 2026-11-24: "
+        per_cpu_kind={"amx": KindClaim(
+            1.37, 0.8, "tests/test_throughput.py -m phase05 on a 2-core Intel Xeon (amx), 2026-11-24: "
                        "780.3 vs 570.0 tok/s, 1.37x (cpu_int8_vnni)")},
         bench_command=(WIDE_CMD + "tinyvllm bench latency --model /tmp/wide-tiny --phases 4-5 "
                        "--quantization int8 --input-len 32 --output-len 96 --repeat 3")),

@@ -124,6 +124,9 @@ def test_a_compiled_step_never_enters_python(make_llm, tiny_model_dir, quantizat
     # an AVX512-VNNI CPU: cpu_int8_vnni); on an AVX2 one every layer of both formats is served
     in_python = int((runner.native_layers[:, 0] == 0).sum())
     assert in_python == 0 or cpu_kind() != "avx2"
+    # cpu_int8_vnni rounds x to int8 (W8A8): a last-bit difference in the graph's norm can move
+    # one of them by a step, as in test_fused_projections_are_bit_identical
+    tol, kv_tol = (1e-3, 1e-3) if in_python else (1e-4, 1e-5)
     for bucket, tables in ((1, True), (8, True), (2, False)):
         if not tables:
             monkeypatch.setattr(compiled, "use_step", lambda *args: None)
@@ -135,8 +138,8 @@ def test_a_compiled_step_never_enters_python(make_llm, tiny_model_dir, quantizat
         got = runner.run(bucket)
         every_call = ["attention"] * runner.model.config.num_hidden_layers + ["linear"] * layers
         assert sorted(calls) == (["linear"] * in_python if tables else sorted(every_call))
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=kv_tol, atol=kv_tol)
     engine.abort_request([f"n{i}" for i in range(len(PROMPTS))])
 
 

@@ -99,11 +99,11 @@ def test_cpu_step_serves_only_c_kernels(make_llm, tiny_model_dir):
 
 
 def test_cpu_step_serves_only_where_it_was_measured(tiny_model_dir, monkeypatch):
-    """A CPU kind not in CSTEP_KINDS (here: as if this one were an avx512_vnni Xeon) keeps the
+    """A CPU kind not in CSTEP_KINDS (here: as if this one were an amx Xeon) keeps the
     step it had: decode_forward, or the compiled graph."""
     import tinyvllm.cpu_step as cpu_step
 
-    monkeypatch.setattr(cpu_step, "cpu_kind", lambda: "avx512_vnni")
+    monkeypatch.setattr(cpu_step, "cpu_kind", lambda: "amx")
     llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, quantization="int4", compilation_mode=0)
     assert not llm.llm_engine.runner.decode_runner.c_step
     monkeypatch.setattr(cpu_step, "cpu_kind", lambda: "avx2")

@@ -13,7 +13,7 @@ THROUGHPUT_CHECKPOINTS = (
         engine_args=dict(tensor_parallel_size=2, max_num_seqs=32),
         workload_args=dict(num_prompts=32, dataset="random", input_len=16, output_len=64, seed=0),
         claimed_gain=0.32,
-        claim_source="tests/test_throughput.py -m phase08 on a 2-core Intel Xeon (avx512_vnni), 2026-11-24: "
+        claim_source="tests/test_throughput.py -m phase08 on a 2-core Intel Xeon (amx), 2026-11-24: "
                      "1749.6 vs 5581.8 and 1894.8 vs 5718.8 tok/s, 0.31x and 0.33x; not measured on an AVX2 CPU "
                      "or a GPU",
         min_gain=0.15, gpu_min_gain=None, rounds=2,

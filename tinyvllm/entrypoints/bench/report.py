@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
+from tinyvllm.hardware import report_kind
+
 from .runners import STATS_KEYS, RunResult
 
 if TYPE_CHECKING:  # matplotlib is optional: imported when a plot is drawn
@@ -285,10 +287,10 @@ def write_json(report: dict, path: str | Path) -> None:
 
 def cpu_name(machine: dict) -> str:
     """The CPU's name, its generation where reports record it ("AMD EPYC Zen 4") and its kind
-    (`tinyvllm.hardware.cpu_kind`: "avx2", "avx512_vnni"), or for
+    (`tinyvllm.hardware.report_kind`: "avx2", "avx512_vnni", "amx"), or for
     older reports the vector instructions PyTorch uses on it ("AVX2", "AVX512"): two CPUs of one
     name can differ there, and CPU numbers follow it."""
-    kind = machine.get("cpu_kind") or machine.get("cpu_capability")
+    kind = report_kind(machine) or machine.get("cpu_capability")
     cpu = " ".join(filter(None, [machine["cpu"], machine.get("cpu_microarchitecture")]))
     return f"{cpu} ({kind})" if kind else cpu
 
