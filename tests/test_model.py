@@ -74,8 +74,8 @@ def test_bfloat16_linear_runs_many_rows_in_float32_on_the_kinds_it_was_measured(
 @pytest.mark.parametrize("shape", [(80, 48), (7, 13), (963, 1536)])   # (out, in): odd sizes too
 def test_linear_gemv_equals_f_linear_and_serves_its_rows(shape, monkeypatch):
     """tinyvllm's own float32 product (cpu_gemv.c) gives F.linear's numbers up to float rounding,
-    with and without a bias, and Linear takes it up to `gemv_max_rows()` rows (8 on the avx2
-    kind, where it was measured; none elsewhere), PyTorch's products beyond."""
+    with and without a bias, and Linear takes it up to `gemv_max_rows()` rows (`GEMV_MAX_ROWS`: 8
+    on the avx2 kind, 1 on avx512_vnni; none on a kind not measured), PyTorch's products beyond."""
     from tinyvllm import model
     from tinyvllm.hardware import cpu_kind
 
@@ -88,7 +88,7 @@ def test_linear_gemv_equals_f_linear_and_serves_its_rows(shape, monkeypatch):
             x = torch.randn(rows, shape[1])
             torch.testing.assert_close(model.gemv(x, layer.weight, layer.bias),
                                        torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert layer.gemv_max_rows() == (8 if cpu_kind() == "avx2" else 0)
+    assert layer.gemv_max_rows() == model.GEMV_MAX_ROWS.get(cpu_kind(), 0) and "amx" not in model.GEMV_MAX_ROWS
     layer.gemv_rows, calls = 8, []
     monkeypatch.setattr(model, "gemv", lambda *a: calls.append(len(a[0])) or torch.nn.functional.linear(*a))
     for rows in (1, 8, 9, 64):

@@ -33,9 +33,11 @@ STEP = CKernel(Path(__file__).with_name("cpu_step.c"), ["-O3", "-mavx2", "-mfma"
                fallback="decode steps run in PyTorch")
 FIELDS = 10   # a product's row: its kernel (0: none in C), kind, four pointers, out, in, group, rows it serves to
 # The CPU kinds where `CStep` serves: measured on an AVX2 Zen 4 EPYC (lab note 7: a batch-1 step
-# 18.8 -> 12.1 ms eager, 12.5 -> 11.5 against the compiled graph), not yet on the avx512_vnni kind,
-# where the compiled step keeps the steps it would take (its int4 products are these kernels too).
-CSTEP_KINDS = ("avx2",)
+# 18.8 -> 12.1 ms eager, 12.5 -> 11.5 against the compiled graph) and on an AVX-512 one
+# (avx512_vnni: batch 1 81.0 -> 133.8 tok/s eager, batch 8 287.2 -> 306.8;
+# `python -m phases.p07_cuda_graphs.tools.kind_rules`, docs/assets/bench/kind-rules-zen4-avx512.json),
+# not yet on the amx kind, where the compiled step keeps the steps it would take.
+CSTEP_KINDS = ("avx2", "avx512_vnni")
 
 
 class CStep:

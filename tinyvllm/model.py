@@ -120,9 +120,13 @@ def onednn_available() -> bool:
 # per CPU kind. On an AVX2 AMD EPYC the default model's 211 products took 32.8 ms against 52.9 for
 # the product Linear took before at 1 row ((W x^T)^T), 48.7 against 59.6 at 4 and 72.6 against
 # 75.0 at 8 (oneDNN), 96.0 against oneDNN's 90.4 at 12 (`python -m tinyvllm.entrypoints.bench.linear`,
-# docs/assets/bench/linear-cpu-amd-avx2.txt). Not measured on the other kinds (on an AVX-512 EPYC
-# Linear took 20 ms at 1 row), so not chosen there.
-GEMV_MAX_ROWS = {"avx2": 8}
+# docs/assets/bench/linear-cpu-amd-avx2.txt). On an AVX-512 Zen 4 EPYC (avx512_vnni) it ties
+# MKL's at one row and loses from two (22.1 against 21.4, 35.1 against 29.3 at 8:
+# linear-codes-zen4-avx512.txt), but one row is what cpu_step.c needs of a float32 model without
+# codes: a batch-1 step there 36.9 tok/s without both, 34.7 with cpu_gemv.c alone, 42.0 with both
+# (`python -m phases.p07_cuda_graphs.tools.kind_rules --model <random-like>`,
+# kind-rules-zen4-avx512-float32.json). Not measured on the amx kind, so not chosen there.
+GEMV_MAX_ROWS = {"avx2": 8, "avx512_vnni": 1}
 GEMV = CKernel(Path(__file__).with_name("cpu_gemv.c"), ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp",
                "-shared", "-fPIC"], AVX2_FLAGS, {"f32_matmul": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3},
                fallback="Linear keeps PyTorch's float32 products")
@@ -163,9 +167,12 @@ NORM = CKernel(Path(__file__).with_name("cpu_norm.c"), ["-O3", "-mavx2", "-mfma"
               "-fPIC"], AVX2_FLAGS, {"add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float]},
               fallback="the residual add and RMSNorm stay PyTorch's operators")
 # The CPU kinds where `fused_add_rms_norm` runs: measured on an AVX2 Zen 4 EPYC (lab note 7: the
-# eager decode step 20.4 -> 18.5 ms median), not yet on the avx512_vnni kind.
-FUSED_NORM_KINDS = ("avx2",)
-_FUSED_NORM_HERE = cpu_kind() in FUSED_NORM_KINDS   # asked once: cpu_kind() costs a microsecond a call
+# eager decode step 20.4 -> 18.5 ms median) and on an AVX-512 one (avx512_vnni), where it is
+# within the VM's noise: batch 1 83.9 -> 81.0 tok/s, batch 8 257.8 -> 287.2 (`python -m
+# phases.p07_cuda_graphs.tools.kind_rules`, docs/assets/bench/kind-rules-zen4-avx512.json), 32
+# sequences 349.6 -> 354.9 (medians of 5 alternating rounds); not yet on the amx kind.
+FUSED_NORM_KINDS = ("avx2", "avx512_vnni")
+FUSED_NORM_HERE = cpu_kind() in FUSED_NORM_KINDS   # asked once: cpu_kind() costs a microsecond a call
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
@@ -179,7 +186,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
     if (x.dtype != torch.float32 or w.dtype != torch.float32 or not x.is_cpu or x.dim() != 2
             or not x.is_contiguous() or w.shape != x.shape[1:]
             or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous()))
-            or torch.compiler.is_compiling() or not _FUSED_NORM_HERE
+            or torch.compiler.is_compiling() or not FUSED_NORM_HERE
             or (NORM.lib if NORM.tried else NORM.load()) is None):   # built and loaded at the first call only
         return None
     out = torch.empty_like(x) if residual is None else x

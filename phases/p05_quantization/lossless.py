@@ -35,9 +35,11 @@ LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-con
 # the default model's 211 products took 7.8 ms from their codes against 29.9 with cpu_gemv.c at
 # 1 row, 23.0 against oneDNN's 38.9 at 8, 33.9 against 45.6 at 12, 56.3 against 60.5 at 16 and
 # 105.2 against 75.4 at 24 (`python -m tinyvllm.entrypoints.bench.linear`,
-# docs/assets/bench/linear-codes-zen4.txt; two more runs: 16 rows a tie). Not measured on
-# the other kinds, so not chosen there.
-LOSSLESS_MAX_ROWS = {"avx2": 12}
+# docs/assets/bench/linear-codes-zen4.txt; two more runs: 16 rows a tie). On an AVX-512 Zen 4
+# EPYC (avx512_vnni): 7.0 against Linear's 21.4 at 1 row, 27.1 against 32.1 at 12, 42.0 against
+# 35.8 at 16 (linear-codes-zen4-avx512.txt; the engine at batch 1 83.9 against 33.7 tok/s, at 8 257.8
+# against 186.3: kind-rules-zen4-avx512.json). Not measured on the amx kind, so not chosen there.
+LOSSLESS_MAX_ROWS = {"avx2": 12, "avx512_vnni": 12}
 
 
 def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:

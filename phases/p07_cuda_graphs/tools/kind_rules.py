@@ -1,0 +1,82 @@
+"""The four per-kind rules of a float32 decode step on this CPU, added one at a time: cpu_gemv.c
+up to `--gemv-rows` rows (`GEMV_MAX_ROWS`), phase 5's lossless codes up to `--codes-rows`
+(`LOSSLESS_MAX_ROWS`), the fused residual add + RMSNorm (`FUSED_NORM_KINDS`) and cpu_step.c
+(`CSTEP_KINDS`, serving where every product has a C kernel). What a session on a new kind of CPU
+runs before it names the kind in them.
+
+    python -m phases.p07_cuda_graphs.tools.kind_rules [--model DIR] [--batch 1 8] [--rounds 3]
+        [--gemv-rows 1] [--codes-rows 12] [--json FILE]
+
+The default model has codes (cpu_gemv.c then serves no layer); a float32 one without
+(`python -m tinyvllm.testing random-like`) shows cpu_gemv.c.
+
+One eager `LLM()` (compilation_mode=0) per set of rules, built in this process with the rules of
+its set on whatever this CPU's kind is; a round runs each engine once, in turn, on `batch`
+prompts of 32 tokens for 128 new tokens (greedy), after a round not kept. Prints each set's
+output tok/s per round, the median, and whether its tokens are the first set's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import tinyvllm.cpu_step as cpu_step
+import tinyvllm.model as model
+from phases.p05_quantization.lossless import LosslessLinear
+from tinyvllm import LLM, SamplingParams
+
+from .report import write_report
+
+NAMES = ("none", "gemv", "gemv, codes", "gemv, codes, norm", "gemv, codes, norm, cpu_step")
+
+
+def use(rules: tuple[int, int, bool, bool]) -> None:
+    """Turn the rules on or off in this process, as if this CPU's kind were named in them:
+    (gemv rows, codes rows, fused norm, cpu_step)."""
+    from tinyvllm.hardware import cpu_kind
+
+    model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE = rules[:3]
+    cpu_step.CSTEP_KINDS = (cpu_kind(),) if rules[3] else ()   # asked when an engine is built
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--gemv-rows", type=int, default=1)
+    p.add_argument("--codes-rows", type=int, default=12)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    on = (args.gemv_rows, args.codes_rows, True, True)
+    SETS = {name: tuple(on[j] if j < i else type(on[j])(0) for j in range(4)) for i, name in enumerate(NAMES)}
+    engines = {}
+    for name, rules in SETS.items():
+        use(rules)
+        engines[name] = LLM(args.model, compilation_mode=0)
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    rows = []
+    for batch in args.batch:
+        prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(batch)]
+        tok_s, tokens = {name: [] for name in SETS}, {}
+        for r in range(args.rounds + 1):
+            for name, rules in SETS.items():
+                use(rules)
+                start = time.perf_counter()
+                outs = engines[name].generate(prompts, params, use_tqdm=False)
+                if r:
+                    tok_s[name].append(round(128 * batch / (time.perf_counter() - start), 1))
+                tokens[name] = [o.outputs[0].token_ids for o in outs]
+        for name in SETS:
+            row = {"batch": batch, "rules": name, "tok_s": tok_s[name], "median_tok_s": statistics.median(tok_s[name]),
+                   "same_tokens": tokens[name] == tokens["none"]}
+            rows.append(row)
+            print(f"batch {batch:3d}  {name:24s} {' '.join(map(str, row['tok_s']))}  median {row['median_tok_s']}"
+                  f"  same tokens: {row['same_tokens']}")
+    return write_report("kind_rules", argv, {"rows": rows}, args.json)
+
+
+if __name__ == "__main__":
+    main()
