@@ -61,7 +61,7 @@ def test_bfloat16_linear_runs_many_rows_in_float32_on_the_kinds_it_was_measured(
     assert layer.upcast_rows == model.BF16_UPCAST_ROWS.get(cpu_kind(), 0)
     calls = []
     monkeypatch.setattr(model, "upcast_linear", lambda *a: calls.append(len(a[0])) or exact[: len(a[0])].bfloat16())
-    layer.upcast_rows = 24
+    layer.upcast_rows, layer.bf16_onednn = 24, False   # (BF16_ONEDNN_KINDS: its own test)
     with torch.inference_mode():
         for rows in (1, 23, 24, 40):
             y = layer(x[:rows])
@@ -69,6 +69,28 @@ def test_bfloat16_linear_runs_many_rows_in_float32_on_the_kinds_it_was_measured(
         layer.upcast_rows = 0   # a kind where it was not measured
         layer(x)
     assert calls == [24, 40]
+
+
+def test_bfloat16_linear_runs_in_onednn_where_bfloat16_is_native(monkeypatch):
+    """On a CPU kind BF16_ONEDNN_KINDS names (AVX512-BF16: the avx512_vnni kind), a bfloat16
+    Linear multiplies in oneDNN on its packed weight at every row count: F.linear's numbers up
+    to float32 sums' order, rounded once to bfloat16; elsewhere it is F.linear."""
+    from tinyvllm import model
+    from tinyvllm.hardware import cpu_kind
+
+    torch.manual_seed(0)
+    layer = model.Linear(48, 80, bias=True).to(torch.bfloat16).requires_grad_(False)
+    assert layer.bf16_onednn == (model.onednn_available() and cpu_kind() in model.BF16_ONEDNN_KINDS)
+    calls = []
+    monkeypatch.setattr(model, "onednn_packed", lambda w: calls.append(w.dtype) or torch.ops.mkldnn._reorder_linear_weight(w))
+    with torch.inference_mode():
+        for rows in (1, 5, 40):
+            x = torch.randn(rows, 48, dtype=torch.bfloat16)
+            exact = torch.nn.functional.linear(x.float(), layer.weight.float(), layer.bias.float())
+            y = layer(x)
+            assert y.dtype == torch.bfloat16
+            torch.testing.assert_close(y.float(), exact, rtol=2 ** -7, atol=1e-2)
+    assert calls == ([torch.bfloat16] * 3 if layer.bf16_onednn else [])
 
 
 @pytest.mark.parametrize("shape", [(80, 48), (7, 13), (963, 1536)])   # (out, in): odd sizes too

@@ -48,7 +48,12 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # 9.4 against 10.2 ms at 64 rows, 16.0 against 20.2 at 128). Not measured on the other kinds, so
 # not chosen there. Nor for a layer of more than DEQUANT_MAX_WEIGHTS: the LM head, whose float32
 # copy would take 113 MB, and which `cpu_int4` multiplies faster at every row count measured.
-DEQUANT_FROM_ROWS, DEQUANT_MAX_WEIGHTS = {"avx2": 64}, 1 << 22
+DEQUANT_FROM_ROWS, DEQUANT_MAX_WEIGHTS = {"avx2": 64, "avx512_vnni": 32}, 1 << 22
+# The CPU kinds where `dequant_sgemm` multiplies in bfloat16 (the unpacked weight and x rounded to
+# it, float32 out): a CPU that multiplies bfloat16 natively (AVX512-BF16) does twice float32's
+# multiply-adds per cycle there. On an AVX-512 Zen 4 EPYC (avx512_vnni) it beats `cpu_int4` from
+# 32 rows (docs/assets/bench/quant-kernels-int4-zen4-avx512.txt); not measured on the amx kind.
+DEQUANT_BF16_KINDS = ("avx512_vnni",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,6 +369,9 @@ def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _dequant_sgemm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size)
+    if cpu_kind() in DEQUANT_BF16_KINDS:
+        y = F.linear(x.bfloat16(), w.bfloat16()).float()
+        return y if layer.bias is None else y.add_(layer.bias.float())
     return F.linear(x.float(), w, None if layer.bias is None else layer.bias.float())
 
 
