@@ -151,9 +151,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 BF16_UPCAST_ROWS = {"avx2": 24}
 # The CPU kinds where a bfloat16 product runs in oneDNN on the packed weight at every row count, as
 # float32's many rows do. Where bfloat16 is native (AVX512-BF16), on an AVX-512 Zen 4 EPYC
-# (avx512_vnni), one q_proj-sized product (1536 x 576) took 0.033 ms against F.linear's 0.078 at
-# 1 row, 0.089 against 0.151 at 16, 0.518 against 0.605 at 128 (float32's oneDNN: 0.044, 0.148,
-# 0.997). Not measured on the amx kind.
+# (avx512_vnni), the default model's 211 products took 16.5 ms against F.linear's 21.4 at 1 row,
+# 21.4 against 31.3 at 16, 51.1 against 62.2 at 64 (`python -m tinyvllm.entrypoints.bench.linear
+# --dtype bfloat16`, docs/assets/bench/linear-bf16-zen4-avx512.txt; float32's oneDNN at 64 rows:
+# 96.4). Phase 5's int4 `dequant_sgemm` multiplies in bfloat16 there too. Not measured on the amx
+# kind.
 BF16_ONEDNN_KINDS = ("avx512_vnni",)
 
 

@@ -100,8 +100,8 @@ def test_each_cpu_kernel_matches_the_reference(method, kernel, rows):
     # two int8 parts (about 15 bits); cpu_int4 to int8 per block of 32 (W4A8: its bound is
     # argued element by element in test_cpu_int4_groups_and_odd_shapes); dequant_sgemm, on a kind
     # where it multiplies in bfloat16, x and the weight to 8 bits of mantissa (2^-9 each)
-    from phases.p05_quantization.quant import DEQUANT_BF16_KINDS
-    bf16 = 5e-3 if cpu_kind() in DEQUANT_BF16_KINDS else 1e-4
+    from tinyvllm.model import BF16_ONEDNN_KINDS
+    bf16 = 5e-3 if cpu_kind() in BF16_ONEDNN_KINDS else 1e-4
     tol = {"fbgemm_w8a8": 0.05, "cpu_int8": 1e-3, "cpu_int8_vnni": 1e-3, "cpu_int4": 2e-2,
            "dequant_sgemm": bf16}.get(kernel, 1e-4)
     assert ((layer(x) - ref).norm() / ref.norm()) < tol

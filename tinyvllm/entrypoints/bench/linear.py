@@ -6,6 +6,7 @@ picks one of the first four by rows, CPU vendor and kind.
 
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear                  # the default model, CPU
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear --rows 1 2 12 16 64 --repeat 7
+    .venv/bin/python -m tinyvllm.entrypoints.bench.linear --dtype bfloat16   # no cpu_gemv, no codes
 
 For each row count it multiplies a batch of that many rows through every weight matrix of the
 model once, as one decode step does, and prints the best time of `--repeat` passes for each
@@ -27,7 +28,7 @@ DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 
 def time_linears(linears: list, rows: int, fn, repeat: int) -> float:
     """Best seconds, over `repeat` passes, to push `rows` rows through every layer with fn."""
-    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
 
     def one_pass():
         for m in linears:
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=list(DEFAULT_ROWS),
                         help="row counts (sequences in a decode step) to time")
     parser.add_argument("--repeat", type=int, default=5, help="passes per measurement; the best is kept")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the weights' and rows' dtype (bfloat16: no cpu_gemv, no codes)")
     args = parser.parse_args(argv)
     if min(args.rows) < 1 or args.repeat < 1:
         parser.error("--rows and --repeat must be >= 1")
@@ -66,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
     from tinyvllm.model import GEMV, Linear, gemv
     from tinyvllm.weights import load_model
 
-    model = load_model(resolve_model(args.model), torch.float32, torch.device("cpu"))
+    dtype = getattr(torch, args.dtype)
+    model = load_model(resolve_model(args.model), dtype, torch.device("cpu"))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     params = sum(m.weight.numel() for m in linears)
 
@@ -78,13 +82,13 @@ def main(argv: list[str] | None = None) -> None:
     if Linear.use_onednn:
         ways["oneDNN"] = lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), m.bias,
                                                                           "none", [], "")
-    if GEMV.available():
+    if GEMV.available() and dtype == torch.float32:
         ways["cpu_gemv"] = lambda m, x: gemv(x, m.weight, m.bias)
-    codes = lossless_layers(linears)
+    codes = lossless_layers(linears) if dtype == torch.float32 else {}
     if codes:
         ways["codes"] = lambda m, x: codes[id(m)](x) if id(m) in codes else m(x)
     ways["Linear"] = lambda m, x: m(x)
-    print(f"{len(linears)} weight matrices, {params / 1e6:.0f}M weights, torch {torch.__version__}, "
+    print(f"{len(linears)} weight matrices in {args.dtype}, {params / 1e6:.0f}M weights, torch {torch.__version__}, "
           f"{cpu_vendor() or 'unknown'} CPU, {torch.get_num_threads()} threads; ms, best of {args.repeat} "
           f"passes; Linear takes tinyvllm's cpu_gemv up to {Linear.gemv_rows} rows (0: not on this CPU kind), "
           f"then MKL's F.linear up to {Linear.small_rows} rows on an Intel CPU, else (W x^T)^T up to "
