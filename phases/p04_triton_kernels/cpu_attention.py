@@ -51,7 +51,8 @@ KERNELS = CKernel(Path(__file__).with_name("cpu_attention.c"),
                   fallback="attention takes PyTorch's path (phase 2's decode_attention, SDPA)")
 PREFILL_KEYS = 64          # keys per tile in causal_prefill_attention (PREFILL_KEYS in the C)
 # where causal_prefill_attention was measured against SDPA, and won (the lab note's tables: an
-# AVX2 Zen 4 EPYC, and an AVX-512 one, 2,000 tokens 28.4 against 39.8 ms), and from how many queries: fewer after a long context (a prefix-cache hit, a speculative verify)
+# AVX2 Zen 4 EPYC; an AVX-512 one, 2,000 tokens 28.7 against 38.3 ms), and from how many
+# queries: fewer after a long context (a prefix-cache hit, a speculative verify)
 # leave two threads three tasks (one per KV head) and every key to transpose, where SDPA splits
 # the work by query head (2,000 keys: 0.87 against 0.55 ms at 2 queries, 1.00 against 1.13 at 16)
 PREFILL_KINDS = ("avx2", "avx512_vnni")

@@ -446,3 +446,20 @@ def test_run_length_tool_interleaves_the_ways_and_takes_medians(tiny_model_dir):
     assert rows[0]["tok_per_s"] == 20.0
     eager = run_length.child("eager", 3, str(tiny_model_dir), None)
     assert eager["request_s"] > 0 and eager["ready_s"] is None
+
+
+def test_kind_rules_tool_adds_the_rules_in_turn_and_restores_them(tiny_model_dir, tmp_path):
+    """`tools/kind_rules`: a row per set of rules and batch, each set the one before plus a rule,
+    the same greedy tokens in every set; the process's own rules are back after it."""
+    import tinyvllm.cpu_step as cpu_step
+    import tinyvllm.model as model
+    from phases.p05_quantization.lossless import LosslessLinear
+    from phases.p07_cuda_graphs.tools import kind_rules
+
+    before = (model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE, cpu_step.CSTEP_KINDS)
+    report = kind_rules.main(["--model", str(tiny_model_dir), "--batch", "1", "2", "--rounds", "1",
+                              "--json", str(tmp_path / "rules.json")])
+    assert [(r["batch"], r["rules"]) for r in report["rows"]] == [(b, n) for b in (1, 2) for n in kind_rules.NAMES]
+    assert all(r["same_tokens"] and r["median_tok_s"] > 0 for r in report["rows"])
+    assert (model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE, cpu_step.CSTEP_KINDS) == before
+    assert json.loads((tmp_path / "rules.json").read_text())["rows"] == report["rows"]

@@ -32,13 +32,17 @@ from .report import write_report
 NAMES = ("none", "gemv", "gemv, codes", "gemv, codes, norm", "gemv, codes, norm, cpu_step")
 
 
-def use(rules: tuple[int, int, bool, bool]) -> None:
+def use(rules: tuple) -> tuple:
     """Turn the rules on or off in this process, as if this CPU's kind were named in them:
-    (gemv rows, codes rows, fused norm, cpu_step)."""
+    (gemv rows, codes rows, fused norm, cpu_step kinds, or True for this CPU's). Returns the
+    rules as they were."""
     from tinyvllm.hardware import cpu_kind
 
+    was = (model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE, cpu_step.CSTEP_KINDS)
     model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE = rules[:3]
-    cpu_step.CSTEP_KINDS = (cpu_kind(),) if rules[3] else ()   # asked when an engine is built
+    kinds = rules[3]   # asked when an engine is built
+    cpu_step.CSTEP_KINDS = ((cpu_kind(),) if kinds else ()) if isinstance(kinds, bool) else kinds
+    return was
 
 
 def main(argv=None) -> dict:
@@ -50,32 +54,40 @@ def main(argv=None) -> dict:
     p.add_argument("--codes-rows", type=int, default=12)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    on = (args.gemv_rows, args.codes_rows, True, True)
-    SETS = {name: tuple(on[j] if j < i else type(on[j])(0) for j in range(4)) for i, name in enumerate(NAMES)}
-    engines = {}
-    for name, rules in SETS.items():
-        use(rules)
-        engines[name] = LLM(args.model, compilation_mode=0)
-    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    rows = []
-    for batch in args.batch:
-        prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(batch)]
-        tok_s, tokens = {name: [] for name in SETS}, {}
-        for r in range(args.rounds + 1):
-            for name, rules in SETS.items():
-                use(rules)
-                start = time.perf_counter()
-                outs = engines[name].generate(prompts, params, use_tqdm=False)
-                if r:
-                    tok_s[name].append(round(128 * batch / (time.perf_counter() - start), 1))
-                tokens[name] = [o.outputs[0].token_ids for o in outs]
-        for name in SETS:
-            row = {"batch": batch, "rules": name, "tok_s": tok_s[name], "median_tok_s": statistics.median(tok_s[name]),
-                   "same_tokens": tokens[name] == tokens["none"]}
-            rows.append(row)
-            print(f"batch {batch:3d}  {name:24s} {' '.join(map(str, row['tok_s']))}  median {row['median_tok_s']}"
-                  f"  same tokens: {row['same_tokens']}")
+    # the i-th set: the first i rules on, in NAMES' order
+    sets = {name: (args.gemv_rows if i > 0 else 0, args.codes_rows if i > 1 else 0, i > 2, i > 3)
+            for i, name in enumerate(NAMES)}
+    engines, was = {}, use(sets["none"])
+    try:
+        for name, rules in sets.items():
+            use(rules)
+            engines[name] = LLM(args.model, compilation_mode=0)
+        rows = [row for batch in args.batch for row in measure(engines, sets, batch, args.rounds)]
+    finally:
+        use(was)   # this process's own rules again
     return write_report("kind_rules", argv, {"rows": rows}, args.json)
+
+
+def measure(engines: dict, sets: dict, batch: int, rounds: int) -> list[dict]:
+    """A row per set of rules: `batch` prompts a round, each engine in turn, medians."""
+    params, rows = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True), []
+    prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(batch)]
+    tok_s, tokens = {name: [] for name in sets}, {}
+    for r in range(rounds + 1):
+        for name, rules in sets.items():
+            use(rules)
+            start = time.perf_counter()
+            outs = engines[name].generate(prompts, params, use_tqdm=False)
+            if r:
+                tok_s[name].append(round(128 * batch / (time.perf_counter() - start), 1))
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    for name in sets:
+        row = {"batch": batch, "rules": name, "tok_s": tok_s[name], "median_tok_s": statistics.median(tok_s[name]),
+               "same_tokens": tokens[name] == tokens["none"]}
+        rows.append(row)
+        print(f"batch {batch:3d}  {name:24s} {' '.join(map(str, row['tok_s']))}  median {row['median_tok_s']}"
+              f"  same tokens: {row['same_tokens']}")
+    return rows
 
 
 if __name__ == "__main__":
