@@ -154,8 +154,7 @@ BF16_UPCAST_ROWS = {"avx2": 24}
 # (avx512_vnni), the default model's 211 products took 16.5 ms against F.linear's 21.4 at 1 row,
 # 21.4 against 31.3 at 16, 51.1 against 62.2 at 64 (`python -m tinyvllm.entrypoints.bench.linear
 # --dtype bfloat16`, docs/assets/bench/linear-bf16-zen4-avx512.txt; float32's oneDNN at 64 rows:
-# 96.4). Phase 5's int4 `dequant_sgemm` multiplies in bfloat16 there too. Not measured on the amx
-# kind.
+# 96.4). Not measured on the amx kind.
 BF16_ONEDNN_KINDS = ("avx512_vnni",)
 
 

@@ -38,7 +38,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tinyvllm.hardware import cpu_kind
-from tinyvllm.model import BF16_ONEDNN_KINDS
 
 from . import cpu_int8
 
@@ -49,11 +48,7 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # 9.4 against 10.2 ms at 64 rows, 16.0 against 20.2 at 128). Not measured on the other kinds, so
 # not chosen there. Nor for a layer of more than DEQUANT_MAX_WEIGHTS: the LM head, whose float32
 # copy would take 113 MB, and which `cpu_int4` multiplies faster at every row count measured.
-DEQUANT_FROM_ROWS, DEQUANT_MAX_WEIGHTS = {"avx2": 64, "avx512_vnni": 32}, 1 << 22
-# On a kind of tinyvllm.model's BF16_ONEDNN_KINDS (bfloat16 products native: AVX512-BF16, twice
-# float32's multiply-adds a cycle) `dequant_sgemm` multiplies in bfloat16 (the unpacked weight and x
-# rounded to it, float32 out): on an AVX-512 Zen 4 EPYC (avx512_vnni) it beats `cpu_int4` from 32
-# rows (docs/assets/bench/quant-kernels-int4-zen4-avx512.txt).
+DEQUANT_FROM_ROWS, DEQUANT_MAX_WEIGHTS = {"avx2": 64}, 1 << 22
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,8 +364,7 @@ def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _dequant_sgemm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size)
-    y = F.linear(x.bfloat16(), w.bfloat16()).float() if cpu_kind() in BF16_ONEDNN_KINDS else F.linear(x.float(), w)
-    return y if layer.bias is None else y.add_(layer.bias.float())
+    return F.linear(x.float(), w, None if layer.bias is None else layer.bias.float())
 
 
 def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:  # a layer stored as rows
