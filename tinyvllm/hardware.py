@@ -113,9 +113,12 @@ def kind_of(flags: frozenset[str] | set[str]) -> str:
     return "avx2" if AVX2_FLAGS <= flags else "other"
 
 
+@functools.cache
 def cpu_kind() -> str:
-    """"amx", "avx512_vnni", "avx2" or "other": the class of CPU a kernel choice was measured on."""
-    return kind_of(cpu_flags()) if has_flags(frozenset()) else "other"
+    """"amx", "avx512_vnni", "avx2" or "other": the class of CPU a kernel choice was measured on
+    (asked once: callers ask it on hot paths, once per layer and sequence)."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return kind_of(cpu_flags()) if x86 else "other"
 
 
 def report_kind(machine: dict) -> str | None:

@@ -248,9 +248,7 @@ class Linear(nn.Linear):
                 or (self.weight.requires_grad and torch.is_grad_enabled())):
             if x.dtype == torch.bfloat16 and x.is_cpu and n and not torch.is_grad_enabled():
                 if self.bf16_onednn and self.weight.dtype == torch.bfloat16:
-                    if torch.compiler.is_compiling():
-                        return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias)
-                    return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+                    return self.onednn_product(x)
                 if 0 < self.upcast_rows <= n and not torch.compiler.is_compiling():
                     return upcast_linear(x, self.weight, self.bias)   # (a trace never asks)
             return F.linear(x, self.weight, self.bias)
@@ -265,9 +263,12 @@ class Linear(nn.Linear):
                 x = torch.cat([x, x.new_zeros(1, x.shape[1])])           # (2, in)
             y = (self.weight @ x.T)[:, :n].T.contiguous()                # (n, out)
             return y if self.bias is None else y + self.bias
-        if not self.use_onednn:
-            return F.linear(x, self.weight, self.bias)
-        if torch.compiler.is_compiling():  # the same call, as an operator the compiler leaves alone
+        return self.onednn_product(x) if self.use_onednn else F.linear(x, self.weight, self.bias)
+
+    def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
+        """oneDNN's product on the packed weight; in a graph being traced, the same call as an
+        operator the compiler leaves alone."""
+        if torch.compiler.is_compiling():
             return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 

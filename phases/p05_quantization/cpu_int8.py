@@ -42,8 +42,8 @@ VNNI = CKernel(HERE / "cpu_vnni.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512
                fallback="another int8 kernel is used")
 
 
-# whether cpu_int8, cpu_int4 and dequant_sgemm can run here (AVX2 and a C compiler), and cpu_int8_vnni (AVX512-VNNI)
-available, vnni_available = AVX2.available, VNNI.available
+available = AVX2.available        # cpu_int8, cpu_int4 and dequant_sgemm can run here (AVX2 and a C compiler)
+vnni_available = VNNI.available   # cpu_int8_vnni can run here (AVX512-VNNI and a C compiler)
 
 
 class _Scratch(threading.local):
@@ -111,7 +111,8 @@ VNNI_MAX_IN_FEATURES = 65536  # int32 sums stay exact up to here (cpu_vnni.c)
 def vnni_pack(qweight: torch.Tensor) -> torch.Tensor:
     """qweight (O, I) int8 -> the byte panels cpu_vnni.c reads: (ceil(O/64), ceil(I/4), 64, 4)
     uint8 holding q + 128. The same bytes as qweight, reordered (plus padding)."""
-    (o, i), lib = qweight.shape, VNNI.lib or VNNI.load()
+    lib = VNNI.lib or VNNI.load()
+    o, i = qweight.shape
     wp = torch.empty(-(-o // 64), -(-i // 4), 64, 4, dtype=torch.uint8)
     lib.vnni_pack(qweight.contiguous().data_ptr(), wp.data_ptr(), o, i)
     return wp
