@@ -206,5 +206,53 @@ def test_onednn_product_as_an_operator_equals_the_eager_one():
     layer.gemv_rows = 0   # 8 rows: oneDNN's, not cpu_gemv.c's
     x = torch.randn(8, 64)
     op = torch.ops.tinyvllm.onednn_linear
-    assert torch.equal(op(x, layer.weight, layer.bias), layer(x))
-    torch.library.opcheck(op, (x, layer.weight, layer.bias), test_utils=("test_schema", "test_faketensor"))
+    assert torch.equal(op(x, layer.weight, layer.bias, 0), layer(x))
+    layer.bf16_rows = 8   # from 8 rows in bfloat16: the operator decides by its input's rows
+    assert torch.equal(op(x, layer.weight, layer.bias, 8), layer(x))
+    assert torch.equal(op(x[:7], layer.weight, layer.bias, 8), op(x[:7], layer.weight, layer.bias, 0))
+    torch.library.opcheck(op, (x, layer.weight, layer.bias, 8), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_linear_bfloat16_products_from_bf16_rows():
+    """From `bf16_rows` rows a float32 Linear multiplies in bfloat16: its inputs rounded to
+    bfloat16, the sums float32's, the output rounded once to bfloat16 and returned in float32 with
+    the bias added; below that many rows, the float32 product bit for bit."""
+    from tinyvllm.model import Linear
+
+    if not Linear.use_onednn:
+        pytest.skip("no oneDNN on this CPU")
+    torch.manual_seed(0)
+    layer = Linear(64, 40, bias=True).requires_grad_(False)
+    layer.gemv_rows = 0
+    x = torch.randn(13, 64)
+    f32 = layer(x)
+    layer.bf16_rows = 13
+    assert torch.equal(layer(x[:12]), f32[:12])             # 12 rows: float32's product
+    y = layer(x)
+    assert y.dtype == torch.float32 and not torch.equal(y, f32)
+    exact = torch.nn.functional.linear(x.bfloat16().float(), layer.weight.bfloat16().float())
+    torch.testing.assert_close(y - layer.bias, exact, rtol=2 ** -8, atol=1e-6)
+    torch.testing.assert_close(y, f32, rtol=0.05, atol=0.05)  # what rounding the inputs costs here
+
+
+def test_bfloat16_products_reach_every_layer_an_engine_runs(tiny_codes_dir, monkeypatch):
+    """dtype="auto" on a CPU kind BF16_PRODUCT_ROWS names gives every float32 product of the
+    engine its rows, the layers made after loading too (phase 5's codes, phase 7's fused
+    projections); dtype="float32" and $TINYVLLM_BF16_PRODUCTS=0 (the suite's) none."""
+    from tinyvllm import LLM
+    from tinyvllm.hardware import cpu_kind
+    from tinyvllm.model import BF16_PRODUCT_ROWS, Linear, onednn_available
+
+    want = BF16_PRODUCT_ROWS.get(cpu_kind(), 0) if onednn_available() else 0
+    monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
+    for dtype, rows in (("auto", want), ("float32", 0)):
+        engine = LLM(str(tiny_codes_dir), phase=7, dtype=dtype, enforce_eager=False, num_kv_blocks=16).llm_engine
+        layers = [m for m in engine.model.modules() if isinstance(m, Linear)]
+        assert engine.setup.bf16_rows == rows and {m.bf16_rows for m in layers} == {rows}
+        assert {type(m).__name__ for m in layers} >= {"LosslessLinear"}
+        assert any(n.endswith("qkv_proj") for n, _ in engine.model.named_modules())
+    monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "0")
+    assert LLM(str(tiny_codes_dir), phase=7, num_kv_blocks=16).llm_engine.setup.bf16_rows == 0
+    monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "yes")
+    with pytest.raises(ValueError, match="TINYVLLM_BF16_PRODUCTS"):
+        LLM(str(tiny_codes_dir), phase=7, num_kv_blocks=16)

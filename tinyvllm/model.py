@@ -156,6 +156,23 @@ BF16_UPCAST_ROWS = {"avx2": 24}
 # --dtype bfloat16`, docs/assets/bench/linear-bf16-zen4-avx512.txt; float32's oneDNN at 64 rows:
 # 96.4). Not measured on the amx kind.
 BF16_ONEDNN_KINDS = ("avx512_vnni",)
+# From how many rows a float32 model's products run in bfloat16 when dtype="auto", per CPU kind
+# (`use_bfloat16_products`): the rows rounded to bfloat16, oneDNN's product on a bfloat16 copy of
+# the packed weight, its output made float32 again (what PyTorch's autocast does for a matrix
+# product). The activations, norms, attention and the few-row products (phase 5's codes, up to
+# 12 rows) stay float32. On an AVX-512 Zen 4 EPYC (avx512_vnni), 48 requests offline 1.43x,
+# a 2,000-token prompt's first token 1.45x, perplexity +0.25% (lab note 7). Not measured on
+# the amx kind, so not chosen there; nothing to gain without bfloat16 arithmetic (avx2).
+BF16_PRODUCT_ROWS = {"avx512_vnni": 13}
+
+
+def use_bfloat16_products(model: nn.Module, rows: int) -> None:
+    """From `rows` rows on (0: never), every float32 `Linear` of `model` multiplies in bfloat16
+    (`BF16_PRODUCT_ROWS`). A layer made from one later (phase 5's codes, phase 7's fused
+    projections) keeps its setting."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.bf16_rows = rows
 
 
 def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -221,6 +238,9 @@ class Linear(nn.Linear):
       without AVX-512): tinyvllm's own AVX2 loop (cpu_gemv.c), which streams the weights faster
       than either library there. Phase 7's compiled step calls it from C++.
 
+    From `bf16_rows` rows on (0, the default: never; `use_bfloat16_products`), a float32
+    product runs in bfloat16 on a bfloat16 copy of the packed weight, its output float32.
+
     In bfloat16 on a CPU of a kind `BF16_UPCAST_ROWS` names (no bfloat16 arithmetic), from that
     many rows (a prefill, a large batch) the product runs in float32 (`upcast_linear`).
 
@@ -241,6 +261,7 @@ class Linear(nn.Linear):
     gemv_rows = GEMV_MAX_ROWS.get(cpu_kind(), 0)
     upcast_rows = BF16_UPCAST_ROWS.get(cpu_kind(), 0)
     bf16_onednn = use_onednn and cpu_kind() in BF16_ONEDNN_KINDS
+    bf16_rows = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.shape[0] if x.dim() == 2 else 0
@@ -266,11 +287,11 @@ class Linear(nn.Linear):
         return self.onednn_product(x) if self.use_onednn else F.linear(x, self.weight, self.bias)
 
     def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
-        """oneDNN's product on the packed weight; in a graph being traced, the same call as an
-        operator the compiler leaves alone."""
+        """oneDNN's product on the packed weight (`onednn_matmul`); in a graph being traced, the
+        same call as an operator the compiler leaves alone."""
         if torch.compiler.is_compiling():
-            return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+            return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias, self.bf16_rows)
+        return onednn_matmul(x, self.weight, self.bias, self.bf16_rows)
 
     def gemv_max_rows(self) -> int:
         """Up to how many rows `forward` runs cpu_gemv.c (0: never). Whether it can run on the
@@ -295,13 +316,27 @@ class Linear(nn.Linear):
         return onednn_packed(self.weight)
 
 
-def onednn_packed(w: torch.Tensor) -> torch.Tensor:
-    """`w` in oneDNN's blocked layout, made at the first call and kept on the tensor itself until
-    `w` changes."""
-    key = (w.data_ptr(), w.dtype, w._version if not w.is_inference() else None)
-    cached = getattr(w, "_onednn_packed", None)
+def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  bf16_rows: int = 0) -> torch.Tensor:
+    """x (N, I) @ weight (O, I)^T + bias in oneDNN on the packed weight; a float32 x of at least
+    `bf16_rows` rows (0: never) in bfloat16, on the weight's packed bfloat16 copy, the output
+    float32 (the bias added in float32)."""
+    if 0 < bf16_rows <= x.shape[0] and x.dtype == torch.float32:
+        w = onednn_packed(weight, torch.bfloat16)
+        y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w, None, "none", [], "").float()
+        return y if bias is None else y.add_(bias)
+    return torch.ops.mkldnn._linear_pointwise(x, onednn_packed(weight), bias, "none", [], "")
+
+
+def onednn_packed(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`w` (made `dtype` first, where given) in oneDNN's blocked layout, made at the first call
+    and kept on the tensor itself until `w` changes."""
+    dtype = dtype or w.dtype
+    key, name = (w.data_ptr(), w.dtype, w._version if not w.is_inference() else None), f"_onednn_packed_{dtype}"
+    cached = getattr(w, name, None)
     if cached is None or cached[0] != key:
-        cached = w._onednn_packed = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach()))
+        cached = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype)))
+        setattr(w, name, cached)
     return cached[1]
 
 
@@ -309,12 +344,12 @@ def onednn_packed(w: torch.Tensor) -> torch.Tensor:
 # `mkldnn._linear_pointwise` on a packed weight it did not pack itself, but it calls an operator
 # registered here as it is (phase 7's compiled step)
 @torch.library.custom_op("tinyvllm::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, onednn_packed(weight), bias, "none", [], "")
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bf16_rows: int) -> torch.Tensor:
+    return onednn_matmul(x, weight, bias, bf16_rows)
 
 
 @onednn_linear.register_fake
-def _(x, weight, bias):
+def _(x, weight, bias, bf16_rows):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

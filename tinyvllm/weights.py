@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 
 from tinyvllm.config import ModelConfig
-from tinyvllm.model import LlamaForCausalLM
+from tinyvllm.hardware import cpu_kind
+from tinyvllm.model import BF16_PRODUCT_ROWS, LlamaForCausalLM, onednn_available, use_bfloat16_products
 
 # Buffers some checkpoints carry that we compute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -35,12 +36,26 @@ ALIGN = 64
 def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
     """'auto' means float32 on a CPU and bfloat16 on a GPU. On an AVX2 CPU measurement backs
     float32 (docs/assets/bench/dtype-avx2-bf16-latency.json: no bfloat16 arithmetic, so a
-    prefill took 5 times float32's and a bfloat16 matmul ran at 0.9 GFLOP/s); a CPU that computes
-    bfloat16 natively (AVX512-BF16, AMX) has no committed report yet, and keeps float32 until one
-    shows bfloat16 faster there."""
+    prefill took 5 times float32's and a bfloat16 matmul ran at 0.9 GFLOP/s); where the CPU
+    computes bfloat16 (AVX512-BF16), a bfloat16 engine as a whole was slower than a float32 one
+    too (dtype-zen4-avx512-bf16-*.json: its attention and elementwise work are slower), so there
+    'auto' keeps float32 and multiplies many rows in bfloat16 (`bf16_product_rows`)."""
     if dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def bf16_product_rows(dtype: str, device: torch.device) -> int:
+    """From how many rows a float32 model's products run in bfloat16 (0: never): with
+    dtype='auto' on a CPU, what `BF16_PRODUCT_ROWS` says for its kind, where oneDNN is there.
+    $TINYVLLM_BF16_PRODUCTS=0 turns it off for every engine of the process (the test suite's
+    setting: its references are float32's)."""
+    env = os.environ.get("TINYVLLM_BF16_PRODUCTS", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"TINYVLLM_BF16_PRODUCTS must be 0 or 1 (or unset), got {env!r}")
+    if dtype != "auto" or device.type != "cpu" or env == "0" or not onednn_available():
+        return 0
+    return BF16_PRODUCT_ROWS.get(cpu_kind(), 0)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -149,8 +164,9 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
 
 
 def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,
-               max_positions: int | None = None) -> LlamaForCausalLM:
-    """Build the model from config.json, load its weights, and move it to `device` and `dtype`."""
+               max_positions: int | None = None, bf16_rows: int = 0) -> LlamaForCausalLM:
+    """Build the model from config.json, load its weights, and move it to `device` and `dtype`;
+    a float32 one multiplies from `bf16_rows` rows on in bfloat16 (`bf16_product_rows`)."""
     config = ModelConfig.from_pretrained(folder)
     # On the meta device: shapes without memory, so no random init is made and thrown away; the
     # checkpoint's tensors then become the parameters (not Module.to_empty and a copy: its
@@ -158,7 +174,9 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.devi
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
     load_weights(model, folder)
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    use_bfloat16_products(model, bf16_rows if dtype == torch.float32 else 0)
+    return model
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

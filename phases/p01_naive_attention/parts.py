@@ -36,7 +36,7 @@ import torch
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.download import resolve_model
 from tinyvllm.tokenizer import Tokenizer
-from tinyvllm.weights import resolve_device, resolve_dtype
+from tinyvllm.weights import bf16_product_rows, resolve_device, resolve_dtype
 
 
 @dataclass
@@ -53,6 +53,7 @@ class EngineSetup:
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     tensor_parallel_rank: int = 0   # which of several processes running one model this one is
+    bf16_rows: int = 0              # float32 products from this many rows in bfloat16 (0: never)
 
     @classmethod
     def create(cls, model: str | Path | None, engine_args: dict, tensor_parallel_rank: int = 0) -> "EngineSetup":
@@ -68,7 +69,8 @@ class EngineSetup:
         tokenizer = Tokenizer(model_path)
         return cls(config, dict(engine_args), model_path, model_config, device,
                    resolve_dtype(config.dtype, device), max_model_len, tokenizer,
-                   eos_token_ids(model_path, model_config, tokenizer), tensor_parallel_rank)
+                   eos_token_ids(model_path, model_config, tokenizer), tensor_parallel_rank,
+                   bf16_product_rows(config.dtype, device))
 
 
 def eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:

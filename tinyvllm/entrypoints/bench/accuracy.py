@@ -131,16 +131,18 @@ def run_accuracy(model=None, quantizations=(None, "int8", "int4"), kv_cache_dtyp
 
 
 def _dtype_name(llm) -> str:
-    """The dtype an engine's weights are kept in, "float32" or "bfloat16" (what "auto" became)."""
-    return str(llm.llm_engine.dtype).removeprefix("torch.")
+    """The dtype an engine's weights are kept in, "float32" or "bfloat16" (what "auto" became),
+    and "float32+bf16 products" where its products of many rows are bfloat16's."""
+    name = str(llm.llm_engine.dtype).removeprefix("torch.")
+    return f"{name}+bf16 products" if llm.llm_engine.setup.bf16_rows else name
 
 
 def format_accuracy(report: dict) -> str:
-    lines = [f"{'dtype':>9} {'quantization':>12} {'kv':>8} {'perplexity':>10} {'change':>8} {'mean KL':>9} "
+    lines = [f"{'dtype':>22} {'quantization':>12} {'kv':>8} {'perplexity':>10} {'change':>8} {'mean KL':>9} "
              f"{'top-1':>7}"]
     for r in report["results"]:
         change = f"{r.get('perplexity_change', 0) * 100:+.2f}%"
-        lines.append(f"{r.get('dtype', 'float32'):>9} {str(r['quantization']):>12} {r['kv_cache_dtype']:>8} "
+        lines.append(f"{r.get('dtype', 'float32'):>22} {str(r['quantization']):>12} {r['kv_cache_dtype']:>8} "
                      f"{r['perplexity']:10.3f} "
                      f"{change:>8} {r['mean_kl']:9.5f} {r['top1_agreement'] * 100:6.1f}%")
     return "\n".join(lines)

@@ -135,6 +135,7 @@ class EngineRunner:
         return dict(kind=self.kind, phase=self.phase, label=self.label, engine_args=self.engine_args,
                     skipped_engine_args=self.skipped_engine_args,
                     dtype=str(e.dtype).removeprefix("torch."), device=str(e.device),
+                    bf16_products_from_rows=e.setup.bf16_rows or None,   # dtype="auto"'s, where it chose them
                     max_model_len=e.max_model_len, max_num_seqs=e.config.max_num_seqs,
                     # the kernels quantized layers choose (phase 5 on), at one row and at many
                     product_kernels=sorted({m.choose_kernel(n) for m in e.model.modules()
