@@ -328,6 +328,15 @@ def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, onednn_packed(weight), bias, "none", [], "")
 
 
+def bfloat16_weights(layers: list[nn.Module]) -> tuple[list[torch.Tensor], list[int]] | None:
+    """For a C++ caller of `layers` (phase 7's cpu_ops.cpp): each one's weight packed in bfloat16
+    (an empty tensor where it has none) and its `bf16_rows`; None where no layer has any."""
+    rows = [getattr(m, "bf16_rows", 0) for m in layers]
+    if not any(rows):
+        return None
+    return [onednn_packed(m.weight, torch.bfloat16) if r else torch.empty(0) for m, r in zip(layers, rows)], rows
+
+
 def onednn_packed(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`w` (made `dtype` first, where given) in oneDNN's blocked layout, made at the first call
     and kept on the tensor itself until `w` changes."""

@@ -67,7 +67,7 @@ from phases.p05_quantization.lossless import LosslessLinear
 from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir
 from tinyvllm.hardware import AVX2_FLAGS, cpu_flags
-from tinyvllm.model import Linear
+from tinyvllm.model import Linear, bfloat16_weights
 
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 from .fused import decode_forward, fused_model, layer_row
@@ -136,6 +136,7 @@ def make_opaque(model: nn.Module) -> int:
             layers.append(m)
     model.opaque_layers = [m.kernel_call() if type(m) is QuantizedLinear else m for m in layers]
     model.native_layers = torch.tensor([layer_row(m) for m in layers], dtype=torch.int64).view(-1, 10)
+    model.native_layers.packed = bfloat16_weights(layers)   # for cpu_ops.cpp's bfloat16 products
     return len(layers)
 
 
@@ -158,11 +159,13 @@ NATIVE = torch_extension(Path(__file__).with_name("cpu_ops.cpp"), AVX2_FLAGS,
 
 def use_step(layers: torch.Tensor | None, attention=None) -> None:
     """Hand cpu_ops.cpp this thread's step: the model's layer table (a `layer_row` per opaque
-    layer) and its `attention_row`; with None, take it back (before the tables can go)."""
+    layer, with the packed bfloat16 weights `make_opaque` keeps on it) and its `attention_row`;
+    with None, take it back (before the tables can go)."""
     if NATIVE.lib is not None:
         _STEP.row = row = None if layers is None else attention_row(attention)   # alive while read
         NATIVE.lib.use_step(None if layers is None else layers.data_ptr(), 0 if layers is None else len(layers),
                             None if row is None else row.data_ptr())
+        torch.ops.tinyvllm.use_packed(*(getattr(layers, "packed", None) or ([], [])))   # bfloat16 weights
 
 
 def use_inductor_cache() -> None:
@@ -175,13 +178,13 @@ SOURCES = (Path(__file__).parents[2] / "tinyvllm", Path(__file__).parents[1])
 
 
 def compile_key(model: nn.Module) -> str:
-    """What a saved graph depends on: the model (its config, modules, parameters' and buffers'
-    shapes and dtypes), this CPU's instruction sets
+    """What a saved graph depends on: the model (its config, modules and the rows from which they
+    multiply in bfloat16, parameters' and buffers' shapes and dtypes), this CPU's instruction sets
     (inductor's loops are compiled for them), torch and Python, and the source of tinyvllm and
     its phases (a changed line compiles again; their tests are not part of it)."""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
     parts = [repr(getattr(model, "config", None)), sorted(cpu_flags()), torch.__version__,
-             sys.version, [(n, type(m).__name__) for n, m in model.named_modules()],
+             sys.version, [(n, type(m).__name__, getattr(m, "bf16_rows", 0)) for n, m in model.named_modules()],
              [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors],
              [f.read_bytes() for root in SOURCES for f in sorted(root.rglob("*.py")) if not f.name.startswith("test_")]]
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]

@@ -11,10 +11,13 @@
  * and takes back after; a layer or a step these do not serve (another kernel, many rows, no
  * table) goes to the Python kernel, registered as the *_eager twin of each operator.
  *
+ * A layer whose many rows multiply in bfloat16 (tinyvllm.model's `Linear.bf16_rows`) runs them
+ * here too, through oneDNN's operator on the weight's packed bfloat16 copy (use_packed hands
+ * them over with the step), as `onednn_matmul` does from Python.
+ *
  * Built by tinyvllm.ckernel with PyTorch's headers (about 15 s, once per machine). */
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -44,6 +47,9 @@ struct Step {
     const int64_t *attention = nullptr;
 };
 static thread_local Step step;                 /* this thread's step: a background thread has its own */
+/* each layer's bfloat16 weight in oneDNN's layout and the rows from which it serves (0: never) */
+static thread_local std::vector<at::Tensor> packed;
+static thread_local std::vector<int64_t> packed_from;
 static thread_local std::vector<float> space;  /* scratch, reused from call to call */
 
 static float *scratch(int64_t floats) {
@@ -55,18 +61,35 @@ extern "C" void use_step(const int64_t *layers, int64_t num_layers, const int64_
     step = Step{layers, num_layers, attention};
 }
 
+void use_packed(at::TensorList weights, at::IntArrayRef from_rows) {
+    packed.assign(weights.begin(), weights.end());
+    packed_from.assign(from_rows.begin(), from_rows.end());
+}
+
+/* x (M, I) float32 @ the packed bfloat16 weight: x rounded to bfloat16, the output float32 */
+static at::Tensor bf16_product(const at::Tensor &x, const at::Tensor &weight) {
+    static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x.to(at::kBFloat16), weight, c10::IValue(), std::string("none"),
+                            c10::List<std::optional<at::Scalar>>(), std::optional<std::string>(std::string(""))};
+    op.callBoxed(&stack);
+    return stack[0].toTensor().to(at::kFloat);
+}
+
 at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_features) {
     const int64_t *e = index < step.num_layers ? step.layers + index * LAYER_FIELDS : nullptr;
+    const bool bf16 = e && e[FN] && index < (int64_t)packed_from.size() && packed_from[index] > 0
+                      && x.dim() == 2 && x.size(0) >= packed_from[index];
     if (!e || !e[FN] || x.scalar_type() != at::kFloat || x.dim() != 2 || !x.is_contiguous()
-            || x.size(1) != e[IN] || x.size(0) >= e[MANY]) {
+            || x.size(1) != e[IN] || (x.size(0) >= e[MANY] && !bf16)) {
         static auto eager = c10::Dispatcher::singleton().findSchemaOrThrow("tinyvllm::opaque_linear_eager", "")
                                 .typed<at::Tensor(const at::Tensor &, int64_t, int64_t)>();
         return eager.call(x, index, out_features);
     }
     const int64_t M = x.size(0), O = e[OUT], I = e[IN];
-    at::Tensor y = at::empty({M, O}, x.options());
+    at::Tensor y = bf16 ? bf16_product(x, packed[index]) : at::empty({M, O}, x.options());
     float *out = y.data_ptr<float>();
-    if (e[BITS] == 32) { /* float32: tinyvllm/cpu_gemv.c, as tinyvllm.model.Linear runs it */
+    if (bf16) {          /* many rows in bfloat16: done above, the bias below */
+    } else if (e[BITS] == 32) { /* float32: tinyvllm/cpu_gemv.c, as tinyvllm.model.Linear runs it */
         reinterpret_cast<F32Fn>(e[FN])(x.data_ptr<float>(), (const float *)e[WEIGHT], out, M, O, I);
     } else if (e[BITS] == 1) {  /* float32 from its 4- or 8-bit codes: no scratch */
         reinterpret_cast<LosslessFn>(e[FN])(x.data_ptr<float>(), (const uint8_t *)e[WEIGHT], (const float *)e[SCALE],
@@ -110,6 +133,10 @@ at::Tensor unified_attention(int64_t layer_idx, const at::Tensor &query, const a
         out.data_ptr<float>(), scratch(B * H * a[MAX_LEN]), B, H, a[KV_HEADS], d, a[BLOCK], a[TABLE_STRIDE],
         a[MAX_LEN], (float)(1.0 / std::sqrt((double)d)));
     return out;
+}
+
+TORCH_LIBRARY_FRAGMENT(tinyvllm, m) {
+    m.def("use_packed(Tensor[] weights, int[] from_rows) -> ()", &use_packed);
 }
 
 TORCH_LIBRARY_IMPL(tinyvllm, CPU, m) {

@@ -64,8 +64,7 @@ class InputBatch:
             raise ValueError(f"seq {seq.seq_id} already has row {self.row_of[seq.seq_id]}")
         if self.num_reqs == self.max_num_reqs:
             raise ValueError(f"the batch is full (max_num_reqs={self.max_num_reqs})")
-        r = self.num_reqs
-        self.num_reqs += 1
+        r, self.num_reqs = self.num_reqs, self.num_reqs + 1
         self.seqs[r], self.row_of[seq.seq_id] = seq, r
         n = seq.num_tokens
         self.token_ids[r, :n] = torch.tensor(seq.token_ids, dtype=torch.int64)
@@ -117,8 +116,7 @@ class InputBatch:
         start = int(self.num_blocks[r]) if table is self._tables[r] else 0
         if len(ids) > start:
             self.block_table[r, start:len(ids)] = torch.tensor(ids[start:], dtype=torch.int64)
-        self.num_blocks[r] = len(ids)
-        self._tables[r] = table
+        self.num_blocks[r], self._tables[r] = len(ids), table
         self.num_computed[r] = seq.num_computed_tokens
         # <<< exercise update_row
 

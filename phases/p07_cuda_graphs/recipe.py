@@ -64,10 +64,9 @@ def compile_request(setup: EngineSetup, parts: Parts) -> dict:
     """What `compile_worker` builds to compile this engine's graphs: the same model, phase and
     arguments, compiled before its start, without what does not shape the graph (a draft model;
     a KV pool: just the blocks one sequence of max_model_len needs, plus the scratch block)."""
-    c = setup.config
     args = {k: v for k, v in setup.engine_args.items() if k not in ("kv_cache_memory", "gpu_memory_utilization")}
     args.update(compilation_mode=1, speculative_config=None, max_model_len=setup.max_model_len,
-                num_kv_blocks=cdiv(setup.max_model_len, c.block_size) + 1)
+                num_kv_blocks=cdiv(setup.max_model_len, setup.config.block_size) + 1)
     return {"model": str(setup.model_path), "phase": parts.phase, "engine_args": args}
 
 

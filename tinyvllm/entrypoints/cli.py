@@ -34,7 +34,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phase", type=int, default=None, metavar="N", help=_phase_help())
     p.add_argument("--device", default="auto", help="'cpu', 'cuda' or 'auto' (default)")
     p.add_argument("--dtype", default="auto",
-                   help="float32, bfloat16, float16 or auto: float32 on CPU, bfloat16 on GPU")
+                   help="float32, bfloat16, float16 or auto: float32 on CPU (products of many rows in "
+                        "bfloat16 where the CPU computes it), bfloat16 on GPU")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length limit (default: the model's)")
 

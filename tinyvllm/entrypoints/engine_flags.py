@@ -20,7 +20,8 @@ from tinyvllm.config import EngineConfig
 _SKIPPED_ENGINE_ARGS = ("seed", "disable_log_stats")
 
 ENGINE_ARG_HELP = {
-    "dtype": "float32, bfloat16, float16 or auto (float32 on a CPU, bfloat16 on a GPU)",
+    "dtype": "float32, bfloat16, float16 or auto (float32 on a CPU, its products of many rows in bfloat16 "
+              "where the CPU computes it; bfloat16 on a GPU)",
     "device": "'cpu', 'cuda[:N]' or 'auto' (default)",
     "max_model_len": "context length limit (default: the model's)",
     "block_size": "tokens per KV-cache block (phase 2 on; default 16)",
