@@ -179,3 +179,24 @@ def test_loading_does_not_import_the_compiler(tiny_model_dir):
             "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False", out.stdout + out.stderr
+
+
+def test_bf16_product_rows_only_for_auto_on_one_cpu_rank(monkeypatch):
+    """dtype="auto" on a CPU with one rank takes `BF16_PRODUCT_ROWS`' rows for this CPU's kind;
+    an explicit dtype, a GPU, several ranks (each rank's partial sum would be rounded) or
+    $TINYVLLM_BF16_PRODUCTS=0 none; another value of it is refused by name."""
+    from tinyvllm.hardware import cpu_kind
+    from tinyvllm.model import BF16_PRODUCT_ROWS, onednn_available
+    from tinyvllm.weights import bf16_product_rows
+
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(BF16_PRODUCT_ROWS, cpu_kind(), 13)
+    monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
+    assert bf16_product_rows("auto", cpu) == (13 if onednn_available() else 0)
+    assert bf16_product_rows("float32", cpu) == bf16_product_rows("bfloat16", cpu) == 0
+    assert bf16_product_rows("auto", torch.device("cuda")) == bf16_product_rows("auto", cpu, 2) == 0
+    monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "0")
+    assert bf16_product_rows("auto", cpu) == 0
+    monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "on")
+    with pytest.raises(ValueError, match="TINYVLLM_BF16_PRODUCTS"):
+        bf16_product_rows("auto", cpu)

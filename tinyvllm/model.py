@@ -168,8 +168,8 @@ BF16_PRODUCT_ROWS = {"avx512_vnni": 13}
 
 def use_bfloat16_products(model: nn.Module, rows: int) -> None:
     """From `rows` rows on (0: never), every float32 `Linear` of `model` multiplies in bfloat16
-    (`BF16_PRODUCT_ROWS`). A layer made from one later (phase 5's codes, phase 7's fused
-    projections) keeps its setting."""
+    (`BF16_PRODUCT_ROWS`). A phase that makes layers of its own (phase 5's codes, phase 7's fused
+    projections) calls it again."""
     for m in model.modules():
         if isinstance(m, Linear):
             m.bf16_rows = rows

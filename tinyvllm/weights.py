@@ -45,15 +45,16 @@ def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig | None =
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
 
 
-def bf16_product_rows(dtype: str, device: torch.device) -> int:
+def bf16_product_rows(dtype: str, device: torch.device, tensor_parallel_size: int = 1) -> int:
     """From how many rows a float32 model's products run in bfloat16 (0: never): with
-    dtype='auto' on a CPU, what `BF16_PRODUCT_ROWS` says for its kind, where oneDNN is there.
+    dtype='auto' on a CPU, one rank, what `BF16_PRODUCT_ROWS` says for its kind, where oneDNN is
+    there (several ranks stay float32: each rank's partial sum would be rounded to bfloat16).
     $TINYVLLM_BF16_PRODUCTS=0 turns it off for every engine of the process (the test suite's
     setting: its references are float32's)."""
     env = os.environ.get("TINYVLLM_BF16_PRODUCTS", "")
     if env not in ("", "0", "1"):
         raise ValueError(f"TINYVLLM_BF16_PRODUCTS must be 0 or 1 (or unset), got {env!r}")
-    if dtype != "auto" or device.type != "cpu" or env == "0" or not onednn_available():
+    if dtype != "auto" or device.type != "cpu" or tensor_parallel_size > 1 or env == "0" or not onednn_available():
         return 0
     return BF16_PRODUCT_ROWS.get(cpu_kind(), 0)
 

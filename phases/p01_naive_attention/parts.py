@@ -70,7 +70,7 @@ class EngineSetup:
         return cls(config, dict(engine_args), model_path, model_config, device,
                    resolve_dtype(config.dtype, device), max_model_len, tokenizer,
                    eos_token_ids(model_path, model_config, tokenizer), tensor_parallel_rank,
-                   bf16_product_rows(config.dtype, device))
+                   bf16_product_rows(config.dtype, device, config.tensor_parallel_size))
 
 
 def eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:

@@ -67,8 +67,7 @@ _scratch = _Scratch()
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, I) float32, qweight (O, I) int8, scale (O,) float32 -> (M, O) float32."""
     lib = AVX2.lib or AVX2.load()
-    x = x.contiguous()
-    m, i = x.shape
+    x, (m, i) = x.contiguous(), x.shape
     y = torch.empty(m, qweight.shape[0])
     lib.int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(),
                     _scratch.get("xq16", m * i, torch.int16).data_ptr(),
@@ -111,10 +110,9 @@ VNNI_MAX_IN_FEATURES = 65536  # int32 sums stay exact up to here (cpu_vnni.c)
 def vnni_pack(qweight: torch.Tensor) -> torch.Tensor:
     """qweight (O, I) int8 -> the byte panels cpu_vnni.c reads: (ceil(O/64), ceil(I/4), 64, 4)
     uint8 holding q + 128. The same bytes as qweight, reordered (plus padding)."""
-    lib = VNNI.lib or VNNI.load()
     o, i = qweight.shape
     wp = torch.empty(-(-o // 64), -(-i // 4), 64, 4, dtype=torch.uint8)
-    lib.vnni_pack(qweight.contiguous().data_ptr(), wp.data_ptr(), o, i)
+    (VNNI.lib or VNNI.load()).vnni_pack(qweight.contiguous().data_ptr(), wp.data_ptr(), o, i)
     return wp
 
 

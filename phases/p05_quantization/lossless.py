@@ -67,8 +67,7 @@ class LosslessLinear(Linear):
 
     def __init__(self, linear: Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-        # the same Parameters (a tied head stays tied); past its codes, the same product
-        self.weight, self.bias, self.bf16_rows = linear.weight, linear.bias, linear.bf16_rows
+        self.weight, self.bias = linear.weight, linear.bias      # the same Parameters (a tied head stays tied)
         self.bits = 4 if zero is not None else 8
         self.register_buffer("codes", codes)                    # (O, I/2) uint8 or (O, I) int8
         self.register_buffer("scale", scale)                    # (O, I/32) float32

@@ -31,6 +31,8 @@ from phases.p02_paged_kv.kv_cache import num_kv_blocks
 from phases.p04_triton_kernels import RECIPE as PHASE4
 from phases.p04_triton_kernels import attention_backend, cpu_paged_attention
 
+from tinyvllm.model import use_bfloat16_products
+
 from .kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantized_bytes_per_block
 from .lossless import keep_lossless
 from .quant import INT4_GROUP_SIZES, QuantizedLinear, check_group_size
@@ -122,6 +124,7 @@ def make_model(setup: EngineSetup, parts: Parts) -> nn.Module:
         keep_lossless(model)
     if c.batch_invariant:
         make_batch_invariant_quantized(model, c.kv_cache_dtype)
+    use_bfloat16_products(model, setup.bf16_rows)   # the new layers' too
     return model
 
 

@@ -293,9 +293,8 @@ class CompiledDecodeRunner(DecodeRunner):
         elif not compile:
             raise RuntimeError(f"no usable compiled graph at {path}")
         else:
-            if bucket > 1:  # one graph for every bucket above 1
-                torch._dynamo.mark_dynamic(ids, 0)
-                torch._dynamo.mark_dynamic(positions, 0)
+            for t in (ids, positions) if bucket > 1 else ():   # one graph for every bucket above 1
+                torch._dynamo.mark_dynamic(t, 0)
             # a code object of its own, floats as constants and no size made dynamic but the one
             # marked: TorchDynamo otherwise makes what changed since another engine's compile (its
             # shapes, its eps) symbolic, which aot_compile cannot restart from

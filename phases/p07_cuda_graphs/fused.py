@@ -58,7 +58,6 @@ def _fuse(layers: list) -> torch.nn.Module | None:
     bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
     fused = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
     fused.weight, fused.bias = (None if t is None else torch.nn.Parameter(t, requires_grad=False) for t in (w, bias))
-    fused.bf16_rows = layers[0].bf16_rows
     return lossless(fused) if all(type(m) is LosslessLinear for m in layers) else fused   # the codes found again
 
 

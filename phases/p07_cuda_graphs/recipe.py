@@ -31,6 +31,8 @@ from phases.p02_paged_kv.block_allocator import cdiv
 from phases.p05_quantization import QuantizedPagedAttention
 from phases.p06_speculative_decoding import RECIPE as PHASE6
 
+from tinyvllm.model import use_bfloat16_products
+
 from .compiled import CompiledDecodeRunner, make_opaque
 from .decode_runner import CudaGraphDecodeRunner, DecodeRunner, StaticDecodeBuffers, default_capture_sizes
 from .fused import fuse_projections
@@ -86,6 +88,7 @@ def make_model(setup: EngineSetup, parts: Parts):
     model = PHASE6.model(setup, parts)
     if not setup.config.enforce_eager:
         fuse_projections(model)
+        use_bfloat16_products(model, setup.bf16_rows)   # the fused layers' too
         if compile_when(setup):
             make_opaque(model)
     return model
