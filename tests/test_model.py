@@ -237,8 +237,8 @@ def test_linear_bfloat16_products_from_bf16_rows():
 
 def test_bfloat16_products_reach_every_layer_an_engine_runs(tiny_codes_dir, monkeypatch):
     """dtype="auto" on a CPU kind BF16_PRODUCT_ROWS names gives every float32 product of the
-    engine its rows, the layers made after loading too (phase 5's codes, phase 7's fused
-    projections); dtype="float32" and $TINYVLLM_BF16_PRODUCTS=0 (the suite's) none."""
+    engine its rows, the layers made after loading too (phase 5's codes and int4 layers, phase
+    7's fused projections); dtype="float32" and $TINYVLLM_BF16_PRODUCTS=0 (the suite's) none."""
     from tinyvllm import LLM
     from tinyvllm.hardware import cpu_kind
     from tinyvllm.model import BF16_PRODUCT_ROWS, Linear, onednn_available
@@ -251,6 +251,8 @@ def test_bfloat16_products_reach_every_layer_an_engine_runs(tiny_codes_dir, monk
         assert engine.setup.bf16_rows == rows and {m.bf16_rows for m in layers} == {rows}
         assert {type(m).__name__ for m in layers} >= {"LosslessLinear"}
         assert any(n.endswith("qkv_proj") for n, _ in engine.model.named_modules())
+    int4 = LLM(str(tiny_codes_dir), phase=7, quantization="int4", num_kv_blocks=16).llm_engine.model
+    assert {m.bf16_rows for m in int4.modules() if type(m).__name__ == "QuantizedLinear"} == {want}
     monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "0")
     assert LLM(str(tiny_codes_dir), phase=7, num_kv_blocks=16).llm_engine.setup.bf16_rows == 0
     monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "yes")

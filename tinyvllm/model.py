@@ -171,7 +171,7 @@ def use_bfloat16_products(model: nn.Module, rows: int) -> None:
     (`BF16_PRODUCT_ROWS`). A phase that makes layers of its own (phase 5's codes, phase 7's fused
     projections) calls it again."""
     for m in model.modules():
-        if isinstance(m, Linear):
+        if hasattr(m, "bf16_rows"):
             m.bf16_rows = rows
 
 

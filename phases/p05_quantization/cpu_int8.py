@@ -66,12 +66,11 @@ _scratch = _Scratch()
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, I) float32, qweight (O, I) int8, scale (O,) float32 -> (M, O) float32."""
-    lib = AVX2.lib or AVX2.load()
     x, (m, i) = x.contiguous(), x.shape
     y = torch.empty(m, qweight.shape[0])
-    lib.int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                    _scratch.get("xq16", m * i, torch.int16).data_ptr(),
-                    _scratch.get("xs", m, torch.float32).data_ptr(), m, qweight.shape[0], i)
+    (AVX2.lib or AVX2.load()).int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                                          _scratch.get("xq16", m * i, torch.int16).data_ptr(),
+                                          _scratch.get("xs", m, torch.float32).data_ptr(), m, qweight.shape[0], i)
     return y
 
 
@@ -117,12 +116,11 @@ def vnni_pack(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def vnni_int8_matmul(x: torch.Tensor, wp: torch.Tensor, scale: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x (M, I) float32, wp from `vnni_pack`, scale (O,) float32 -> (M, O) float32."""
-    lib = VNNI.lib or VNNI.load()
-    x, (m, i) = x.contiguous(), x.shape
-    y = torch.empty(m, out_features)
-    lib.vnni_int8_matmul(x.data_ptr(), wp.data_ptr(), scale.data_ptr(), y.data_ptr(),
-                         _scratch.get("xq8", 2 * m * 4 * -(-i // 4), torch.int8).data_ptr(),  # two parts a row
-                         _scratch.get("xsum8", 2 * m, torch.int32).data_ptr(),
-                         _scratch.get("xs", m, torch.float32).data_ptr(), m, out_features, i)
+    """x (M, I) float32 (rounded to int8 in two parts a row), wp from `vnni_pack`, scale (O,)
+    float32 -> (M, O) float32."""
+    x, (m, i), y = x.contiguous(), x.shape, torch.empty(x.shape[0], out_features)
+    (VNNI.lib or VNNI.load()).vnni_int8_matmul(x.data_ptr(), wp.data_ptr(), scale.data_ptr(), y.data_ptr(),
+                                               _scratch.get("xq8", 2 * m * 4 * -(-i // 4), torch.int8).data_ptr(),
+                                               _scratch.get("xsum8", 2 * m, torch.int32).data_ptr(),
+                                               _scratch.get("xs", m, torch.float32).data_ptr(), m, out_features, i)
     return y

@@ -158,6 +158,7 @@ class QuantizedLinear(nn.Module):
 
     KERNELS = {"int8": ("reference", "cpu_int8", "cpu_int8_vnni", "fbgemm_w8a8", "int8pack_mm"),
                "int4": ("reference", "cpu_int4", "int4pack_mm", "dequant_sgemm")}
+    bf16_rows = 0   # dequant_sgemm in bfloat16 from here (tinyvllm.model.use_bfloat16_products)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
                  group_size: int = 128, kernel: str | None = None):
@@ -248,9 +249,10 @@ class QuantizedLinear(nn.Module):
         return "int4pack_mm" if num_rows == 1 else "reference"
 
     def dequant_from_rows(self) -> int | None:
-        """From how many rows "auto" takes `dequant_sgemm` on this CPU (None: never)."""
+        """From how many rows "auto" takes `dequant_sgemm` on this CPU (None: never); with
+        dtype="auto"'s bfloat16 products (`bf16_rows`), from there, in bfloat16."""
         small = self.method == "int4" and self.out_features * self.in_features <= DEQUANT_MAX_WEIGHTS
-        return DEQUANT_FROM_ROWS.get(cpu_kind()) if small and self.kernel == "auto" else None
+        return (self.bf16_rows or DEQUANT_FROM_ROWS.get(cpu_kind())) if small and self.kernel == "auto" else None
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.method == "int4" else f", layout={self.layout}"
@@ -364,6 +366,8 @@ def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 def _dequant_sgemm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size)
+    if layer.bf16_rows:   # dtype="auto"'s bfloat16 products (tinyvllm.model.BF16_PRODUCT_ROWS)
+        return F.linear(x.bfloat16(), w.bfloat16(), None if layer.bias is None else layer.bias.bfloat16()).float()
     return F.linear(x.float(), w, None if layer.bias is None else layer.bias.float())
 
 

@@ -513,6 +513,23 @@ def test_many_rows_switch_to_dequant_sgemm_also_in_kernel_call(monkeypatch):
 
 
 @cpu_int8_here
+def test_int4_many_rows_in_bfloat16_where_dtype_auto_chose_them():
+    """With `bf16_rows` (dtype="auto"'s bfloat16 products, `use_bfloat16_products`) int4's
+    `dequant_sgemm` takes over from there, the unpacked weight and x rounded to bfloat16: near
+    the float32 product of the same weight, not equal to it; below, the integer loop."""
+    torch.manual_seed(7)
+    layer = QuantizedLinear(torch.randn(48, 64) * 0.05, torch.randn(48) * 0.1, "int4", 32)
+    x = torch.randn(13, 64)
+    loop, f32 = layer(x), torch.nn.functional.linear(x, layer.dequantize(), layer.bias)
+    layer.bf16_rows = 13
+    assert layer.choose_kernel(12) == "cpu_int4" and layer.choose_kernel(13) == "dequant_sgemm"
+    assert torch.equal(layer(x[:12]), loop[:12]) and torch.equal(layer.kernel_call()(x[:12]), loop[:12])
+    y = layer(x)
+    assert y.dtype == torch.float32 and not torch.equal(y, f32) and torch.equal(layer.kernel_call()(x), y)
+    torch.testing.assert_close(y, f32, rtol=0.02, atol=0.02)
+
+
+@cpu_int8_here
 def test_batch_invariant_keeps_the_integer_loop_at_every_row_count(tiny_model_dir, monkeypatch):
     """batch_invariant=True with int4: a prompt long enough for `dequant_sgemm` (here from 8 rows)
     still gets, as a prefill, the bits its tokens got as decodes."""
