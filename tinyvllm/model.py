@@ -329,9 +329,10 @@ def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def bfloat16_weights(layers: list[nn.Module]) -> tuple[list[torch.Tensor], list[int]] | None:
-    """For a C++ caller of `layers` (phase 7's cpu_ops.cpp): each one's weight packed in bfloat16
-    (an empty tensor where it has none) and its `bf16_rows`; None where no layer has any."""
-    rows = [getattr(m, "bf16_rows", 0) for m in layers]
+    """For a C++ caller of `layers` (phase 7's cpu_ops.cpp): each `Linear`'s weight packed in
+    bfloat16 and its `bf16_rows` (an empty tensor and 0 for another layer, or one without);
+    None where no layer has any."""
+    rows = [m.bf16_rows if isinstance(m, Linear) else 0 for m in layers]
     if not any(rows):
         return None
     return [onednn_packed(m.weight, torch.bfloat16) if r else torch.empty(0) for m, r in zip(layers, rows)], rows

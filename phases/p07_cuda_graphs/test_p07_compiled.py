@@ -228,11 +228,12 @@ def test_compiled_step_reads_a_checkpoint_on_codes_from_them(tiny_codes_dir, mon
     assert tokens(llm, PROMPTS) == tokens(eager, PROMPTS)
 
 
-def test_a_compiled_step_multiplies_many_rows_in_bfloat16_from_cpp(tiny_codes_dir, monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_a_compiled_step_multiplies_many_rows_in_bfloat16_from_cpp(tiny_codes_dir, monkeypatch, quantization):
     """Where dtype="auto" multiplies many rows in bfloat16 (`Linear.bf16_rows`), cpu_ops.cpp runs
     those rows too, on the packed bfloat16 weights `make_opaque` keeps with the layer table: a
     bucket past the codes' rows never enters Python, and the compiled step gives the eager step's
-    tokens."""
+    tokens. int4 layers keep no such weight: their many rows are `dequant_sgemm`'s, in Python."""
     from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear
     from tinyvllm.hardware import cpu_kind
     from tinyvllm.model import BF16_PRODUCT_ROWS, onednn_available
@@ -243,15 +244,18 @@ def test_a_compiled_step_multiplies_many_rows_in_bfloat16_from_cpp(tiny_codes_di
     monkeypatch.setattr(LosslessLinear, "max_rows", 4)       # codes up to 4 rows, bfloat16 from 5
     monkeypatch.setitem(BF16_PRODUCT_ROWS, cpu_kind(), 5)
     monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
-    llm = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, compilation_mode=1)
+    llm = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, compilation_mode=1, quantization=quantization)
     runner = llm.llm_engine.runner.decode_runner
-    weights, rows = runner.native_layers.packed
-    assert rows == [5] * len(runner.opaque_layers) and all(w.is_mkldnn for w in weights)
+    if quantization is None:
+        weights, rows = runner.native_layers.packed
+        assert rows == [5] * len(runner.opaque_layers) and all(w.is_mkldnn for w in weights)
+    else:
+        assert runner.native_layers.packed is None
     calls = []
     monkeypatch.setattr(runner, "opaque_layers", [lambda x, f=f: calls.append(len(x)) or f(x) for f in runner.opaque_layers])
-    eager = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, enforce_eager=True)
+    eager = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, enforce_eager=True, quantization=quantization)
     assert tokens(llm, PROMPTS) == tokens(eager, PROMPTS)     # buckets 8, 4, 2, 1
-    assert runner.shapes_seen >= {False} and calls == []
+    assert runner.shapes_seen >= {False} and (calls == []) == (quantization is None)
 
 
 def test_a_saved_graph_s_key_follows_the_engine_s_source_not_its_tests(tmp_path, monkeypatch):
