@@ -66,3 +66,40 @@ def test_accuracy_report_puts_bfloat16_beside_float32(tiny_model_dir):
         assert r["mean_kl"] > 0 and math.isfinite(r["perplexity"])
         assert r["perplexity_change"] == pytest.approx(r["perplexity"] / base["perplexity"] - 1)
     assert "bfloat16" in format_accuracy(report)
+
+
+def test_accuracy_names_bfloat16_products_beside_float32(tiny_model_dir, monkeypatch):
+    """dtype="auto" with bfloat16 products (forced here for this CPU's kind) is its own row,
+    "float32+bf16 products", measured against float32's."""
+    from tinyvllm.hardware import cpu_kind
+    from tinyvllm.model import BF16_PRODUCT_ROWS, onednn_available
+
+    if not onednn_available():
+        pytest.skip("bfloat16 products run in oneDNN, which this CPU's PyTorch lacks")
+    monkeypatch.setitem(BF16_PRODUCT_ROWS, cpu_kind(), 13)
+    monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
+    report = run_accuracy(str(tiny_model_dir), quantizations=(None,), kv_cache_dtypes=("auto",), window=24,
+                          max_text_tokens=48, kl_tokens=24, num_chat=1, chat_tokens=4, phase=7,
+                          dtypes=("float32", "auto"))
+    assert [r["dtype"] for r in report["results"]] == ["float32", "float32+bf16 products"]
+    assert report["results"][1]["mean_kl"] > 0 and "float32+bf16 products" in format_accuracy(report)
+
+
+@pytest.mark.slow
+def test_bfloat16_products_keep_the_default_model_s_tokens(default_model_dir, monkeypatch):
+    """Where dtype="auto" multiplies many rows in bfloat16 (`bf16_product_rows`), the default
+    model's perplexity on the shipped text moves by under 1% and its greedy answers' tokens stay
+    float32's top-1 choice at least 95% of the time (the whole text: +0.01%, 100%; lab note 7)."""
+    import torch
+
+    from tinyvllm.weights import bf16_product_rows
+
+    monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
+    if not bf16_product_rows("auto", torch.device("cpu")):
+        pytest.skip("dtype='auto' keeps float32 products on this CPU's kind (BF16_PRODUCT_ROWS)")
+    report = run_accuracy(str(default_model_dir), quantizations=(None,), kv_cache_dtypes=("auto",), window=256,
+                          max_text_tokens=512, kl_tokens=256, num_chat=2, chat_tokens=24, phase=7,
+                          dtypes=("float32", "auto"))
+    ref, mixed = report["results"]
+    assert mixed["dtype"] == "float32+bf16 products"
+    assert abs(mixed["perplexity_change"]) < 0.01 and mixed["top1_agreement"] >= 0.95 and mixed["mean_kl"] < 0.01

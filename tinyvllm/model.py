@@ -160,15 +160,17 @@ BF16_ONEDNN_KINDS = ("avx512_vnni",)
 # (`use_bfloat16_products`): the rows rounded to bfloat16, oneDNN's product on a bfloat16 copy of
 # the packed weight, its output made float32 again (what PyTorch's autocast does for a matrix
 # product). The activations, norms, attention and the few-row products (phase 5's codes, up to
-# 12 rows) stay float32. On an AVX-512 Zen 4 EPYC (avx512_vnni), 48 requests offline 1.43x,
-# a 2,000-token prompt's first token 1.45x, perplexity +0.25% (lab note 7). Not measured on
+# 12 rows) stay float32. On an AVX-512 Zen 4 EPYC (avx512_vnni), in one process, 48 requests
+# offline 1.43x, a 2,000-token prompt's first token 1.45x; perplexity over the shipped text
+# 13.540 against 13.539 (lab note 7, accuracy-bf16-products-zen4-avx512.json). Not measured on
 # the amx kind, so not chosen there; nothing to gain without bfloat16 arithmetic (avx2).
 BF16_PRODUCT_ROWS = {"avx512_vnni": 13}
 
 
 def use_bfloat16_products(model: nn.Module, rows: int) -> None:
-    """From `rows` rows on (0: never), every float32 `Linear` of `model` multiplies in bfloat16
-    (`BF16_PRODUCT_ROWS`). A phase that makes layers of its own (phase 5's codes, phase 7's fused
+    """From `rows` rows on (0: never), every layer of `model` with a `bf16_rows` (a float32
+    `Linear`; phase 5's int4 layers, for their prompts) multiplies in bfloat16
+    (`BF16_PRODUCT_ROWS`). A phase that makes layers of its own (phase 5's, phase 7's fused
     projections) calls it again."""
     for m in model.modules():
         if hasattr(m, "bf16_rows"):
