@@ -66,8 +66,7 @@ _scratch = _Scratch()
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (M, I) float32, qweight (O, I) int8, scale (O,) float32 -> (M, O) float32."""
-    x, (m, i) = x.contiguous(), x.shape
-    y = torch.empty(m, qweight.shape[0])
+    x, (m, i), y = x.contiguous(), x.shape, torch.empty(x.shape[0], qweight.shape[0])
     (AVX2.lib or AVX2.load()).int8_matmul(x.data_ptr(), qweight.data_ptr(), scale.data_ptr(), y.data_ptr(),
                                           _scratch.get("xq16", m * i, torch.int16).data_ptr(),
                                           _scratch.get("xs", m, torch.float32).data_ptr(), m, qweight.shape[0], i)

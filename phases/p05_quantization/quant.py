@@ -250,9 +250,12 @@ class QuantizedLinear(nn.Module):
 
     def dequant_from_rows(self) -> int | None:
         """From how many rows "auto" takes `dequant_sgemm` on this CPU (None: never); with
-        dtype="auto"'s bfloat16 products (`bf16_rows`), from there, in bfloat16."""
+        dtype="auto"'s bfloat16 products (`bf16_rows`), in bfloat16 from `bf16_rows` or 32 rows,
+        whichever is more (on an AVX-512 Zen 4 EPYC it beat `cpu_int4` from 32 rows in every
+        layer but k/v, and lost at 16: quant-kernels-int4-zen4-avx512.txt)."""
         small = self.method == "int4" and self.out_features * self.in_features <= DEQUANT_MAX_WEIGHTS
-        return (self.bf16_rows or DEQUANT_FROM_ROWS.get(cpu_kind())) if small and self.kernel == "auto" else None
+        many = max(self.bf16_rows, 32) if self.bf16_rows else DEQUANT_FROM_ROWS.get(cpu_kind())
+        return many if small and self.kernel == "auto" else None
 
     def extra_repr(self) -> str:
         g = f", group_size={self.group_size}" if self.method == "int4" else f", layout={self.layout}"

@@ -515,15 +515,18 @@ def test_many_rows_switch_to_dequant_sgemm_also_in_kernel_call(monkeypatch):
 @cpu_int8_here
 def test_int4_many_rows_in_bfloat16_where_dtype_auto_chose_them():
     """With `bf16_rows` (dtype="auto"'s bfloat16 products, `use_bfloat16_products`) int4's
-    `dequant_sgemm` takes over from there, the unpacked weight and x rounded to bfloat16: near
-    the float32 product of the same weight, not equal to it; below, the integer loop."""
+    `dequant_sgemm` takes over from there or from 32 rows, whichever is more, the unpacked weight
+    and x rounded to bfloat16: near the float32 product of the same weight, not equal to it;
+    below, the integer loop."""
     torch.manual_seed(7)
     layer = QuantizedLinear(torch.randn(48, 64) * 0.05, torch.randn(48) * 0.1, "int4", 32)
-    x = torch.randn(13, 64)
+    x = torch.randn(40, 64)
     loop, f32 = layer(x), torch.nn.functional.linear(x, layer.dequantize(), layer.bias)
     layer.bf16_rows = 13
-    assert layer.choose_kernel(12) == "cpu_int4" and layer.choose_kernel(13) == "dequant_sgemm"
-    assert torch.equal(layer(x[:12]), loop[:12]) and torch.equal(layer.kernel_call()(x[:12]), loop[:12])
+    assert layer.dequant_from_rows() == 32 and layer.choose_kernel(31) == "cpu_int4"
+    layer.bf16_rows = 40
+    assert layer.choose_kernel(39) == "cpu_int4" and layer.choose_kernel(40) == "dequant_sgemm"
+    assert torch.equal(layer(x[:39]), loop[:39]) and torch.equal(layer.kernel_call()(x[:39]), loop[:39])
     y = layer(x)
     assert y.dtype == torch.float32 and not torch.equal(y, f32) and torch.equal(layer.kernel_call()(x), y)
     torch.testing.assert_close(y, f32, rtol=0.02, atol=0.02)
