@@ -258,3 +258,19 @@ def test_bfloat16_products_reach_every_layer_an_engine_runs(tiny_codes_dir, monk
     monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "yes")
     with pytest.raises(ValueError, match="TINYVLLM_BF16_PRODUCTS"):
         LLM(str(tiny_codes_dir), phase=7, num_kv_blocks=16)
+
+
+def test_the_products_tool_times_each_way_with_bfloat16_beside_float32(tiny_codes_dir, capsys):
+    """`python -m tinyvllm.entrypoints.bench.linear`: a column per way a float32 `Linear` can
+    take, the bfloat16 product (`BF16_PRODUCT_ROWS`) and the codes among them, a line per row count."""
+    from tinyvllm.entrypoints.bench import linear
+    from tinyvllm.model import onednn_available
+
+    linear.main(["--model", str(tiny_codes_dir), "--rows", "1", "16", "--repeat", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[1]
+    assert "F.linear" in header and "Linear" in header
+    assert ("oneDNN bf16" in header) == onednn_available()
+    assert [line.split()[0] for line in lines[2:]] == ["1", "16"]
+    ways = (len(header) - 5) // 13                      # "rows", then 11 characters and 2 spaces a way
+    assert all(len(line.split()) == 1 + ways and float(line.split()[-1]) > 0 for line in lines[2:])

@@ -125,7 +125,10 @@ def onednn_available() -> bool:
 # linear-codes-zen4-avx512.txt), but one row is what cpu_step.c needs of a float32 model without
 # codes: a batch-1 step there 36.9 tok/s without both, 34.7 with cpu_gemv.c alone, 42.0 with both
 # (`python -m phases.p07_cuda_graphs.tools.kind_rules --model <random-like>`,
-# kind-rules-zen4-avx512-float32.json). Not measured on the amx kind, so not chosen there.
+# kind-rules-zen4-avx512-float32.json). On the amx kind (an Intel Xeon, family 6 model 207: a GPU
+# machine's host pinned to 2 cores, torch 2.11) MKL's F.linear at 1 row takes 24.4 ms against
+# cpu_gemv.c's 28.7 (linear-codes-xeon-amx.txt), and a batch-1 step gains nothing from it (30.9 ->
+# 31.8 tok/s, kind-rules-xeon-amx.json): not chosen there.
 GEMV_MAX_ROWS = {"avx2": 8, "avx512_vnni": 1}
 GEMV = CKernel(Path(__file__).with_name("cpu_gemv.c"), ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp",
                "-shared", "-fPIC"], AVX2_FLAGS, {"f32_matmul": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3},
@@ -160,11 +163,15 @@ BF16_ONEDNN_KINDS = ("avx512_vnni",)
 # (`use_bfloat16_products`): the rows rounded to bfloat16, oneDNN's product on a bfloat16 copy of
 # the packed weight, its output made float32 again (what PyTorch's autocast does for a matrix
 # product). The activations, norms, attention and the few-row products (phase 5's codes, up to
-# 12 rows) stay float32. On an AVX-512 Zen 4 EPYC (avx512_vnni), in one process, 48 requests
-# offline 1.43x, a 2,000-token prompt's first token 1.45x; perplexity over the shipped text
-# 13.540 against 13.539 (lab note 7, accuracy-bf16-products-zen4-avx512.json). Not measured on
-# the amx kind, so not chosen there; nothing to gain without bfloat16 arithmetic (avx2).
-BF16_PRODUCT_ROWS = {"avx512_vnni": 13}
+# `LOSSLESS_MAX_ROWS`) stay float32. On an AVX-512 Zen 4 EPYC (avx512_vnni), in one process, 48
+# requests offline 1.43x, a 2,000-token prompt's first token 1.45x; perplexity over the shipped
+# text 13.540 against 13.539 (lab note 7, accuracy-bf16-products-zen4-avx512.json). On the amx
+# kind (the Xeon above), where AMX multiplies bfloat16 tiles: the products 37.1 ms against the
+# codes' 49.3 at 12 rows, 46.8 against float32's 97.2 at 64 (linear-codes-xeon-amx.txt); 48
+# requests offline 1.68x, a 2,000-token prompt's first token 1.43x (`python -m
+# phases.p07_cuda_graphs.tools.bf16_rows --rows 9`, bf16-rows-xeon-amx.json). Nothing to gain
+# without bfloat16 arithmetic (avx2).
+BF16_PRODUCT_ROWS = {"avx512_vnni": 13, "amx": 9}
 
 
 def use_bfloat16_products(model: nn.Module, rows: int) -> None:
@@ -196,8 +203,10 @@ NORM = CKernel(Path(__file__).with_name("cpu_norm.c"), ["-O3", "-mavx2", "-mfma"
 # eager decode step 20.4 -> 18.5 ms median) and on an AVX-512 one (avx512_vnni), where it is
 # within the VM's noise: batch 1 83.9 -> 81.0 tok/s, batch 8 257.8 -> 287.2 (`python -m
 # phases.p07_cuda_graphs.tools.kind_rules`, docs/assets/bench/kind-rules-zen4-avx512.json), 32
-# sequences 349.6 -> 354.9 (medians of 5 alternating rounds); not yet on the amx kind.
-FUSED_NORM_KINDS = ("avx2", "avx512_vnni")
+# sequences 349.6 -> 354.9 (medians of 5 alternating rounds); on the amx kind (a GPU
+# machine's Xeon host pinned to 2 cores) batch 1 55.1 -> 61.1, batch 8 179.5 -> 216.4
+# (kind-rules-xeon-amx.json).
+FUSED_NORM_KINDS = ("avx2", "avx512_vnni", "amx")
 FUSED_NORM_HERE = cpu_kind() in FUSED_NORM_KINDS   # asked once: cpu_kind() costs a microsecond a call
 
 

@@ -323,6 +323,25 @@ def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, cap
     assert out.exists() and report["machine"]["cpu_kind"]
 
 
+def test_bf16_rows_tool_builds_a_float32_engine_and_one_of_bfloat16_products(tiny_model_dir, tmp_path, monkeypatch):
+    """The measurement behind `BF16_PRODUCT_ROWS`: the second engine's products run in bfloat16
+    from --rows rows (whatever this CPU's kind), the first's never, and the process's own rules
+    are as they were after."""
+    from phases.p07_cuda_graphs.tools import bf16_rows
+    from tinyvllm import model
+
+    if not model.onednn_available():
+        pytest.skip("bfloat16 products run in oneDNN, which this PyTorch build lacks")
+    monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")   # the suite's float32 setting would turn both off
+    before, out = dict(model.BF16_PRODUCT_ROWS), tmp_path / "bf16.json"
+    report = bf16_rows.main(["--model", str(tiny_model_dir), "--rows", "2", "--rounds", "1", "--requests", "3",
+                             "--prompt-len", "40", "--json", str(out)])
+    assert [r["bf16_rows"] for r in report["rows"]] == [0, 2] and model.BF16_PRODUCT_ROWS == before
+    for row in report["rows"]:
+        assert len(row["tok_s"]) == 1 and row["median_tok_s"] > 0 and row["median_ttft_ms"] > 0
+    assert report["rows"][0]["same_requests"] == 3 and out.exists()
+
+
 def test_start_time_tool_reports_first_token_and_the_switch(tiny_model_dir, tmp_path):
     from phases.p07_cuda_graphs.tools import start_time
 

@@ -100,13 +100,14 @@ def test_cpu_step_serves_only_c_kernels(make_llm, tiny_model_dir):
 
 
 def test_cpu_step_serves_only_where_it_was_measured(tiny_model_dir, monkeypatch):
-    """A CPU kind not in CSTEP_KINDS (here: as if this one were an amx Xeon) keeps the
+    """A CPU kind not in CSTEP_KINDS (here: as if this one were not named there) keeps the
     step it had: decode_forward, or the compiled graph."""
     import tinyvllm.cpu_step as cpu_step
 
-    monkeypatch.setattr(cpu_step, "cpu_kind", lambda: "amx")
+    monkeypatch.setattr(cpu_step, "CSTEP_KINDS", tuple(k for k in cpu_step.CSTEP_KINDS if k != cpu_kind()))
     llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, quantization="int4", compilation_mode=0)
     assert not llm.llm_engine.runner.decode_runner.c_step
+    monkeypatch.setattr(cpu_step, "CSTEP_KINDS", ("avx2",))
     monkeypatch.setattr(cpu_step, "cpu_kind", lambda: "avx2")
     assert CStep(llm.llm_engine.model, layer_row).serves(1) == cpu_step.STEP.supported()
 

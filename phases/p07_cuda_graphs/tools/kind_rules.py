@@ -61,7 +61,7 @@ def main(argv=None) -> dict:
     try:
         for name, rules in sets.items():
             use(rules)
-            engines[name] = LLM(args.model, compilation_mode=0)
+            engines[name] = LLM(args.model, compilation_mode=0, device="cpu")
         rows = [row for batch in args.batch for row in measure(engines, sets, batch, args.rounds)]
     finally:
         use(was)   # this process's own rules again

@@ -1,8 +1,9 @@
 """How fast the model's matrix products run at decode-sized batches, each way `Linear` can take
 on a CPU: `F.linear` (MKL), the product written the other way round, (W @ x^T)^T, oneDNN with a
-packed weight, tinyvllm's own AVX2 loop (cpu_gemv.c), the weight read from its exact 4- or 8-bit
-codes where it has them (phase 5's cpu_lossless.c: "codes"), and the model's own `Linear`, which
-picks one of the first four by rows, CPU vendor and kind.
+packed weight, the same in bfloat16 on a bfloat16 copy of it (float32 in and out: what
+`BF16_PRODUCT_ROWS` turns on), tinyvllm's own AVX2 loop (cpu_gemv.c), the weight read from its
+exact 4- or 8-bit codes where it has them (phase 5's cpu_lossless.c: "codes"), and the model's own
+`Linear`, which picks one of these by rows, CPU vendor and kind.
 
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear                  # the default model, CPU
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear --rows 1 2 12 16 64 --repeat 7
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from tinyvllm.download import resolve_model
     from tinyvllm.hardware import cpu_vendor
-    from tinyvllm.model import GEMV, Linear, gemv
+    from tinyvllm.model import GEMV, Linear, gemv, onednn_matmul
     from tinyvllm.weights import load_model
 
     dtype = getattr(torch, args.dtype)
@@ -82,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     if Linear.use_onednn:
         ways["oneDNN"] = lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), m.bias,
                                                                           "none", [], "")
+        if dtype == torch.float32:
+            ways["oneDNN bf16"] = lambda m, x: onednn_matmul(x, m.weight, m.bias, bf16_rows=1)
     if GEMV.available() and dtype == torch.float32:
         ways["cpu_gemv"] = lambda m, x: gemv(x, m.weight, m.bias)
     codes = lossless_layers(linears) if dtype == torch.float32 else {}
@@ -93,11 +96,11 @@ def main(argv: list[str] | None = None) -> None:
           f"passes; Linear takes tinyvllm's cpu_gemv up to {Linear.gemv_rows} rows (0: not on this CPU kind), "
           f"then MKL's F.linear up to {Linear.small_rows} rows on an Intel CPU, else (W x^T)^T up to "
           f"{Linear.small_rows}, then oneDNN")
-    print(f"{'rows':>5}  " + "  ".join(f"{name:>10}" for name in ways))
+    print(f"{'rows':>5}  " + "  ".join(f"{name:>11}" for name in ways))
     with torch.inference_mode():
         for rows in args.rows:
             times = [time_linears(linears, rows, fn, args.repeat) for fn in ways.values()]
-            print(f"{rows:>5}  " + "  ".join(f"{t * 1e3:>10.1f}" for t in times))
+            print(f"{rows:>5}  " + "  ".join(f"{t * 1e3:>11.1f}" for t in times))
 
 
 if __name__ == "__main__":
