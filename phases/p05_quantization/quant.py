@@ -252,7 +252,8 @@ class QuantizedLinear(nn.Module):
         """From how many rows "auto" takes `dequant_sgemm` on this CPU (None: never); with
         dtype="auto"'s bfloat16 products (`bf16_rows`), in bfloat16 from `bf16_rows` or 32 rows,
         whichever is more (on an AVX-512 Zen 4 EPYC it beat `cpu_int4` from 32 rows in every
-        layer but k/v, and lost at 16: quant-kernels-int4-zen4-avx512.txt)."""
+        layer but k/v, and lost at 16: quant-kernels-int4-zen4-avx512.txt; on the amx kind the
+        same, k/v too: quant-kernels-int4-xeon-amx.txt)."""
         small = self.method == "int4" and self.out_features * self.in_features <= DEQUANT_MAX_WEIGHTS
         many = max(self.bf16_rows, 32) if self.bf16_rows else DEQUANT_FROM_ROWS.get(cpu_kind())
         return many if small and self.kernel == "auto" else None

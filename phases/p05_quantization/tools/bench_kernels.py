@@ -3,6 +3,8 @@
     python -m phases.p05_quantization.tools.bench_kernels [--rows 1 4 32] [--repeat 7] [--group-size 64]
         [--kernels cpu_int4 dequant_sgemm]
     python -m phases.p05_quantization.tools.bench_kernels --step int4 [--rows 1] [--group-size 32]
+    python -m phases.p05_quantization.tools.bench_kernels --bf16-rows 13   # as dtype="auto" where
+        # BF16_PRODUCT_ROWS names the kind: float32 and dequant_sgemm in bfloat16 from 13 rows
 
 For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
 LM head 49152x576) and each row count, the best-of-`repeat` time of: float32 through
@@ -61,6 +63,7 @@ def main(argv=None) -> None:
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--step", choices=list(QuantizedLinear.KERNELS), default=None)
     p.add_argument("--kernels", nargs="+", default=None, help="only these kernels (default: all that run here)")
+    p.add_argument("--bf16-rows", type=int, default=0, help="products from this many rows in bfloat16 (0: never)")
     a = p.parse_args(argv)
 
     def wanted(k: str) -> bool:
@@ -82,6 +85,8 @@ def main(argv=None) -> None:
         lin.weight.copy_(w)
         layers = {f"{m}:{k}": QuantizedLinear(w, None, m, a.group_size, kernel=k)
                   for m, ks in QuantizedLinear.KERNELS.items() for k in ks if wanted(k)}
+        for layer in (lin, *layers.values()):
+            layer.bf16_rows = a.bf16_rows
         for n in a.rows:
             x = torch.randn(n, i)
             row = [f"float32 {best_ms(lambda: lin(x), a.repeat):.2f}"]
