@@ -477,6 +477,22 @@ def test_bench_kernels_times_a_decode_step(monkeypatch, capsys):
     assert "a decode step's 4 products, int4, 1 rows: cpu_int4 " in out and "reference" not in out
 
 
+@cpu_int8_here
+def test_bench_kernels_multiplies_in_bfloat16_as_dtype_auto_does(monkeypatch, capsys):
+    """--bf16-rows: `dequant_sgemm` multiplies in bfloat16 (its error against the reference path
+    is bfloat16's, where without the flag it is float32's)."""
+    from phases.p05_quantization.tools import bench_kernels
+
+    monkeypatch.setitem(bench_kernels.SHAPES, "k_proj/v_proj", (64, 128))
+    errors = {}
+    for rows in ("0", "1"):
+        bench_kernels.main(["--rows", "16", "--repeat", "1", "--group-size", "32", "--kernels", "dequant_sgemm",
+                            "--shapes", "k_proj/v_proj", "--bf16-rows", rows])
+        out = capsys.readouterr().out
+        errors[rows] = float(out.split("int4:dequant_sgemm")[1].split("(err ")[1].split(")")[0])
+    assert errors["0"] < 1e-5 < 1e-3 < errors["1"]
+
+
 @pytest.mark.parametrize("method,kernel", [("int4", "auto"), ("int8", "auto"), ("int4", "reference")])
 def test_kernel_call_gives_forward_s_result(method, kernel):
     """`kernel_call`: the layer's product with its kernel chosen once (what phase 7's compiled

@@ -4,7 +4,7 @@
         [--kernels cpu_int4 dequant_sgemm]
     python -m phases.p05_quantization.tools.bench_kernels --step int4 [--rows 1] [--group-size 32]
     python -m phases.p05_quantization.tools.bench_kernels --bf16-rows 13   # as dtype="auto" where
-        # BF16_PRODUCT_ROWS names the kind: float32 and dequant_sgemm in bfloat16 from 13 rows
+        # BF16_PRODUCT_ROWS names the kind: float32 from 13 rows, dequant_sgemm at any, in bfloat16
 
 For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
 LM head 49152x576) and each row count, the best-of-`repeat` time of: float32 through
