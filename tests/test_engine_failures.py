@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -132,16 +133,27 @@ def test_the_server_answers_a_failed_step_with_an_error_and_goes_on(engine):
     assert ae.error is None and engine.allocator.num_free_blocks == engine.allocator.num_blocks
 
 
-def test_a_stream_cut_by_a_failed_step_ends_with_an_error_event_and_done(engine):
-    """The failure comes after the first tokens were streamed: an error event, then [DONE]."""
-    engine_steps = {"n": 0}
+def test_a_stream_cut_by_a_failed_step_ends_with_an_error_event_and_done(engine, monkeypatch):
+    """The failure comes after the first tokens reached the handler (so the stream has begun: a
+    failure before that is a plain 500, tested above): an error event, then [DONE]."""
+    from tinyvllm.entrypoints.server import async_engine
+
+    engine_steps, taken, get = {"n": 0}, threading.Event(), async_engine._Mailbox.get
     execute = engine.runner.execute
+
+    async def get_and_tell(self):
+        out = await get(self)
+        taken.set()
+        return out
 
     def fails_later(plan):
         engine_steps["n"] += 1
         if engine_steps["n"] == 3:
+            assert taken.wait(30), "the handler never took the first tokens"
             raise _Boom("injected failure")
         return execute(plan)
+
+    monkeypatch.setattr(async_engine._Mailbox, "get", get_and_tell)
 
     engine.runner.execute = fails_later
     ae = AsyncEngine(engine)
