@@ -4,6 +4,7 @@
 - padded rows write only the scratch block, and never change a real row's tokens;
 - batches that shrink (requests finish), grow (requests arrive mid-stream), are preempted, and
   cross bucket boundaries stay correct; seeded sampling too, through the vectorized sampler;
+- a static step hands the sampler its logits as it made them, its sequences in their rows' order;
 - bad cudagraph_capture_sizes / enforce_eager: errors naming the argument, and an LLM built
   before keeps generating;
 - the static step attends with the attention part the recipe chose (phases 2-5's options), on
@@ -124,6 +125,35 @@ def test_shrink_grow_cross_buckets_and_preempt(make_llm, tiny_model_dir):
         assert fast.runner.num_static_steps > 10
         if kw:
             assert fast.scheduler.num_preemptions > 0
+
+
+def test_the_static_step_hands_over_its_logits_as_they_are(tiny_model_dir):
+    """A static step's logits go to the sampler as the decode step made them, its sequences in
+    their rows' order (no (n, V) copy into the plan's order, 9 MB a step at 48 requests), also
+    when the plan's order differs from the rows'; the tokens are the eager engine's."""
+    def sp(k):
+        return SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+    schedule = {0: [(f"a{i}", PROMPTS[i], sp(3 + 3 * i)) for i in range(5)],
+                4: [(f"b{i}", PROMPTS[5 + i], sp(12)) for i in range(4)]}
+    fast = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8).llm_engine
+    runner, ib, steps = fast.runner.decode_runner, fast.runner.input_batch, []
+    run, sync, sample = runner.run, ib.sync, fast.sampler.sample
+    step = {}
+
+    def sample_and_check(out):
+        if "made" in step:   # a static step: its plan, the tensor the decode step made, its output
+            assert out.logits.data_ptr() == step["made"].data_ptr()
+            assert [ib.row_of[s.seq_id] for s in out.seqs] == list(range(len(out.seqs)))
+            steps.append(step["plan"] != out.seqs)
+        step.clear()
+        return sample(out)
+
+    runner.run = lambda bucket: step.setdefault("made", run(bucket))
+    ib.sync = lambda seqs: (step.setdefault("plan", list(seqs)), sync(seqs))[1]
+    fast.sampler.sample = sample_and_check
+    want = drive(LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, enforce_eager=True).llm_engine, schedule)
+    assert drive(fast, schedule) == want
+    assert len(steps) > 10 and any(steps)   # some steps' plans were not in their rows' order
 
 
 def test_seeded_sampling_equals_eager(make_llm, tiny_model_dir):
