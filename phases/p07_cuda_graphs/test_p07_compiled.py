@@ -323,7 +323,8 @@ def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, cap
     assert out.exists() and report["machine"]["cpu_kind"]
 
 
-def test_bf16_rows_tool_builds_a_float32_engine_and_one_of_bfloat16_products(tiny_model_dir, tmp_path, monkeypatch):
+def test_bf16_rows_tool_builds_a_float32_engine_and_one_of_bfloat16_products(tiny_model_dir, tmp_path,
+                                                                             monkeypatch):
     """The measurement behind `BF16_PRODUCT_ROWS`: the second engine's products run in bfloat16
     from --rows rows (whatever this CPU's kind), the first's never, and the process's own rules
     are as they were after."""

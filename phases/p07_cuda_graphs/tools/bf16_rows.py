@@ -79,8 +79,9 @@ def main(argv=None) -> dict:
     base = tokens["float32 products"]
     rows = []
     for name in engines:
-        row = {"engine": name, "bf16_rows": engines[name].llm_engine.setup.bf16_rows, "tok_s": tok_s[name], "median_tok_s": statistics.median(tok_s[name]),
-               "ttft_ms": ttft[name], "median_ttft_ms": statistics.median(ttft[name]),
+        row = {"engine": name, "bf16_rows": engines[name].llm_engine.setup.bf16_rows, "tok_s": tok_s[name],
+               "median_tok_s": statistics.median(tok_s[name]), "ttft_ms": ttft[name],
+               "median_ttft_ms": statistics.median(ttft[name]),
                "same_requests": sum(a == b for a, b in zip(tokens[name], base)), "requests": len(prompts)}
         rows.append(row)
         print(f"{name:24s} tok/s {row['tok_s']} median {row['median_tok_s']}  first token of {args.prompt_len} "
