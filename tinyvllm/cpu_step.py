@@ -36,9 +36,9 @@ FIELDS = 10   # a product's row: its kernel (0: none in C), kind, four pointers,
 # 18.8 -> 12.1 ms eager, 12.5 -> 11.5 against the compiled graph) and on an AVX-512 one
 # (avx512_vnni: batch 1 81.0 -> 133.8 tok/s eager, batch 8 287.2 -> 306.8;
 # `python -m phases.p07_cuda_graphs.tools.kind_rules`, docs/assets/bench/kind-rules-zen4-avx512.json),
-# and on the amx kind (a GPU machine's Xeon host pinned to 2 cores: batch 1 61.1 -> 92.0 tok/s
+# and on the amx kind (a GPU machine's Xeon host pinned to 2 cores: batch 1 61.0 -> 91.9 tok/s
 # eager, batch 8 216.4 -> 240.5, kind-rules-xeon-amx.json; the amx kind's rules without cpu_gemv.c,
-# on a second such machine, batch 1 30.3 -> 86.6 with all of them, kind-rules-xeon-amx-nogemv.json).
+# on a second such machine, batch 1 30.2 -> 86.6 with all of them, kind-rules-xeon-amx-nogemv.json).
 CSTEP_KINDS = ("avx2", "avx512_vnni", "amx")
 
 

@@ -204,7 +204,7 @@ NORM = CKernel(Path(__file__).with_name("cpu_norm.c"), ["-O3", "-mavx2", "-mfma"
 # within the VM's noise: batch 1 83.9 -> 81.0 tok/s, batch 8 257.8 -> 287.2 (`python -m
 # phases.p07_cuda_graphs.tools.kind_rules`, docs/assets/bench/kind-rules-zen4-avx512.json), 32
 # sequences 349.6 -> 354.9 (medians of 5 alternating rounds); on the amx kind (a GPU
-# machine's Xeon host pinned to 2 cores) batch 1 55.1 -> 61.1, batch 8 179.5 -> 216.4
+# machine's Xeon host pinned to 2 cores) batch 1 55.0 -> 61.0, batch 8 179.5 -> 216.4
 # (kind-rules-xeon-amx.json).
 FUSED_NORM_KINDS = ("avx2", "avx512_vnni", "amx")
 FUSED_NORM_HERE = cpu_kind() in FUSED_NORM_KINDS   # asked once: cpu_kind() costs a microsecond a call
