@@ -23,7 +23,7 @@
 typedef void (*F32Fn)(const float *, const float *, float *, int64_t, int64_t, int64_t);
 typedef void (*LosslessFn)(const float *, const uint8_t *, const float *, const float *, float *, int64_t,
                            int64_t, int64_t, int64_t);
-typedef void (*Int4Fn)(const float *, const uint8_t *, const float *, const float *, float *, int8_t *,
+typedef void (*Int4Fn)(const float *, const uint8_t *, const void *, const void *, float *, int8_t *,
                        float *, float *, int64_t, int64_t, int64_t, int64_t);
 typedef void (*Int8Fn)(const float *, const int8_t *, const float *, float *, int16_t *, float *, int64_t,
                        int64_t, int64_t);
@@ -53,7 +53,7 @@ static void linear(const int64_t *e, const float *x, float *y, int64_t M, float 
                             I, e[GROUP]);
     else if (e[BITS] == 4) {
         const int64_t C = (I + 63) / 64;
-        ((Int4Fn)e[FN])(x, (const uint8_t *)e[WEIGHT], (const float *)e[SCALE], (const float *)e[ZERO], y,
+        ((Int4Fn)e[FN])(x, (const uint8_t *)e[WEIGHT], (const void *)e[SCALE], (const void *)e[ZERO], y,
                         (int8_t *)scratch, scratch + M * 16 * C, scratch + M * 18 * C, M, O, I, e[GROUP]);
     } else {
         const int64_t half = (M * I + 1) / 2;

@@ -14,7 +14,7 @@
  * EPYC). The output rows are split between OpenMP threads (PyTorch's own libgomp, already
  * loaded: the same threads, the same count) for every layer of 50,000 weights or more.
  *
- * Built by cpu_int8.py with `cc -O3 -mavx2 -mfma -fopenmp`, called through ctypes.
+ * Built by cpu_int8.py with `cc -O3 -mavx2 -mfma -mf16c -fopenmp`, called through ctypes.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -112,7 +112,14 @@ void int8_matmul(const float *x, const int8_t *q, const float *scale, float *y,
  * rounded weight, exactly up to float sums). Rounding x to 8 bits per 32 values costs far less
  * accuracy than the 4-bit weights already do (the lesson), and halves the multiply-adds of
  * keeping x's 16 bits. x is stored split in its even and odd columns, so the low nibbles of 32
- * bytes meet x's even columns and the high nibbles its odd ones as they are. */
+ * bytes meet x's even columns and the high nibbles its odd ones as they are.
+ *
+ * A group's scale and zero are float32 (int4_matmul) or 16-bit floats, as llama.cpp's Q4_1 keeps
+ * them (int4_matmul_f16, F16C converting them): 4 bytes a group of 32 instead of 8, a sixth of
+ * what a step reads, for a conversion per chunk. Which pays depends on the CPU (lab note 5). */
+static inline __attribute__((always_inline)) float scalar_at(const void *p, int64_t i, const int half) {
+    return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -128,8 +135,8 @@ static inline float hsum_ps(__m256 v) {
  * 4-7 columns 32-63: two groups of 32, or one of 64 or 128); the zero points' term,
  * sum_g zero_g * xsum_g, goes 8 groups at a time after. */
 static inline __attribute__((always_inline)) void int4_rows(
-        const uint8_t *q, const float *scale, const float *zero, const int8_t *xc, const float *xsc,
-        const float *xsumf, int64_t G, int64_t g, int64_t I, int64_t half, const int R, float *out) {
+        const uint8_t *q, const void *scale, const void *zero, const int8_t *xc, const float *xsc,
+        const float *xsumf, int64_t G, int64_t g, int64_t I, int64_t half, const int R, const int f16, float *out) {
     const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     __m256 f[4], zf[4];
     const int gshift = __builtin_ctzll((unsigned long long)g);
@@ -150,19 +157,23 @@ static inline __attribute__((always_inline)) void int4_rows(
             __m256i qe = _mm256_and_si256(v, low4), qo = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
             __m256i s16 = _mm256_add_epi16(_mm256_maddubs_epi16(qe, xe), _mm256_maddubs_epi16(qo, xo));
             __m256i s32 = _mm256_madd_epi16(s16, ones);
-            const float *sr = scale + r * G;
-            __m256 sv = _mm256_set_m128(_mm_set1_ps(sr[full ? g1 : g0]), _mm_set1_ps(sr[g0]));
+            __m256 sv = _mm256_set_m128(_mm_set1_ps(scalar_at(scale, r * G + (full ? g1 : g0), f16)),
+                                        _mm_set1_ps(scalar_at(scale, r * G + g0, f16)));
             f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), _mm256_mul_ps(sv, xs), f[r]);
         }
     }
     int64_t gi = 0;
     for (; gi + 8 <= G; gi += 8) {
         __m256 xv = _mm256_loadu_ps(xsumf + gi);
-        for (int r = 0; r < R; r++) zf[r] = _mm256_fmadd_ps(_mm256_loadu_ps(zero + r * G + gi), xv, zf[r]);
+        for (int r = 0; r < R; r++) {
+            __m256 z8 = f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)zero + r * G + gi)))
+                            : _mm256_loadu_ps((const float *)zero + r * G + gi);
+            zf[r] = _mm256_fmadd_ps(z8, xv, zf[r]);
+        }
     }
     for (int r = 0; r < R; r++) {
         float z = hsum_ps(zf[r]);
-        for (int64_t t = gi; t < G; t++) z += zero[r * G + t] * xsumf[t];
+        for (int64_t t = gi; t < G; t++) z += scalar_at(zero, r * G + t, f16) * xsumf[t];
         out[r] = hsum_ps(f[r]) + z;
     }
 }
@@ -170,8 +181,10 @@ static inline __attribute__((always_inline)) void int4_rows(
 /* x (M, I) float32 -> xc (M, C, 64) int8 (C = ceil(I / 64) chunks: even columns, then odd ones;
  * the last chunk's missing half zeros), xsc (M, 2C) the blocks' scales, xsum (M, I / g) float:
  * scratch space the caller provides. I is a multiple of g, so of 32. */
-void int4_matmul(const float *x, const uint8_t *q, const float *scale, const float *zero, float *y,
-                 int8_t *xc, float *xsc, float *xsum, int64_t M, int64_t O, int64_t I, int64_t g) {
+static inline __attribute__((always_inline)) void int4_matmul_any(
+        const float *x, const uint8_t *q, const void *scale, const void *zero, float *y, int8_t *xc, float *xsc,
+        float *xsum, int64_t M, int64_t O, int64_t I, int64_t g, const int f16) {
+    const int64_t size = f16 ? 2 : 4;   /* bytes of a scale */
     int64_t G = I / g, half = I / 2, C = (I + 63) / 64;
     for (int64_t m = 0; m < M; m++) {  /* each block of 32 of each row of x in int8, sums per group */
         const float *xm = x + m * I;
@@ -202,13 +215,25 @@ void int4_matmul(const float *x, const uint8_t *q, const float *scale, const flo
             const int8_t *xr = xc + m * C * 64;
             const float *sc = xsc + m * 2 * C;
             if (o + 4 <= O) {
-                int4_rows(q + o * half, scale + o * G, zero + o * G, xr, sc, xsum + m * G, G, g, I, half, 4, y + m * O + o);
+                int4_rows(q + o * half, (const char *)scale + o * G * size, (const char *)zero + o * G * size, xr, sc,
+                          xsum + m * G, G, g, I, half, 4, f16, y + m * O + o);
             } else {
                 for (int64_t r = o; r < O; r++)
-                    int4_rows(q + r * half, scale + r * G, zero + r * G, xr, sc, xsum + m * G, G, g, I, half, 1, y + m * O + r);
+                    int4_rows(q + r * half, (const char *)scale + r * G * size, (const char *)zero + r * G * size, xr,
+                              sc, xsum + m * G, G, g, I, half, 1, f16, y + m * O + r);
             }
         }
     }
+}
+
+void int4_matmul(const float *x, const uint8_t *q, const float *scale, const float *zero, float *y,
+                 int8_t *xc, float *xsc, float *xsum, int64_t M, int64_t O, int64_t I, int64_t g) {
+    int4_matmul_any(x, q, scale, zero, y, xc, xsc, xsum, M, O, I, g, 0);
+}
+
+void int4_matmul_f16(const float *x, const uint8_t *q, const uint16_t *scale, const uint16_t *zero, float *y,
+                     int8_t *xc, float *xsc, float *xsum, int64_t M, int64_t O, int64_t I, int64_t g) {
+    int4_matmul_any(x, q, scale, zero, y, xc, xsc, xsum, M, O, I, g, 1);
 }
 
 /* int4 back to float32, w (O, I) = q * scale + zero group by group: for many rows of x the

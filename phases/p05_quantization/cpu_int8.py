@@ -28,14 +28,14 @@ import torch
 from tinyvllm.ckernel import CKernel
 from tinyvllm.hardware import AVX2_FLAGS, AVX512_VNNI_FLAGS
 
-HERE = Path(__file__).parent
-P, I64 = ctypes.c_void_p, ctypes.c_int64
+HERE, P, I64 = Path(__file__).parent, ctypes.c_void_p, ctypes.c_int64
 
 
-AVX2 = CKernel(HERE / "cpu_int8.c", ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
-               {"int8_matmul": [P] * 6 + [I64] * 3, "int4_matmul": [P] * 8 + [I64] * 4,
-                "int4_dequant": [P] * 4 + [I64] * 3},
-               fallback="another int8/int4 kernel is used")
+AVX2 = CKernel(HERE / "cpu_int8.c", ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fopenmp", "-shared",
+               "-fPIC"], AVX2_FLAGS | {"f16c"}, {"int8_matmul": [P] * 6 + [I64] * 3,
+               "int4_dequant": [P] * 4 + [I64] * 3, "int4_matmul": [P] * 8 + [I64] * 4,
+               "int4_matmul_f16": [P] * 8 + [I64] * 4}, fallback="another int8/int4 kernel is used")
+INT4_FNS = {torch.float32: "int4_matmul", torch.float16: "int4_matmul_f16"}   # by the scales' dtype
 VNNI = CKernel(HERE / "cpu_vnni.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                                      "-fopenmp", "-shared", "-fPIC"], AVX512_VNNI_FLAGS,
                {"vnni_pack": [P, P, I64, I64], "vnni_int8_matmul": [P] * 7 + [I64] * 3},
@@ -73,21 +73,21 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
     return y
 
 
-def int4_matmul(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int):
+def int4_matmul(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int):
     """The product with one int4 weight, packed (O, I/2) uint8 (two values a byte), scale and
-    zero (O, I/g) float32, as a function of x (M, I) float32 -> (M, O) float32. Its pointers and
+    zero (O, I/g) float32 or float16 (`INT4_FNS`), as a function of x (M, I) float32 -> (M, O) float32. Its pointers and
     sizes are looked up once: a decode step calls each layer's product once, 121 times for the
     default model, and this keeps each call's Python to about 10 us (from about 25). (No ctypes
     object in the closure: phase 7 saves the graphs that call it, and pickles what they hold. The
     library is loaded: `available()` came first.)"""
     (o, i), tensors = (packed.shape[0], 2 * packed.shape[1]), (packed, scale, zero)
-    w, c, groups = [t.data_ptr() for t in tensors], -(-i // 64), i // group_size
+    w, c, groups, fn = [t.data_ptr() for t in tensors], -(-i // 64), i // g, INT4_FNS[scale.dtype]
 
     def call(x: torch.Tensor, keep=tensors) -> torch.Tensor:  # keep: the weight outlives its pointers
-        m, y = x.shape[0], torch.empty(x.shape[0], o)
+        m, y, x = x.shape[0], torch.empty(x.shape[0], o), x.contiguous()
         # per row of x: its bytes, its blocks' scales, its groups' sums
         s = _scratch.get("int4", m * (64 * c + 4 * 2 * c + 4 * groups), torch.uint8).data_ptr()
-        AVX2.lib.int4_matmul(x.contiguous().data_ptr(), *w, y.data_ptr(), s, s + m * 64 * c, s + m * 72 * c, m, o, i, group_size)
+        getattr(AVX2.lib, fn)(x.data_ptr(), *w, y.data_ptr(), s, s + m * 64 * c, s + m * 72 * c, m, o, i, g)
         return y
     return call
 

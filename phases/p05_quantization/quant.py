@@ -49,6 +49,13 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # not chosen there. Nor for a layer of more than DEQUANT_MAX_WEIGHTS: the LM head, whose float32
 # copy would take 113 MB, and which `cpu_int4` multiplies faster at every row count measured.
 DEQUANT_FROM_ROWS, DEQUANT_MAX_WEIGHTS = {"avx2": 64}, 1 << 22
+# The CPU kinds where `cpu_int4` reads a group's scale and zero as 16-bit floats (Q4_1's, a copy
+# made at the first call; `cpu_int8.INT4_FNS`): on an AVX-512 Zen 4 EPYC a decode step's 121
+# products 4.37 against float32's 4.84 ms, 4.71 against 5.12, 5.07 against 5.29 (three processes,
+# each alternating the two 8 times), one request's tokens 139.5 against 120.6 and 139.5 against
+# 134.9 tok/s (lab note 5). AMD's first EPYC (avx2) is bound by instructions there and loses 9%;
+# the amx kind is not measured.
+INT4_F16_SCALES_KINDS = ("avx512_vnni",)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,8 +181,7 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"kernel={kernel!r} needs a CPU with AVX512-VNNI, a C compiler and at most "
                              f"{cpu_int8.VNNI_MAX_IN_FEATURES} input features (cpu_int8.py); use 'auto'")
         self.method, self.group_size, self.kernel = method, group_size, kernel
-        self.out_features, self.in_features = weight.shape
-        self.dtype = weight.dtype
+        (self.out_features, self.in_features), self.dtype = weight.shape, weight.dtype
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         w = weight.detach()
         if method == "int8":
@@ -399,6 +405,7 @@ KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8
               "int8pack_mm": _int8pack_mm,
               "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm, "dequant_sgemm": _dequant_sgemm}
 PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4,  # cpu_int4: the weight's caller
-           "cpu_int4": lambda layer: cpu_int8.int4_matmul(layer.qweight, layer.scale, layer.zero, layer.group_size),
+           "cpu_int4": lambda layer: cpu_int8.int4_matmul(layer.qweight, *layer.packed("scales"), layer.group_size),
+           "scales": lambda m: tuple(t.half() if cpu_kind() in INT4_F16_SCALES_KINDS else t for t in (m.scale, m.zero)),
            "cpu_int8_vnni": lambda layer: cpu_int8.vnni_pack(layer.int8_rows()),
            "cpu_int8": QuantizedLinear.int8_rows}  # the rows of a layer stored for cpu_int8_vnni

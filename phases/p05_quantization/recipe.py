@@ -116,8 +116,7 @@ def check_fp8(setup: EngineSetup) -> None:
 
 
 def make_model(setup: EngineSetup, parts: Parts) -> nn.Module:
-    model = PHASE4.model(setup, parts)
-    c = setup.config
+    model, c = PHASE4.model(setup, parts), setup.config
     if c.quantization is not None:
         quantize_model(model, c.quantization, c.quantization_group_size)
     else:   # float32 weights stored exactly as codes (the default model's) are read from them

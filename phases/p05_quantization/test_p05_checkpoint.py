@@ -132,6 +132,29 @@ def test_cpu_int8_odd_shapes_and_long_rows(out_features, in_features):
 
 
 @cpu_int8_here
+@pytest.mark.parametrize("out_features,in_features,group", [(7, 64, 32), (5, 96, 32), (13, 2176, 128)])
+def test_cpu_int4_reads_16_bit_scales_on_the_kinds_named(monkeypatch, out_features, in_features, group):
+    """Where `INT4_F16_SCALES_KINDS` names this CPU's kind, `cpu_int4` (and the C layer table)
+    reads a 16-bit copy of the scales and zeros (int4_matmul_f16): on scales that 16 bits hold
+    exactly, the very numbers of the float32 entry point; elsewhere the float32 ones."""
+    from phases.p05_quantization import quant
+    from phases.p07_cuda_graphs.fused import layer_row
+
+    torch.manual_seed(in_features)
+    w, x = torch.randn(out_features, in_features) * 0.05, torch.randn(3, in_features)
+    out, rows = {}, {}
+    for kinds in ((), (cpu_kind(),)):
+        monkeypatch.setattr(quant, "INT4_F16_SCALES_KINDS", kinds)
+        layer = QuantizedLinear(w, None, "int4", group, kernel="cpu_int4")
+        layer.scale, layer.zero = layer.scale.half().float(), layer.zero.half().float()
+        out[kinds], rows[kinds] = layer(x), layer_row(layer)
+        assert layer.packed("scales")[0].dtype == (torch.float16 if kinds else torch.float32)
+    assert torch.equal(out[()], out[(cpu_kind(),)])
+    assert rows[()][0] == cpu_int8.AVX2.address("int4_matmul") != rows[(cpu_kind(),)][0]
+    assert rows[(cpu_kind(),)][0] == cpu_int8.AVX2.address("int4_matmul_f16")
+
+
+@cpu_int8_here
 @pytest.mark.parametrize("out_features,in_features,group", [(7, 64, 32), (5, 96, 32), (13, 2176, 128),
                                                                 (50, 4224, 64)])
 def test_cpu_int4_groups_and_odd_shapes(out_features, in_features, group):

@@ -24,7 +24,7 @@
 #include <vector>
 
 /* phase 5 (cpu_int8.c), phase 4 (cpu_attention.c) and tinyvllm/cpu_gemv.c: their C signatures */
-using Int4Fn = void (*)(const float *, const uint8_t *, const float *, const float *, float *, int8_t *,
+using Int4Fn = void (*)(const float *, const uint8_t *, const void *, const void *, float *, int8_t *,
                         float *, float *, int64_t, int64_t, int64_t, int64_t);
 using Int8Fn = void (*)(const float *, const int8_t *, const float *, float *, int16_t *, float *, int64_t,
                         int64_t, int64_t);
@@ -97,8 +97,8 @@ at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_feature
     } else if (e[BITS] == 4) {  /* x as int8 blocks, their scales, the groups' sums: as cpu_int8.int4_matmul */
         const int64_t C = (I + 63) / 64;
         float *s = scratch(M * (16 * C + 2 * C + I / e[GROUP]));
-        reinterpret_cast<Int4Fn>(e[FN])(x.data_ptr<float>(), (const uint8_t *)e[WEIGHT], (const float *)e[SCALE],
-            (const float *)e[ZERO], out, (int8_t *)s, s + M * 16 * C, s + M * 18 * C, M, O, I, e[GROUP]);
+        reinterpret_cast<Int4Fn>(e[FN])(x.data_ptr<float>(), (const uint8_t *)e[WEIGHT], (const void *)e[SCALE],
+            (const void *)e[ZERO], out, (int8_t *)s, s + M * 16 * C, s + M * 18 * C, M, O, I, e[GROUP]);
     } else {             /* x in int16 and its rows' scales: as cpu_int8.int8_matmul */
         const int64_t half = (M * I + 1) / 2;
         float *s = scratch(half + M);

@@ -189,9 +189,9 @@ def layer_row(m: torch.nn.Module) -> list[int]:
         group, many = m.bits, m.max_rows + 1
     elif (kernel == "cpu_int4" or kernel == "cpu_int8" and m.layout == "rows") and cpu_int8.AVX2.available():
         four = kernel == "cpu_int4"
-        fn, kind = cpu_int8.AVX2.address("int4_matmul" if four else "int8_matmul"), 4 if four else 8
-        tensors, group = (m.qweight, m.scale, m.zero if four else None), m.group_size if four else 1
-        many = m.dequant_from_rows() or 1 << 62
+        tensors = (m.qweight, *m.packed("scales")) if four else (m.qweight, m.scale, None)
+        fn = cpu_int8.AVX2.address(cpu_int8.INT4_FNS[tensors[1].dtype] if four else "int8_matmul")
+        kind, group, many = 4 if four else 8, m.group_size if four else 1, m.dequant_from_rows() or 1 << 62
     else:
         return [0] * 10
     return [fn, kind, *(0 if t is None else t.data_ptr() for t in (*tensors, m.bias)), m.out_features, m.in_features,
