@@ -75,11 +75,11 @@ def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> 
 
 def int4_matmul(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int):
     """The product with one int4 weight, packed (O, I/2) uint8 (two values a byte), scale and
-    zero (O, I/g) float32 or float16 (`INT4_FNS`), as a function of x (M, I) float32 -> (M, O) float32. Its pointers and
-    sizes are looked up once: a decode step calls each layer's product once, 121 times for the
-    default model, and this keeps each call's Python to about 10 us (from about 25). (No ctypes
-    object in the closure: phase 7 saves the graphs that call it, and pickles what they hold. The
-    library is loaded: `available()` came first.)"""
+    zero (O, I/g) float32 or float16 (`INT4_FNS`), as a function of x (M, I) float32 -> (M, O)
+    float32. Its pointers and sizes are looked up once: a decode step calls each layer's product
+    once, 121 times for the default model, and this keeps each call's Python to about 10 us (from
+    about 25). (No ctypes object in the closure: phase 7 saves the graphs that call it, and
+    pickles what they hold. The library is loaded: `available()` came first.)"""
     (o, i), tensors = (packed.shape[0], 2 * packed.shape[1]), (packed, scale, zero)
     w, c, groups, fn = [t.data_ptr() for t in tensors], -(-i // 64), i // g, INT4_FNS[scale.dtype]
 
