@@ -15,7 +15,8 @@
  *
  * A sequence longer than SEG_TOKENS keys is attended in segments, one task each (split-KV: one
  * sequence of a few KV heads would otherwise leave threads idle), each leaving its max and sums
- * for a merge, as the Triton kernel's segments do for merge_attn_states.
+ * for a merge, as the Triton kernel's segments do for merge_attn_states. At batch 1 each query
+ * head is a task of its own, so that three KV heads keep two threads busy.
  *
  * In AVX2 registers of 8 floats: the scores of 8 keys at a time (dots8), the exponentials 8 at a
  * time (exp8), the output's d values held in registers while a block's values are added
@@ -159,36 +160,40 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
     float *parts = S > 1 ? malloc(B * KVH * S * part_len * sizeof(float)) : NULL;
     if (S > 1 && !parts)   /* no memory for the parts: each sequence in one task, as before splitting */
         seg = (T + block_size - 1) / block_size * block_size, S = 1;
-    #pragma omp parallel for schedule(static) if (B * KVH * S > 1)
-    for (int64_t task = 0; task < B * KVH * S; task++) {
-        int64_t bh = task / S, b = bh / KVH, h = bh % KVH, n = seq_lens[b];
-        int64_t lo = task % S * seg, hi = n < lo + seg ? n : lo + seg;
+    /* One sequence (batch 1): each query head of a group is a task of its own, reading its KV
+     * head's keys apart, so that a few KV heads or segments of unequal length do not leave a
+     * thread waiting (measured, lab note 4). A head's numbers are the same either way. */
+    int64_t P = B == 1 ? G : 1, Gp = G / P;
+    #pragma omp parallel for schedule(static) if (B * KVH * S * P > 1)
+    for (int64_t task = 0; task < B * KVH * S * P; task++) {
+        int64_t part = task / P, bh = part / S, b = bh / KVH, h = bh % KVH, n = seq_lens[b];
+        int64_t lo = part % S * seg, hi = n < lo + seg ? n : lo + seg, g0 = task % P * Gp, g1 = g0 + Gp;
         if (lo >= n)
             continue;
         const int64_t *table = block_tables + b * M;
         const float *qb = q + (b * H + h * G) * d;
-        float *s = scores + (b * H + h * G) * T, *o = n <= seg ? out + (b * H + h * G) * d : parts + task * part_len;
+        float *s = scores + (b * H + h * G) * T, *o = n <= seg ? out + (b * H + h * G) * d : parts + part * part_len;
         __m256 scale8 = _mm256_set1_ps(scale);
         for (int64_t t0 = lo; t0 < hi; t0 += block_size) {   /* block by block: no division per token */
             const float *k = k_cache + table[t0 / block_size] * block_size * row + h * d;
             int64_t end = hi < t0 + block_size ? hi : t0 + block_size, t = t0;
             if (d % 8 == 0)
                 for (; t + 8 <= end; t += 8, k += 8 * row)
-                    for (int64_t g = 0; g < G; g++) _mm256_storeu_ps(s + g * T + t, dots8(qb + g * d, k, row, d, scale8));
+                    for (int64_t g = g0; g < g1; g++) _mm256_storeu_ps(s + g * T + t, dots8(qb + g * d, k, row, d, scale8));
             for (; t < end; t += 4, k += 4 * row)
-                for (int64_t g = 0; g < G; g++) dots(qb + g * d, k, row, end - t < 4 ? end - t : 4, d, scale, s + g * T + t);
+                for (int64_t g = g0; g < g1; g++) dots(qb + g * d, k, row, end - t < 4 ? end - t : 4, d, scale, s + g * T + t);
         }
         float top[G], sum[G];   /* the softmax's numerators in place of the scores; the sums divide at the end */
-        for (int64_t g = 0; g < G; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             sum[g] = softmax_numerators(s + g * T + lo, hi - lo, &top[g]);
             memset(o + g * d, 0, d * sizeof(float));
         }
         for (int64_t t0 = lo; t0 < hi; t0 += block_size) {   /* a block's values, once per query head */
             const float *v = v_cache + table[t0 / block_size] * block_size * row + h * d;
             int64_t m = hi - t0 < block_size ? hi - t0 : block_size;
-            for (int64_t g = 0; g < G; g++) block_weighted_sum_any(o + g * d, s + g * T + t0, v, m, row, d);
+            for (int64_t g = g0; g < g1; g++) block_weighted_sum_any(o + g * d, s + g * T + t0, v, m, row, d);
         }
-        for (int64_t g = 0; g < G; g++) {
+        for (int64_t g = g0; g < g1; g++) {
             if (n <= seg)
                 for (int64_t i = 0; i < d; i++) o[g * d + i] /= sum[g];
             else

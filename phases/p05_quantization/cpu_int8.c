@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define CHUNK 2048
 
@@ -27,6 +28,20 @@ static inline int32_t hsum(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
+}
+
+/* max_i |x_i| over n floats, 8 lanes at a time (a call of libm's fmaxf per value costs more
+ * than the rounding it serves); NaNs skipped, as fmaxf skips them */
+static inline float absmax(const float *x, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 m = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    float top = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    for (; k < n; k++) top = fabsf(x[k]) > top ? fabsf(x[k]) : top;
+    return top;
 }
 
 /* sum_i xq[i] * q[i] over [begin, end): 16 at a time, then the tail one by one */
@@ -79,9 +94,7 @@ void int8_matmul(const float *x, const int8_t *q, const float *scale, float *y,
                  int16_t *xq, float *xs, int64_t M, int64_t O, int64_t I) {
     for (int64_t m = 0; m < M; m++) {  /* each row of x in int16, with its own scale */
         const float *xm = x + m * I;
-        float top = 0.f;
-        for (int64_t i = 0; i < I; i++) top = fmaxf(top, fabsf(xm[i]));
-        float s = top > 0.f ? top / 32767.f : 1.f, inv = 1.f / s;
+        float top = absmax(xm, I), s = top > 0.f ? top / 32767.f : 1.f, inv = 1.f / s;
         xs[m] = s;
         for (int64_t i = 0; i < I; i++) xq[m * I + i] = (int16_t)lrintf(xm[i] * inv);
     }
@@ -178,6 +191,27 @@ static inline __attribute__((always_inline)) void int4_rows(
     }
 }
 
+/* 32 floats times inv, rounded to the nearest integer (ties to even, as lrintf) and stored as
+ * int8 split by parity: even columns at xp[0..16), odd ones at xp[32..48); returns their sum.
+ * Floats are split into even and odd lanes first, then each half narrowed 32 -> 16 -> 8 bits
+ * (the packs interleave 128-bit lanes, which a permute of 64-bit quarters puts back in order). */
+static inline int32_t round32(const float *x, float inv, int8_t *xp) {
+    const __m256 iv = _mm256_set1_ps(inv);
+    __m256i e[2], o[2];
+    for (int h = 0; h < 2; h++) {
+        __m256 a = _mm256_loadu_ps(x + 16 * h), b = _mm256_loadu_ps(x + 16 * h + 8);
+        __m256 ev = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+        __m256 od = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+        e[h] = _mm256_cvtps_epi32(_mm256_mul_ps(ev, iv)), o[h] = _mm256_cvtps_epi32(_mm256_mul_ps(od, iv));
+    }
+    __m256i e16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(e[0], e[1]), 0xD8);
+    __m256i o16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(o[0], o[1]), 0xD8);
+    __m256i b8 = _mm256_permute4x64_epi64(_mm256_packs_epi16(e16, o16), 0xD8);   /* evens, odds */
+    _mm_storeu_si128((__m128i *)xp, _mm256_castsi256_si128(b8));
+    _mm_storeu_si128((__m128i *)(xp + 32), _mm256_extracti128_si256(b8, 1));
+    return hsum(_mm256_add_epi32(_mm256_add_epi32(e[0], e[1]), _mm256_add_epi32(o[0], o[1])));
+}
+
 /* x (M, I) float32 -> xc (M, C, 64) int8 (C = ceil(I / 64) chunks: even columns, then odd ones;
  * the last chunk's missing half zeros), xsc (M, 2C) the blocks' scales, xsum (M, I / g) float:
  * scratch space the caller provides. I is a multiple of g, so of 32. */
@@ -190,17 +224,12 @@ static inline __attribute__((always_inline)) void int4_matmul_any(
         const float *xm = x + m * I;
         for (int64_t b = 0; b < 2 * C; b++) {
             int8_t *xp = xc + m * C * 64 + (b / 2) * 64 + (b % 2) * 16;
-            float top = 0.f, *s = xsc + m * 2 * C + b;
-            for (int64_t k = 0; b * 32 < I && k < 32; k++) top = fmaxf(top, fabsf(xm[b * 32 + k]));
+            float *s = xsc + m * 2 * C + b, top = b * 32 < I ? absmax(xm + b * 32, 32) : 0.f;
             float inv = top > 0.f ? 127.f / top : 0.f;
             *s = top / 127.f;
-            int32_t sum = 0;
-            for (int64_t k = 0; k < 32; k += 2) {
-                int32_t ve = b * 32 < I ? (int32_t)lrintf(xm[b * 32 + k] * inv) : 0;
-                int32_t vo = b * 32 < I ? (int32_t)lrintf(xm[b * 32 + k + 1] * inv) : 0;
-                xp[k / 2] = (int8_t)ve, xp[32 + k / 2] = (int8_t)vo;
-                sum += ve + vo;
-            }
+            int32_t sum = b * 32 < I ? round32(xm + b * 32, inv, xp) : 0;
+            if (b * 32 >= I)
+                memset(xp, 0, 16), memset(xp + 32, 0, 16);
             if (b * 32 < I) {
                 float *gs = xsum + m * G + (b * 32) / g;
                 *gs = ((b * 32) % g ? *gs : 0.f) + *s * (float)sum;
@@ -238,20 +267,67 @@ void int4_matmul_f16(const float *x, const uint8_t *q, const uint16_t *scale, co
 
 /* int4 back to float32, w (O, I) = q * scale + zero group by group: for many rows of x the
  * product is bound by multiply-adds, not by memory, and a BLAS's float32 product does more of them
- * per cycle than the integer loop above, so the caller unpacks the weight and hands it to one. */
-void int4_dequant(const uint8_t *q, const float *scale, const float *zero, float *w,
-                  int64_t O, int64_t I, int64_t g) {
+ * per cycle than the integer loop above, so the caller unpacks the weight and hands it to one.
+ * int4_dequant_bf16 writes each value rounded to bfloat16 (to nearest, ties to even, as
+ * PyTorch's .bfloat16() rounds it) for a bfloat16 product: half the bytes, in one pass. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);   /* finite values: q, scale, zero are */
+}
+
+/* the 16 values of 8 bytes (low nibble first) into w[at..at+16): lanes of 8 floats, the low and
+ * high nibbles' values interleaved back into column order, stored as float32 or bfloat16 */
+static inline __attribute__((always_inline)) void dequant16(const uint8_t *q, float s, float z, void *w, int64_t at,
+                                                            const int bf16) {
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
+    __m256 sv = _mm256_set1_ps(s), zv = _mm256_set1_ps(z);
+    __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), sv, zv);
+    __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sv, zv);
+    __m256 a = _mm256_unpacklo_ps(lo, hi), c = _mm256_unpackhi_ps(lo, hi);     /* columns 0-3 8-11 | 4-7 12-15 */
+    __m256 v0 = _mm256_permute2f128_ps(a, c, 0x20), v1 = _mm256_permute2f128_ps(a, c, 0x31);
+    if (!bf16) {
+        _mm256_storeu_ps((float *)w + at, v0), _mm256_storeu_ps((float *)w + at + 8, v1);
+        return;
+    }
+    __m256i r[2], one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
+    for (int k = 0; k < 2; k++) {   /* to_bf16 on 8 lanes */
+        __m256i u = _mm256_castps_si256(k ? v1 : v0);
+        u = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
+        r[k] = _mm256_srli_epi32(u, 16);
+    }
+    _mm256_storeu_si256((__m256i *)((uint16_t *)w + at), _mm256_permute4x64_epi64(_mm256_packus_epi32(r[0], r[1]), 0xD8));
+}
+
+static inline __attribute__((always_inline)) void int4_dequant_any(
+        const uint8_t *q, const float *scale, const float *zero, void *w, int64_t O, int64_t I, int64_t g,
+        const int bf16) {
     int64_t G = I / g, half = I / 2;
     #pragma omp parallel for schedule(static) if (O * I >= 50000)
     for (int64_t o = 0; o < O; o++) {
         const uint8_t *qr = q + o * half;
-        float *wr = w + o * I;
         for (int64_t gi = 0; gi < G; gi++) {
             const float s = scale[o * G + gi], z = zero[o * G + gi];
-            for (int64_t j = gi * g / 2; j < (gi + 1) * g / 2; j++) {
-                wr[2 * j] = (float)(qr[j] & 15) * s + z;
-                wr[2 * j + 1] = (float)(qr[j] >> 4) * s + z;
+            int64_t j = gi * g / 2;
+            for (; j + 8 <= (gi + 1) * g / 2; j += 8)   /* 16 values at a time, as the loop below */
+                dequant16(qr + j, s, z, w, o * I + 2 * j, bf16);
+            for (; j < (gi + 1) * g / 2; j++) {
+                float lo = (float)(qr[j] & 15) * s + z, hi = (float)(qr[j] >> 4) * s + z;
+                if (bf16)
+                    ((uint16_t *)w)[o * I + 2 * j] = to_bf16(lo), ((uint16_t *)w)[o * I + 2 * j + 1] = to_bf16(hi);
+                else
+                    ((float *)w)[o * I + 2 * j] = lo, ((float *)w)[o * I + 2 * j + 1] = hi;
             }
         }
     }
+}
+
+void int4_dequant(const uint8_t *q, const float *scale, const float *zero, float *w, int64_t O, int64_t I,
+                  int64_t g) {
+    int4_dequant_any(q, scale, zero, w, O, I, g, 0);
+}
+
+void int4_dequant_bf16(const uint8_t *q, const float *scale, const float *zero, uint16_t *w, int64_t O,
+                       int64_t I, int64_t g) {
+    int4_dequant_any(q, scale, zero, w, O, I, g, 1);
 }

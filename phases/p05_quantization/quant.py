@@ -375,9 +375,11 @@ def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant_sgemm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size)
-    if layer.bf16_rows:   # dtype="auto"'s bfloat16 products (tinyvllm.model.BF16_PRODUCT_ROWS)
-        return F.linear(x.bfloat16(), w.bfloat16(), None if layer.bias is None else layer.bias.bfloat16()).float()
+    bf16 = bool(layer.bf16_rows)   # dtype="auto"'s bfloat16 products (tinyvllm.model.BF16_PRODUCT_ROWS)
+    w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size,
+                              torch.bfloat16 if bf16 else torch.float32)
+    if bf16:
+        return F.linear(x.bfloat16(), w, None if layer.bias is None else layer.bias.bfloat16()).float()
     return F.linear(x.float(), w, None if layer.bias is None else layer.bias.float())
 
 

@@ -572,6 +572,27 @@ def test_int4_many_rows_in_bfloat16_where_dtype_auto_chose_them():
 
 
 @cpu_int8_here
+@pytest.mark.parametrize("out_features,in_features,group", [(7, 64, 32), (5, 96, 32), (13, 2176, 128), (9, 192, 64)])
+def test_int4_dequant_in_float32_and_bfloat16(out_features, in_features, group):
+    """cpu_int8.c unpacks int4 for `dequant_sgemm` 16 values at a time: float32 equal to the
+    reference dequantization, and in bfloat16 (one pass, for bfloat16 products) the very bits of
+    rounding that float32 weight with PyTorch (to nearest, ties to even)."""
+    torch.manual_seed(in_features)
+    layer = QuantizedLinear(torch.randn(out_features, in_features) * 0.05, None, "int4", group)
+    args = (layer.qweight, layer.scale, layer.zero, group)
+    w = cpu_int8.int4_dequant(*args).clone()
+    torch.testing.assert_close(w, layer.dequantize(), rtol=1e-6, atol=1e-7)
+    w16 = cpu_int8.int4_dequant(*args, torch.bfloat16)
+    assert w16.dtype == torch.bfloat16 and torch.equal(w16, w.bfloat16())
+    # every value 1 * scale + 0, each scale halfway between two bfloat16 numbers: ties to even
+    halfway = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8)])
+    groups = in_features // group
+    scale = halfway[torch.arange(out_features * groups) % 3].reshape(out_features, groups)
+    args = (torch.full_like(layer.qweight, 0x11), scale, torch.zeros_like(scale), group)
+    assert torch.equal(cpu_int8.int4_dequant(*args, torch.bfloat16), cpu_int8.int4_dequant(*args).bfloat16())
+
+
+@cpu_int8_here
 def test_batch_invariant_keeps_the_integer_loop_at_every_row_count(tiny_model_dir, monkeypatch):
     """batch_invariant=True with int4: a prompt long enough for `dequant_sgemm` (here from 8 rows)
     still gets, as a prefill, the bits its tokens got as decodes."""
