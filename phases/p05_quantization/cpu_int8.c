@@ -227,13 +227,13 @@ static inline __attribute__((always_inline)) void int4_matmul_any(
             float *s = xsc + m * 2 * C + b, top = b * 32 < I ? absmax(xm + b * 32, 32) : 0.f;
             float inv = top > 0.f ? 127.f / top : 0.f;
             *s = top / 127.f;
-            int32_t sum = b * 32 < I ? round32(xm + b * 32, inv, xp) : 0;
-            if (b * 32 >= I)
+            if (b * 32 >= I) {   /* the last chunk's missing half: zeros */
                 memset(xp, 0, 16), memset(xp + 32, 0, 16);
-            if (b * 32 < I) {
-                float *gs = xsum + m * G + (b * 32) / g;
-                *gs = ((b * 32) % g ? *gs : 0.f) + *s * (float)sum;
+                continue;
             }
+            int32_t sum = round32(xm + b * 32, inv, xp);
+            float *gs = xsum + m * G + (b * 32) / g;
+            *gs = ((b * 32) % g ? *gs : 0.f) + *s * (float)sum;
         }
     }
     int64_t blocks = (O + 3) / 4;

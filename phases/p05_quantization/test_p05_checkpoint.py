@@ -574,9 +574,10 @@ def test_int4_many_rows_in_bfloat16_where_dtype_auto_chose_them():
 @cpu_int8_here
 @pytest.mark.parametrize("out_features,in_features,group", [(7, 64, 32), (5, 96, 32), (13, 2176, 128), (9, 192, 64)])
 def test_int4_dequant_in_float32_and_bfloat16(out_features, in_features, group):
-    """cpu_int8.c unpacks int4 for `dequant_sgemm` 16 values at a time: float32 equal to the
-    reference dequantization, and in bfloat16 (one pass, for bfloat16 products) the very bits of
-    rounding that float32 weight with PyTorch (to nearest, ties to even)."""
+    """cpu_int8.c unpacks int4 for `dequant_sgemm` 16 values at a time: in float32 the reference
+    dequantization (up to the rounding of a fused multiply-add), and in bfloat16 (one pass, for
+    bfloat16 products) the very bits of rounding that float32 weight with PyTorch (to nearest,
+    ties to even)."""
     torch.manual_seed(in_features)
     layer = QuantizedLinear(torch.randn(out_features, in_features) * 0.05, None, "int4", group)
     args = (layer.qweight, layer.scale, layer.zero, group)
