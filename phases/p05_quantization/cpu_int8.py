@@ -33,9 +33,8 @@ HERE, P, I64 = Path(__file__).parent, ctypes.c_void_p, ctypes.c_int64
 
 AVX2 = CKernel(HERE / "cpu_int8.c", ["-O3", "-mavx2", "-mfma", "-mf16c", "-fno-math-errno", "-fopenmp", "-shared",
                "-fPIC"], AVX2_FLAGS | {"f16c"}, {"int8_matmul": [P] * 6 + [I64] * 3,
-               "int4_dequant": [P] * 4 + [I64] * 3, "int4_dequant_bf16": [P] * 4 + [I64] * 3,
-               "int4_matmul": [P] * 8 + [I64] * 4,
-               "int4_matmul_f16": [P] * 8 + [I64] * 4}, fallback="another int8/int4 kernel is used")
+               **dict.fromkeys(("int4_dequant", "int4_dequant_bf16"), [P] * 4 + [I64] * 3),
+               **dict.fromkeys(("int4_matmul", "int4_matmul_f16"), [P] * 8 + [I64] * 4)}, fallback="PyTorch's products run")
 INT4_FNS = {torch.float32: "int4_matmul", torch.float16: "int4_matmul_f16"}   # by the scales' dtype
 VNNI = CKernel(HERE / "cpu_vnni.c", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                                      "-fopenmp", "-shared", "-fPIC"], AVX512_VNNI_FLAGS,
@@ -93,16 +92,14 @@ def int4_matmul(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g
     return call
 
 
-def int4_dequant(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def int4_dequant(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, g: int, dtype=torch.float32) -> torch.Tensor:
     """q (O, I/2) uint8 (two int4 values a byte), scale and zero (O, I/g) float32 -> the weight
     (O, I) in float32, or rounded to bfloat16 (`dtype`), in scratch space that the next call
     reuses."""
     o, i = q.shape[0], 2 * q.shape[1]
     w = _scratch.get(f"w{dtype}", o * i, dtype)[: o * i]
-    lib = AVX2.lib or AVX2.load()
-    fn = lib.int4_dequant_bf16 if dtype == torch.bfloat16 else lib.int4_dequant
-    fn(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(), o, i, g)
+    fn = "int4_dequant_bf16" if dtype == torch.bfloat16 else "int4_dequant"
+    getattr(AVX2.lib or AVX2.load(), fn)(q.data_ptr(), scale.data_ptr(), zero.data_ptr(), w.data_ptr(), o, i, g)
     return w.view(o, i)
 
 # -- AVX512-VNNI ---------------------------------------------------------------------------------

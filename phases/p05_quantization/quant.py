@@ -375,12 +375,10 @@ def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant_sgemm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    bf16 = bool(layer.bf16_rows)   # dtype="auto"'s bfloat16 products (tinyvllm.model.BF16_PRODUCT_ROWS)
-    w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size,
-                              torch.bfloat16 if bf16 else torch.float32)
-    if bf16:
-        return F.linear(x.bfloat16(), w, None if layer.bias is None else layer.bias.bfloat16()).float()
-    return F.linear(x.float(), w, None if layer.bias is None else layer.bias.float())
+    # bfloat16 where dtype="auto" chose bfloat16 products (tinyvllm.model.BF16_PRODUCT_ROWS)
+    dtype = torch.bfloat16 if layer.bf16_rows else torch.float32
+    w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size, dtype)
+    return F.linear(x.to(dtype), w, None if layer.bias is None else layer.bias.to(dtype)).float()
 
 
 def _int8pack_mm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:  # a layer stored as rows
