@@ -17,9 +17,11 @@
  *
  * Built by tinyvllm.ckernel with PyTorch's headers (about 15 s, once per machine). */
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
 #include <cmath>
 #include <vector>
 
@@ -51,6 +53,7 @@ static thread_local Step step;                 /* this thread's step: a backgrou
 static thread_local std::vector<at::Tensor> packed;
 static thread_local std::vector<int64_t> packed_from;
 static thread_local std::vector<float> space;  /* scratch, reused from call to call */
+static const int64_t CONVERT_GRAIN = 32768;   /* values a thread converts at least (ATen's grain) */
 
 static float *scratch(int64_t floats) {
     if ((int64_t)space.size() < floats) space.resize(floats);
@@ -66,13 +69,56 @@ void use_packed(at::TensorList weights, at::IntArrayRef from_rows) {
     packed_from.assign(from_rows.begin(), from_rows.end());
 }
 
-/* x (M, I) float32 @ the packed bfloat16 weight: x rounded to bfloat16, the output float32 */
-static at::Tensor bf16_product(const at::Tensor &x, const at::Tensor &weight) {
+/* float32 -> bfloat16 rounded to nearest, ties to even, on the bits, as PyTorch's .to(torch.bfloat16)
+ * (a NaN stays a NaN): 8 values in the low 16 bits of each lane */
+__attribute__((target("avx2"))) static inline __m256i round_bf16(const float *p) {
+    const __m256 v = _mm256_loadu_ps(p);
+    const __m256i b = _mm256_castps_si256(v), lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    return _mm256_blendv_epi8(_mm256_set1_epi32(0x7fc0), r, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q)));
+}
+
+/* n values, 16 an iteration (packus interleaves the two halves' 128-bit lanes: the permute puts them back) */
+__attribute__((target("avx2"))) static void to_bf16(const float *x, uint16_t *y, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(y + i),
+                            _mm256_permute4x64_epi64(_mm256_packus_epi32(round_bf16(x + i), round_bf16(x + i + 8)), 0xd8));
+    for (; i < n; i++) y[i] = c10::BFloat16(x[i]).x;
+}
+
+/* bfloat16 -> float32 (exact: the 16 bits moved up), plus the bias if there is one */
+__attribute__((target("avx2"))) static void from_bf16(const uint16_t *y, const float *bias, float *out, int64_t M, int64_t O) {
+    for (int64_t m = 0; m < M; m++, y += O, out += O) {
+        int64_t o = 0;
+        for (; o + 8 <= O; o += 8) {
+            __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(y + o))), 16));
+            _mm256_storeu_ps(out + o, bias ? _mm256_add_ps(v, _mm256_loadu_ps(bias + o)) : v);
+        }
+        for (; o < O; o++) out[o] = float(c10::BFloat16(y[o], c10::BFloat16::from_bits())) + (bias ? bias[o] : 0.f);
+    }
+}
+
+/* x (M, I) float32 @ the packed bfloat16 weight (O, I) + bias: x rounded to bfloat16, the output made
+ * float32 again. The two conversions are this file's loops (split between PyTorch's threads where
+ * they are long, at::parallel_for), not two Tensor.to calls each with an operator's dispatch: the
+ * default model's 48-row step 64.3 -> 63.6 ms */
+static at::Tensor bf16_product(const at::Tensor &x, const at::Tensor &weight, const float *bias, int64_t O) {
     static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-    torch::jit::Stack stack{x.to(at::kBFloat16), weight, c10::IValue(), std::string("none"),
+    const int64_t M = x.size(0), I = x.size(1);
+    at::Tensor xb = at::empty({M, I}, x.options().dtype(at::kBFloat16));
+    const float *xp = x.data_ptr<float>();
+    uint16_t *xbp = reinterpret_cast<uint16_t *>(xb.data_ptr());
+    at::parallel_for(0, M, CONVERT_GRAIN / I + 1, [&](int64_t m0, int64_t m1) { to_bf16(xp + m0 * I, xbp + m0 * I, (m1 - m0) * I); });
+    torch::jit::Stack stack{xb, weight, c10::IValue(), std::string("none"),
                             c10::List<std::optional<at::Scalar>>(), std::optional<std::string>(std::string(""))};
     op.callBoxed(&stack);
-    return stack[0].toTensor().to(at::kFloat);
+    const at::Tensor yb = stack[0].toTensor();
+    at::Tensor y = at::empty({M, O}, x.options());
+    const uint16_t *ybp = reinterpret_cast<const uint16_t *>(yb.data_ptr());
+    float *yp = y.data_ptr<float>();
+    at::parallel_for(0, M, CONVERT_GRAIN / O + 1, [&](int64_t m0, int64_t m1) { from_bf16(ybp + m0 * O, bias, yp + m0 * O, m1 - m0, O); });
+    return y;
 }
 
 at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_features) {
@@ -86,10 +132,11 @@ at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_feature
         return eager.call(x, index, out_features);
     }
     const int64_t M = x.size(0), O = e[OUT], I = e[IN];
-    at::Tensor y = bf16 ? bf16_product(x, packed[index]) : at::empty({M, O}, x.options());
+    if (bf16)            /* many rows in bfloat16, the bias added with the conversion back */
+        return bf16_product(x, packed[index], (const float *)e[BIAS], O);
+    at::Tensor y = at::empty({M, O}, x.options());
     float *out = y.data_ptr<float>();
-    if (bf16) {          /* many rows in bfloat16: done above, the bias below */
-    } else if (e[BITS] == 32) { /* float32: tinyvllm/cpu_gemv.c, as tinyvllm.model.Linear runs it */
+    if (e[BITS] == 32) { /* float32: tinyvllm/cpu_gemv.c, as tinyvllm.model.Linear runs it */
         reinterpret_cast<F32Fn>(e[FN])(x.data_ptr<float>(), (const float *)e[WEIGHT], out, M, O, I);
     } else if (e[BITS] == 1) {  /* float32 from its 4- or 8-bit codes: no scratch */
         reinterpret_cast<LosslessFn>(e[FN])(x.data_ptr<float>(), (const uint8_t *)e[WEIGHT], (const float *)e[SCALE],

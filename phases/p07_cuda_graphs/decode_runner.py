@@ -7,7 +7,9 @@ sequence lengths live in `StaticDecodeBuffers`, allocated once at the largest ba
 each step copies its values into their first rows. A graph also fixes every shape, so one is
 captured per batch-size *bucket* (`cudagraph_capture_sizes`) and a step of n requests runs the
 bucket just above n, with the rows past n padded: their token writes its K/V into a scratch
-block no request owns, and their logits are dropped before sampling.
+block no request owns, and their logits are dropped before sampling. A forward run eagerly, or
+compiled with a dynamic batch dimension (a CPU's), takes any number of rows, so there a step
+runs just its n (`rows_for`): a padded row costs a row of every product.
 
 `DecodeRunner.run(bucket)` is the one interface: `DecodeRunner` (any device) runs the model
 eagerly on the buffers; `CudaGraphDecodeRunner` captures a graph per bucket on its first use
@@ -121,6 +123,12 @@ class DecodeRunner:
         self.model_forward = partial(decode_forward, model) if fused_model(model) else model
         self.c_step = CStep(model, layer_row) if buffers.input_ids.is_cpu else None   # the layers in one C call
 
+    def rows_for(self, n: int, sizes: list[int]) -> int:
+        """How many rows a step of n requests runs: n. An eager forward takes any number of rows
+        (so does a graph compiled with a dynamic batch dimension), and a padded row is a row of
+        every product and attention computed for nothing."""
+        return n
+
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
         """The forward on the first `bucket` rows of `buf` (the runner's own buffers unless given):
         cpu_step.c's where it serves, `decode_forward` (or the model's own) elsewhere."""
@@ -141,6 +149,10 @@ class CudaGraphDecodeRunner(DecodeRunner):
         super().__init__(model, buffers, attention, fixed_shapes=True)
         self.graphs, self.outputs = {}, {}   # bucket -> its torch.cuda.CUDAGraph, its output tensor
         self.pool, self.num_captures = None, 0
+
+    def rows_for(self, n: int, sizes: list[int]) -> int:
+        """The bucket just above n: a graph replays the shapes it was captured with."""
+        return bucket_for(n, sizes)
 
     def capture(self, bucket: int) -> None:
         stream = torch.cuda.Stream()

@@ -8,15 +8,15 @@ as CUDA graphs on a GPU and by a compiled forward on a CPU.
     allocator   the phase before's, less the pool's last block: the scratch block that the
                 padded rows of a bucket write to, which no sequence ever owns
     runner      `StaticModelRunner`: a decode-only step (every request computes just its newest
-                token) runs on the persistent `InputBatch` and the `StaticDecodeBuffers`, padded
-                to a bucket of `cudagraph_capture_sizes`, through a decode runner: one CUDA graph
-                per bucket on a GPU (`CudaGraphDecodeRunner`), on a CPU the same forward eagerly
-                (`DecodeRunner`) or compiled by torch.compile (`CompiledDecodeRunner`: by
-                default in the background while the engine serves eagerly, before the first
-                request with `compilation_mode=1`, never with 0). Each attends through the
-                attention part the recipe chose (phase 4's Triton kernels on a GPU). Every
-                other step (prefill chunks, drafts, more requests than the largest bucket) runs
-                on the phase before's runner.
+                token) runs on the persistent `InputBatch` and the `StaticDecodeBuffers` through
+                a decode runner: one CUDA graph per bucket of `cudagraph_capture_sizes` on a GPU
+                (`CudaGraphDecodeRunner`, the rows padded to the bucket), on a CPU the rows there
+                are, by the same forward eagerly (`DecodeRunner`) or compiled by torch.compile
+                (`CompiledDecodeRunner`: by default in the background while the engine serves
+                eagerly, before the first request with `compilation_mode=1`, never with 0). Each
+                attends through the attention part the recipe chose (phase 4's Triton kernels on
+                a GPU). Every other step (prefill chunks, drafts, more requests than the
+                largest bucket) runs on the phase before's runner.
 
 The sampler is the one sampler: it takes the batch's parameters as tensors from the persistent
 batch. `enforce_eager=True` leaves every part as phase 6 has it.

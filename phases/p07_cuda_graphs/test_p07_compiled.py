@@ -171,6 +171,42 @@ def test_the_cpp_product_is_the_layers_own(method):
     assert python == in_python
 
 
+def test_the_cpp_bfloat16_product_is_the_layers_own():
+    """Many rows of a float32 layer whose products run in bfloat16 (`bf16_rows`, dtype="auto"):
+    cpu_ops.cpp rounds x to bfloat16 and the output back to float32 with its own loops, the bias
+    added with the second, bit for bit what the layer gives from Python (Tensor.bfloat16, ties to
+    even; .float(); add_): sizes that leave a tail past the 16 and 8 values a loop takes, and
+    an x with ties, a NaN, infinities and values too small for bfloat16."""
+    from tinyvllm.model import Linear, bfloat16_weights, onednn_available
+
+    needs_native()
+    if not onednn_available():
+        pytest.skip("bfloat16 products run in oneDNN, which this PyTorch build lacks")
+    torch.manual_seed(0)
+    layer = Linear(72, 100)
+    torch.nn.init.normal_(layer.weight, std=0.1)
+    torch.nn.init.normal_(layer.bias)
+    layer.gemv_rows, layer.bf16_rows = 1, 4      # the C++ kernel serves a layer with a row of its own
+    table = torch.tensor([compiled.layer_row(layer)])
+    if table[0, 0] == 0:
+        pytest.skip("cpu_gemv.c cannot run here: the layer has no row of the layer table")
+    table.packed = bfloat16_weights([layer])
+    compiled._STEP.layers = [lambda x: pytest.fail("went to the Python kernel")]
+    compiled.use_step(table)
+    try:
+        for rows in (4, 37):
+            x = torch.randn(rows, 72)
+            x[0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 1e-40])   # ties; a denormal
+            x[1, 5], x[2, 70], x[3, 71] = float("nan"), float("inf"), -float("inf")
+            with torch.no_grad():
+                want = layer(x)
+            torch.testing.assert_close(torch.ops.tinyvllm.opaque_linear(x, 0, 100), want, rtol=0, atol=0,
+                                       equal_nan=True)
+    finally:
+        compiled.use_step(None)
+        del compiled._STEP.layers
+
+
 def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_model_dir):
     """Without batch 1 among the buckets the engine starts with one graph, whose batch dimension
     is dynamic: it serves buckets 2, 4 and 8."""
