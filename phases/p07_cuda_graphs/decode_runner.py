@@ -9,7 +9,7 @@ captured per batch-size *bucket* (`cudagraph_capture_sizes`) and a step of n req
 bucket just above n, with the rows past n padded: their token writes its K/V into a scratch
 block no request owns, and their logits are dropped before sampling. A forward run eagerly, or
 compiled with a dynamic batch dimension (a CPU's), takes any number of rows, so there a step
-runs just its n (`rows_for`): a padded row costs a row of every product.
+runs just its n (unless `fixed_shapes`): a padded row costs a row of every product.
 
 `DecodeRunner.run(bucket)` is the one interface: `DecodeRunner` (any device) runs the model
 eagerly on the buffers; `CudaGraphDecodeRunner` captures a graph per bucket on its first use
@@ -110,8 +110,11 @@ class StaticDecodeBuffers:
 class DecodeRunner:
     """Runs the decode forward on the first `bucket` rows of the static buffers, eagerly, through
     the recipe's attention part (`attention`: metadata -> the step's attention). Returns the
-    logits (bucket, V). `fixed_shapes`: hand the attention the metadata a captured graph needs
-    (`StaticDecodeBuffers.metadata`), eagerly; a `CudaGraphDecodeRunner` always does.
+    logits (bucket, V). `fixed_shapes`: a graph's shapes, eagerly: the step's rows padded to
+    their bucket, and the attention handed the metadata a captured graph needs
+    (`StaticDecodeBuffers.metadata`); a `CudaGraphDecodeRunner` always has them. Without, a step
+    runs its own rows: an eager forward (or one compiled with a dynamic batch dimension) takes
+    any number, and a padded row is a row of every product computed for nothing.
 
     A fused model (`fuse_projections`) runs `decode_forward`, the same numbers with fewer
     operator calls (float or quantized); any other (a layer it could not fuse) runs its own forward.
@@ -122,12 +125,6 @@ class DecodeRunner:
         self.model, self.buf, self.attention, self.fixed_shapes = model, buffers, attention, fixed_shapes
         self.model_forward = partial(decode_forward, model) if fused_model(model) else model
         self.c_step = CStep(model, layer_row) if buffers.input_ids.is_cpu else None   # the layers in one C call
-
-    def rows_for(self, n: int, sizes: list[int]) -> int:
-        """How many rows a step of n requests runs: n. An eager forward takes any number of rows
-        (so does a graph compiled with a dynamic batch dimension), and a padded row is a row of
-        every product and attention computed for nothing."""
-        return n
 
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
         """The forward on the first `bucket` rows of `buf` (the runner's own buffers unless given):
@@ -149,10 +146,6 @@ class CudaGraphDecodeRunner(DecodeRunner):
         super().__init__(model, buffers, attention, fixed_shapes=True)
         self.graphs, self.outputs = {}, {}   # bucket -> its torch.cuda.CUDAGraph, its output tensor
         self.pool, self.num_captures = None, 0
-
-    def rows_for(self, n: int, sizes: list[int]) -> int:
-        """The bucket just above n: a graph replays the shapes it was captured with."""
-        return bucket_for(n, sizes)
 
     def capture(self, bucket: int) -> None:
         stream = torch.cuda.Stream()

@@ -4,8 +4,8 @@ A step in which every scheduled request computes exactly its newest token (no pr
 draft, no more requests than the largest bucket) runs here: the persistent `InputBatch` takes
 what changed since the last step, its rows are copied into the `StaticDecodeBuffers`, and the
 decode runner (`DecodeRunner`, a captured graph on a GPU, a compiled forward on a CPU) runs the
-forward on as many rows as its `rows_for` says: a graph's bucket just above their number
-(padded rows write to the scratch block), or on a CPU their number.
+forward on the bucket just above their number where its shapes are fixed (a graph's; padded
+rows write to the scratch block), or on just their rows (a CPU's).
 Every other step goes to the runner this one wraps, the phase before's, unchanged.
 
 Its output carries the batch's sampling parameters as tensors, in the step's row order, read
@@ -20,7 +20,7 @@ import torch
 from tinyvllm.sampler import SamplingTensors
 from tinyvllm.step import ModelRunnerOutput, SchedulerOutput
 
-from .decode_runner import StaticDecodeBuffers
+from .decode_runner import StaticDecodeBuffers, bucket_for
 from .input_batch import InputBatch
 
 
@@ -46,7 +46,7 @@ class StaticModelRunner:
         seqs = [seq for seq, _ in plan.scheduled]
         ib = self.input_batch
         rows, n = ib.sync(seqs), ib.num_reqs      # each sequence's row, in the plan's order; how many rows
-        bucket = self.decode_runner.rows_for(n, self.capture_sizes)   # n, or a CUDA graph's bucket
+        bucket = bucket_for(n, self.capture_sizes) if self.decode_runner.fixed_shapes else n   # a graph's shape
         in_rows = [seq for _, seq in sorted(zip(rows, seqs), key=lambda pair: pair[0])]   # in the logits' order
         sampling = SamplingTensors(ib.temperature[:n], ib.top_k[:n], ib.top_p[:n], ib.min_p[:n], ib.generators[:n])
         self.buffers.fill(ib.token_ids[:n], ib.num_computed[:n], ib.block_table[:n], ib.num_blocks[:n], bucket)

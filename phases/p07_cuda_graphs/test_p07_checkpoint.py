@@ -80,8 +80,8 @@ def test_quantized_model_runs_the_lean_forward(make_llm, tiny_model_dir):
 
 def pad_like_a_cuda_graph(llm, monkeypatch) -> None:
     """For this test, a CPU engine's decode runner pads its steps to buckets as a CUDA graph's
-    does (a CPU's runners run the rows there are: `DecodeRunner.rows_for`)."""
-    monkeypatch.setattr(llm.llm_engine.runner.decode_runner, "rows_for", lambda n, sizes: bucket_for(n, sizes))
+    does (a CPU's runners run the rows there are: `DecodeRunner.fixed_shapes` is False)."""
+    monkeypatch.setattr(llm.llm_engine.runner.decode_runner, "fixed_shapes", True)
 
 
 @pytest.mark.parametrize("padded", [True, False])
