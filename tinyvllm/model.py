@@ -163,15 +163,19 @@ BF16_ONEDNN_KINDS = ("avx512_vnni",)
 # (`use_bfloat16_products`): the rows rounded to bfloat16, oneDNN's product on a bfloat16 copy of
 # the packed weight, its output made float32 again (what PyTorch's autocast does for a matrix
 # product). The activations, norms, attention and the few-row products (phase 5's codes, up to
-# `LOSSLESS_MAX_ROWS`) stay float32. On an AVX-512 Zen 4 EPYC (avx512_vnni), in one process, 48
-# requests offline 1.43x, a 2,000-token prompt's first token 1.45x; perplexity over the shipped
-# text 13.540 against 13.539 (lab note 7, accuracy-bf16-products-zen4-avx512.json). On the amx
+# `LOSSLESS_MAX_ROWS` or one row fewer than these: `Linear.own_rows`) stay float32. On an AVX-512
+# Zen 4 EPYC (avx512_vnni), in one process, 48 requests offline 1.43x, a 2,000-token prompt's
+# first token 1.45x; perplexity over the shipped text 13.540 against 13.539 (lab note 7,
+# accuracy-bf16-products-zen4-avx512.json). From 7 rows there, not 13: the compiled step of 7, 8,
+# 10 and 12 requests 18.9 -> 17.5, 20.9 -> 19.0, 26.9 -> 20.5 and 31.8 -> 23.2 ms against the codes
+# (at 6, 16.4 against 15.8: even; both ways alternating in one process, lab note 7); 48 requests
+# offline, eager, the same (429.5 against 432.3 tok/s, bf16-rows-zen4-avx512.json). On the amx
 # kind (the Xeon above), where AMX multiplies bfloat16 tiles: the products 37.1 ms against the
 # codes' 49.3 at 12 rows, 46.8 against float32's 97.2 at 64 (linear-codes-xeon-amx.txt); 48
 # requests offline 1.68x, a 2,000-token prompt's first token 1.43x (`python -m
 # phases.p07_cuda_graphs.tools.bf16_rows --rows 9`, bf16-rows-xeon-amx.json). Nothing to gain
 # without bfloat16 arithmetic (avx2).
-BF16_PRODUCT_ROWS = {"avx512_vnni": 13, "amx": 9}
+BF16_PRODUCT_ROWS = {"avx512_vnni": 7, "amx": 9}
 
 
 def use_bfloat16_products(model: nn.Module, rows: int) -> None:
@@ -303,6 +307,11 @@ class Linear(nn.Linear):
         if torch.compiler.is_compiling():
             return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias, self.bf16_rows)
         return onednn_matmul(x, self.weight, self.bias, self.bf16_rows)
+
+    def own_rows(self, rows: int) -> int:
+        """Up to how many rows a product of a subclass's own that serves up to `rows` runs, before
+        the bfloat16 products take over (from `bf16_rows`, where they are on)."""
+        return min(rows, self.bf16_rows - 1) if self.bf16_rows else rows
 
     def gemv_max_rows(self) -> int:
         """Up to how many rows `forward` runs cpu_gemv.c (0: never). Whether it can run on the

@@ -64,8 +64,9 @@ def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
 
 class LosslessLinear(Linear):
     """A float32 `Linear` that also keeps its weight's exact codes (`lossless_codes`): up to
-    `max_rows` rows its product reads them (cpu_lossless.c), from there on it is `Linear`'s
-    (oneDNN's on the packed float32 weight)."""
+    `max_rows` rows its product reads them (cpu_lossless.c), or fewer where bfloat16 products
+    start sooner (`Linear.own_rows`); from there on it is `Linear`'s (oneDNN's on the packed
+    float32 weight, or its bfloat16 copy)."""
 
     max_rows = LOSSLESS_MAX_ROWS.get(cpu_kind(), 0)
 
@@ -78,8 +79,8 @@ class LosslessLinear(Linear):
         self.register_buffer("zero", zero)                      # (O, I/32) float32, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (x.dim() == 2 and 0 < len(x) <= self.max_rows and x.dtype == torch.float32 and x.is_cpu) \
-                or torch.compiler.is_compiling():
+        if not (x.dim() == 2 and 0 < len(x) <= self.own_rows(self.max_rows) and x.dtype == torch.float32
+                and x.is_cpu) or torch.compiler.is_compiling():
             return super().forward(x)
         x, y = x.contiguous(), torch.empty(len(x), self.out_features)
         LOSSLESS.lib.lossless_matmul(x.data_ptr(), self.codes.data_ptr(), self.scale.data_ptr(),

@@ -684,6 +684,24 @@ def test_lossless_linear_is_the_float32_product_read_from_its_codes(rows, monkey
 
 
 @needs_lossless
+def test_lossless_codes_stop_where_bfloat16_products_start(monkeypatch):
+    """With dtype="auto"'s bfloat16 products from `bf16_rows` rows, the codes serve up to one row
+    fewer (`Linear.own_rows`), below `max_rows` too: from there on the layer's product is the
+    bfloat16 one its float32 weight gives."""
+    from tinyvllm.model import onednn_available, onednn_matmul
+
+    if not onednn_available():
+        pytest.skip("bfloat16 products run in oneDNN, which this PyTorch build lacks")
+    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    layer = lossless(_linear(on_codes(_weights(1, 70, 160, True), 4), torch.randn(70)))
+    layer.bf16_rows = 5
+    assert layer.own_rows(layer.max_rows) == 4
+    for rows in (1, 4, 5, 8):
+        x = torch.randn(rows, 160)
+        assert torch.equal(layer(x), onednn_matmul(x, layer.weight, layer.bias, 5)) == (rows >= 5)
+
+
+@needs_lossless
 def test_engine_reads_a_checkpoint_on_codes_from_them_with_float32_s_tokens(tiny_codes_dir, monkeypatch):
     """Without `quantization`, on the kinds LOSSLESS_MAX_ROWS names, every layer of a checkpoint
     on codes becomes a LosslessLinear (the head on 8 bits); its logits are the float32 engine's up

@@ -186,7 +186,7 @@ def layer_row(m: torch.nn.Module) -> list[int]:
         group, many = 1, m.gemv_max_rows() + 1
     elif type(m) is LosslessLinear and m.max_rows and LOSSLESS.available():   # float32 from its codes
         fn, kind, tensors = LOSSLESS.address("lossless_matmul"), 1, (m.codes, m.scale, m.zero)
-        group, many = m.bits, m.max_rows + 1
+        group, many = m.bits, m.own_rows(m.max_rows) + 1
     elif (kernel == "cpu_int4" or kernel == "cpu_int8" and m.layout == "rows") and cpu_int8.AVX2.available():
         four = kernel == "cpu_int4"
         tensors = (m.qweight, *m.packed("scales")) if four else (m.qweight, m.scale, None)

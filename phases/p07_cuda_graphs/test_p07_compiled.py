@@ -277,14 +277,15 @@ def test_a_compiled_step_multiplies_many_rows_in_bfloat16_from_cpp(tiny_codes_di
     needs_native()
     if not (LOSSLESS.available() and onednn_available()):
         pytest.skip("cpu_lossless.c needs AVX2 and a C compiler; bfloat16 products, oneDNN")
-    monkeypatch.setattr(LosslessLinear, "max_rows", 4)       # codes up to 4 rows, bfloat16 from 5
-    monkeypatch.setitem(BF16_PRODUCT_ROWS, cpu_kind(), 5)
+    monkeypatch.setattr(LosslessLinear, "max_rows", 8)       # codes up to 8 rows, but bfloat16 from 5:
+    monkeypatch.setitem(BF16_PRODUCT_ROWS, cpu_kind(), 5)    # the codes (and cpu_step.c) up to 4
     monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
     llm = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, compilation_mode=1, quantization=quantization)
     runner = llm.llm_engine.runner.decode_runner
     if quantization is None:
         weights, rows = runner.native_layers.packed
         assert rows == [5] * len(runner.opaque_layers) and all(w.is_mkldnn for w in weights)
+        assert (runner.native_layers[:, -1] == 5).all() and runner.c_step.max_rows in (0, 4)
     else:
         assert runner.native_layers.packed is None
     calls = []
@@ -359,11 +360,11 @@ def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, cap
     assert out.exists() and report["machine"]["cpu_kind"]
 
 
-def test_bf16_rows_tool_builds_a_float32_engine_and_one_of_bfloat16_products(tiny_model_dir, tmp_path,
-                                                                             monkeypatch):
-    """The measurement behind `BF16_PRODUCT_ROWS`: the second engine's products run in bfloat16
-    from --rows rows (whatever this CPU's kind), the first's never, and the process's own rules
-    are as they were after."""
+def test_bf16_rows_tool_builds_a_float32_engine_and_ones_of_bfloat16_products(tiny_model_dir, tmp_path,
+                                                                              monkeypatch):
+    """The measurement behind `BF16_PRODUCT_ROWS`: each engine after the first runs its products
+    in bfloat16 from one of --rows rows (whatever this CPU's kind), the first never, and the
+    process's own rules are as they were after."""
     from phases.p07_cuda_graphs.tools import bf16_rows
     from tinyvllm import model
 
@@ -371,9 +372,9 @@ def test_bf16_rows_tool_builds_a_float32_engine_and_one_of_bfloat16_products(tin
         pytest.skip("bfloat16 products run in oneDNN, which this PyTorch build lacks")
     monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")   # the suite's float32 setting would turn both off
     before, out = dict(model.BF16_PRODUCT_ROWS), tmp_path / "bf16.json"
-    report = bf16_rows.main(["--model", str(tiny_model_dir), "--rows", "2", "--rounds", "1", "--requests", "3",
+    report = bf16_rows.main(["--model", str(tiny_model_dir), "--rows", "2", "5", "--rounds", "1", "--requests", "3",
                              "--prompt-len", "40", "--json", str(out)])
-    assert [r["bf16_rows"] for r in report["rows"]] == [0, 2] and model.BF16_PRODUCT_ROWS == before
+    assert [r["bf16_rows"] for r in report["rows"]] == [0, 2, 5] and model.BF16_PRODUCT_ROWS == before
     for row in report["rows"]:
         assert len(row["tok_s"]) == 1 and row["median_tok_s"] > 0 and row["median_ttft_ms"] > 0
     assert report["rows"][0]["same_requests"] == 3 and out.exists()

@@ -2,13 +2,13 @@
 measurement a session on a new kind of CPU runs before it names the kind in `BF16_PRODUCT_ROWS`
 (tinyvllm/model.py; `python -m tinyvllm.entrypoints.bench.linear` times the products alone).
 
-    python -m phases.p07_cuda_graphs.tools.bf16_rows [--model DIR] [--rows 13] [--rounds 2]
+    python -m phases.p07_cuda_graphs.tools.bf16_rows [--model DIR] [--rows 13 [7 ...]] [--rounds 2]
         [--requests 48] [--prompt-len 2000] [--json FILE]
 
-Two eager engines (`compilation_mode=0`, `dtype="auto"`, on the CPU, no prefix cache, so each
-round prefills its prompts again) built in this process: one with float32 products, one whose
-products run in bfloat16 from `--rows` rows on, as if this CPU's kind were named in
-`BF16_PRODUCT_ROWS` with that number. A round runs each in turn, after a round not
+Eager engines (`compilation_mode=0`, `dtype="auto"`, on the CPU, no prefix cache, so each
+round prefills its prompts again) built in this process: one with float32 products, and for
+each of `--rows` one whose products run in bfloat16 from that many rows on, as if this CPU's kind
+were named in `BF16_PRODUCT_ROWS` with that number. A round runs each in turn, after a round not
 kept: `--requests` requests offline (seeded random prompts of 20 to 59 tokens, 16 to 191 new
 tokens, greedy, ignoring end-of-sequence), then one prompt of `--prompt-len` tokens to its first
 token. Prints each engine's output tok/s and first-token ms per round, the medians, and how many
@@ -45,16 +45,16 @@ def build(model_dir: str | None, rows: int) -> LLM:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None)
-    p.add_argument("--rows", type=int, default=13)
+    p.add_argument("--rows", type=int, nargs="+", default=[13])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=2000)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    if args.rows < 1 or args.rounds < 1 or args.requests < 1 or args.prompt_len < 1:
+    if min(args.rows) < 1 or args.rounds < 1 or args.requests < 1 or args.prompt_len < 1:
         p.error("--rows, --rounds, --requests and --prompt-len must be >= 1")
     engines = {"float32 products": build(args.model, 0),
-               f"bfloat16 from {args.rows} rows": build(args.model, args.rows)}
+               **{f"bfloat16 from {rows} rows": build(args.model, rows) for rows in args.rows}}
     vocab = next(iter(engines.values())).llm_engine.model_config.vocab_size
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(rng.randrange(20, 60))]}
