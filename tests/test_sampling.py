@@ -198,15 +198,21 @@ def test_sampler_never_draws_a_zero_probability_token(u, monkeypatch):
 
 
 def test_greedy_tokens_is_argmax_ties_nan_and_inf_included():
-    from tinyvllm.sampler import greedy_tokens
+    """cpu_argmax.c (where it builds: float32 rows on a CPU) and PyTorch's max give argmax's
+    answer: the first of equal values, the first NaN, a row of -inf's first; rows whose width is
+    not a multiple of its 8 lanes, and a batch wide enough to be split between threads."""
+    from tinyvllm.sampler import ARGMAX, greedy_tokens
+    assert ARGMAX.load() is not None or not ARGMAX.available()
     g = torch.Generator().manual_seed(0)
-    for _ in range(50):
-        logits = torch.randint(0, 3, (8, 500), generator=g).float()     # many ties
+    for shape in [(8, 500)] * 50 + [(48, 49_152), (3, 7), (1, 1)]:
+        logits = torch.randint(0, 3, shape, generator=g).float()     # many ties
         special = torch.rand(logits.shape, generator=g)
         logits[special < 0.01] = float("nan")
         logits[(special > 0.5) & (special < 0.51)] = float("inf")
         logits[special > 0.99] = float("-inf")
+        logits[-1, :] = float("-inf") if shape[0] > 1 else logits[-1, :]
         assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+        assert torch.equal(greedy_tokens(logits.T.contiguous().T), logits.argmax(dim=-1))   # PyTorch's path
 
 
 _MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=5),

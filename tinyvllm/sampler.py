@@ -26,10 +26,14 @@
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from tinyvllm.ckernel import CKernel
+from tinyvllm.hardware import AVX2_FLAGS
 from tinyvllm.outputs import Logprob
 from tinyvllm.sampling_params import SAMPLING_EPS
 from tinyvllm.step import ModelRunnerOutput, SamplerOutput
@@ -41,10 +45,21 @@ def finite(logits: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
+ARGMAX = CKernel(Path(__file__).with_name("cpu_argmax.c"), ["-O3", "-mavx2", "-fopenmp", "-shared", "-fPIC"],
+                 AVX2_FLAGS, {"argmax_rows": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2},
+                 fallback="greedy tokens come from PyTorch's max")
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest logit, the first on ties (NaN counting as largest), as
     `argmax(dim=-1)` gives it: `max(dim=-1).indices` is the same answer, and on a CPU the faster
-    of the two for a batch of vocabulary-wide rows."""
+    of the two for a batch of vocabulary-wide rows; float32 rows in a CPU's memory take
+    cpu_argmax.c (the same answer, 8 values at a time)."""
+    if (logits.dtype == torch.float32 and logits.is_cpu and logits.dim() == 2 and logits.is_contiguous()
+            and logits.shape[1] > 0 and (ARGMAX.lib if ARGMAX.tried else ARGMAX.load()) is not None):
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        ARGMAX.lib.argmax_rows(logits.data_ptr(), out.data_ptr(), *logits.shape)
+        return out
     return logits.max(dim=-1).indices
 
 
