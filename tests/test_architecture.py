@@ -219,3 +219,18 @@ def test_a_recipe_file_is_short_and_a_phase_s_code_within_budget():
         code = sum(_code_lines(p) for p in folder.glob("*.py")
                    if not p.name.startswith("test_") and p.name != "throughput.py")
         assert code <= 600, f"phases.{folder.name}: {code} lines of engine code"
+
+
+def test_every_c_kernel_ships_as_package_data():
+    """Each C or C++ file a kernel is built from on first use is in pyproject.toml's package data,
+    so that an installed (not editable) tinyvllm has it: without, the kernel's caller warns and
+    takes a slower path."""
+    import tomllib
+
+    data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    sources = [*REPO.glob("tinyvllm/**/*.c"), *REPO.glob("phases/**/*.c"), *REPO.glob("phases/**/*.cpp")]
+    assert len(sources) >= 10
+    for src in sources:
+        package = ".".join(src.parent.relative_to(REPO).parts)
+        assert any(src.match(pattern) for pattern in data.get(package, [])), \
+            f"{src.relative_to(REPO)} is not package data of {package} (pyproject.toml)"
