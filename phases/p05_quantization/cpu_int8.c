@@ -270,11 +270,6 @@ void int4_matmul_f16(const float *x, const uint8_t *q, const uint16_t *scale, co
  * per cycle than the integer loop above, so the caller unpacks the weight and hands it to one.
  * int4_dequant_bf16 writes each value rounded to bfloat16 (to nearest, ties to even, as
  * PyTorch's .bfloat16() rounds it) for a bfloat16 product: half the bytes, in one pass. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);   /* finite values: q, scale, zero are */
-}
 
 /* the 16 values of 8 bytes (low nibble first) into w[at..at+16): lanes of 8 floats, the low and
  * high nibbles' values interleaved back into column order, stored as float32 or bfloat16 */
@@ -291,7 +286,7 @@ static inline __attribute__((always_inline)) void dequant16(const uint8_t *q, fl
         return;
     }
     __m256i r[2], one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7FFF);
-    for (int k = 0; k < 2; k++) {   /* to_bf16 on 8 lanes */
+    for (int k = 0; k < 2; k++) {   /* ties to even on the bits (finite values: q, scale, zero are) */
         __m256i u = _mm256_castps_si256(k ? v1 : v0);
         u = _mm256_add_epi32(u, _mm256_add_epi32(bias, _mm256_and_si256(_mm256_srli_epi32(u, 16), one)));
         r[k] = _mm256_srli_epi32(u, 16);
@@ -308,16 +303,8 @@ static inline __attribute__((always_inline)) void int4_dequant_any(
         const uint8_t *qr = q + o * half;
         for (int64_t gi = 0; gi < G; gi++) {
             const float s = scale[o * G + gi], z = zero[o * G + gi];
-            int64_t j = gi * g / 2;
-            for (; j + 8 <= (gi + 1) * g / 2; j += 8)   /* 16 values at a time, as the loop below */
+            for (int64_t j = gi * g / 2; j < (gi + 1) * g / 2; j += 8)   /* g a multiple of 16 (32, 64, 128) */
                 dequant16(qr + j, s, z, w, o * I + 2 * j, bf16);
-            for (; j < (gi + 1) * g / 2; j++) {
-                float lo = (float)(qr[j] & 15) * s + z, hi = (float)(qr[j] >> 4) * s + z;
-                if (bf16)
-                    ((uint16_t *)w)[o * I + 2 * j] = to_bf16(lo), ((uint16_t *)w)[o * I + 2 * j + 1] = to_bf16(hi);
-                else
-                    ((float *)w)[o * I + 2 * j] = lo, ((float *)w)[o * I + 2 * j + 1] = hi;
-            }
         }
     }
 }
