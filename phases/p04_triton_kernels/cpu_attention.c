@@ -356,3 +356,116 @@ void causal_prefill_attention(const float *q, const float *k, const float *v, fl
         }
     }
 }
+
+/* ---- The same prefill with bfloat16 products, on a CPU that multiplies bfloat16 (AVX512-BF16) ----
+ *
+ * The loop above, its two register tiles made of VDPBF16PS: one instruction takes 16 pairs of
+ * bfloat16 from each operand and adds each pair's two products to one of 16 float32 sums, so a
+ * tile does twice the multiply-adds of a float32 FMA in the same time. The pairs run along the
+ * sum's index: for the scores two dimensions of d (a query's pair broadcast, 16 keys' pairs in a
+ * register), for the values two keys (a row's two probabilities broadcast, 16 dimensions' pairs).
+ * So the keys are laid out per tile as (d / 2, PREFILL_KEYS) pairs, the values as
+ * (PREFILL_KEYS / 2, d) pairs, both rounded to bfloat16 once per call; the scaled queries and
+ * each tile's probabilities p are rounded as they are made. The maxima, the sums and the output
+ * stay float32 (the online softmax above, unchanged). */
+#define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
+
+/* x (n floats, n a multiple of 16) to bfloat16, rounded to nearest even, into y */
+BF16_TARGET static inline void to_bf16(const float *x, int64_t n, uint16_t *y) {
+    for (int64_t i = 0; i < n; i += 16)
+        _mm256_storeu_si256((__m256i *)(y + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+}
+
+#define DP2(r) b##r##0 = _mm512_dpbf16_ps(b##r##0, x0, y = (__m512bh)_mm512_set1_epi32(a[r * la])), \
+               b##r##1 = _mm512_dpbf16_ps(b##r##1, x1, y)
+#define ZERO2(r) __m512 b##r##0 = _mm512_setzero_ps(), b##r##1 = b##r##0
+#define STOREZ2(r) _mm512_storeu_ps(c + r * lc, b##r##0), _mm512_storeu_ps(c + r * lc + 16, b##r##1)
+/* c[r][0..32) (+)= sum_i a[r][i] . x[i][0..32) for 6 rows r: a's rows `la` pairs apart, x's rows
+ * `lx` pairs apart, c's rows `lc` floats apart; n pairs; `add`: onto c (else c is overwritten) */
+BF16_TARGET static inline void tile_6x32_bf16(const uint32_t *a, int64_t la, const uint32_t *x, int64_t lx,
+                                              int64_t n, float *c, int64_t lc, int add) {
+    __m512bh y;
+    ZERO2(0); ZERO2(1); ZERO2(2); ZERO2(3); ZERO2(4); ZERO2(5);
+    if (add) {
+        b00 = _mm512_loadu_ps(c), b01 = _mm512_loadu_ps(c + 16), b10 = _mm512_loadu_ps(c + lc), b11 = _mm512_loadu_ps(c + lc + 16);
+        b20 = _mm512_loadu_ps(c + 2 * lc), b21 = _mm512_loadu_ps(c + 2 * lc + 16);
+        b30 = _mm512_loadu_ps(c + 3 * lc), b31 = _mm512_loadu_ps(c + 3 * lc + 16);
+        b40 = _mm512_loadu_ps(c + 4 * lc), b41 = _mm512_loadu_ps(c + 4 * lc + 16);
+        b50 = _mm512_loadu_ps(c + 5 * lc), b51 = _mm512_loadu_ps(c + 5 * lc + 16);
+    }
+    for (int64_t i = 0; i < n; i++, a++, x += lx) {
+        __m512bh x0 = (__m512bh)_mm512_loadu_si512(x), x1 = (__m512bh)_mm512_loadu_si512(x + 16);
+        DP2(0); DP2(1); DP2(2); DP2(3); DP2(4); DP2(5);
+    }
+    STOREZ2(0); STOREZ2(1); STOREZ2(2); STOREZ2(3); STOREZ2(4); STOREZ2(5);
+}
+
+/* causal_prefill_attention's arguments, with kt and vt scratch for the keys' and values' pairs
+ * (KVH * ceil(Tk / PREFILL_KEYS) * PREFILL_KEYS * d / 2 each); d a multiple of 32 */
+BF16_TARGET void causal_prefill_attention_bf16(const float *q, const float *k, const float *v, float *out,
+                                               uint32_t *kt, uint32_t *vt, int64_t Tq, int64_t Tk, int64_t H,
+                                               int64_t KVH, int64_t d, int64_t qs, int64_t ks, int64_t vs,
+                                               int64_t os, float scale) {
+    const int64_t BK = PREFILL_KEYS, d2 = d / 2;
+    int64_t G = H / KVH, BQ = PREFILL_ROWS / G > 0 ? PREFILL_ROWS / G : 1, M = (BQ * G + 5) / 6 * 6;
+    int64_t tiles = (Tk + BK - 1) / BK, tasks = KVH * ((Tq + BQ - 1) / BQ), past = Tk - Tq;
+    #pragma omp parallel
+    {
+        uint16_t ka[d], kb[d];
+        #pragma omp for schedule(static)
+        for (int64_t ht = 0; ht < KVH * tiles; ht++) {   /* a tile's pairs: kt (d/2, BK), vt (BK/2, d); zeros past Tk */
+            uint32_t *kp = kt + ht * d2 * BK, *vp = vt + ht * d2 * BK;
+            int64_t h = ht / tiles, key0 = ht % tiles * BK;
+            for (int64_t j = 0; j < BK; j += 2) {
+                for (int64_t e = 0; e < 2; e++) {
+                    uint16_t *y = e ? kb : ka;
+                    if (key0 + j + e < Tk) to_bf16(k + (key0 + j + e) * ks + h * d, d, y);
+                    else memset(y, 0, sizeof(ka));
+                    for (int64_t i = 0; i < d2; i++) kp[i * BK + j + e] = y[2 * i] | (uint32_t)y[2 * i + 1] << 16;
+                }
+                if (key0 + j < Tk) to_bf16(v + (key0 + j) * vs + h * d, d, ka); else memset(ka, 0, sizeof(ka));
+                if (key0 + j + 1 < Tk) to_bf16(v + (key0 + j + 1) * vs + h * d, d, kb); else memset(kb, 0, sizeof(kb));
+                for (int64_t i = 0; i < d; i++) vp[j / 2 * d + i] = ka[i] | (uint32_t)kb[i] << 16;
+            }
+        }
+        float qf[d], o[M * d], s[M * BK], top[M], sum[M];
+        uint32_t qp[M * d2], p[M * BK / 2];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = tasks - 1; task >= 0; task--) {   /* the longest tasks (the last queries') first */
+            int64_t h = task % KVH, t0 = task / KVH * BQ, t1 = t0 + BQ < Tq ? t0 + BQ : Tq, rows = (t1 - t0) * G;
+            memset(qp, 0, sizeof(qp));
+            memset(o, 0, sizeof(o));
+            for (int64_t r = 0; r < M; r++) {
+                if (r < rows) {
+                    for (int64_t i = 0; i < d; i++) qf[i] = q[(t0 + r / G) * qs + (h * G + r % G) * d + i] * scale;
+                    to_bf16(qf, d, (uint16_t *)(qp + r * d2));
+                }
+                top[r] = -INFINITY, sum[r] = 0.f;
+            }
+            int64_t last = past + t1 - 1;   /* the last query's position: it sees keys 0 .. last */
+            for (int64_t b = 0; b * BK <= last; b++) {
+                int64_t j0 = b * BK, n = last + 1 - j0 < BK ? last + 1 - j0 : BK;
+                const uint32_t *ktile = kt + (h * tiles + b) * d2 * BK, *vtile = vt + (h * tiles + b) * d2 * BK;
+                for (int64_t r = 0; r < M; r += 6)
+                    for (int64_t c = 0; c < BK; c += 32) tile_6x32_bf16(qp + r * d2, d2, ktile + c, BK, d2, s + r * BK + c, BK, 0);
+                for (int64_t r = 0; r < M; r++) {
+                    int64_t see = past + t0 + r / G + 1 - j0;   /* the keys of this tile row r sees */
+                    if (r >= rows || see <= 0) {   /* none: the row's p are zeros */
+                        memset(p + r * BK / 2, 0, BK / 2 * sizeof(uint32_t));
+                        continue;
+                    }
+                    __m256 alpha = _mm256_set1_ps(tile_softmax(s + r * BK, see < n ? see : n, top + r, sum + r));
+                    for (int64_t i = 0; _mm256_cvtss_f32(alpha) != 1.f && i < d; i += 8)   /* o to the new max */
+                        _mm256_storeu_ps(o + r * d + i, _mm256_mul_ps(alpha, _mm256_loadu_ps(o + r * d + i)));
+                    to_bf16(s + r * BK, BK, (uint16_t *)(p + r * BK / 2));
+                }
+                for (int64_t r = 0; r < M; r += 6)
+                    for (int64_t c = 0; c < d; c += 32) tile_6x32_bf16(p + r * BK / 2, BK / 2, vtile + c, d, (n + 1) / 2, o + r * d + c, d, 1);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *dst = out + (t0 + r / G) * os + (h * G + r % G) * d, inv = 1.f / sum[r];
+                for (int64_t i = 0; i < d; i++) dst[i] = o[r * d + i] * inv;
+            }
+        }
+    }
+}

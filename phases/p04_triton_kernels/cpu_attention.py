@@ -20,7 +20,9 @@ kernels. What it changes from phase 2's `paged_attention`:
   `causal_prefill_attention`: the same loop in register tiles, lower-right causal in one call,
   faster than SDPA at every prompt length measured (the lab note's table); fewer queries after
   cached tokens (a speculative verify) through its decode kernel, a row per query, over the
-  block table in place (`c_tail_attention`).
+  block table in place (`c_tail_attention`). Where the engine multiplies in bfloat16
+  (`dtype="auto"` on a CPU kind in `PREFILL_BF16_KINDS` with AVX512-BF16), the same loop's two
+  products run in bfloat16 (`causal_prefill_attention_bf16`), the softmax in float32.
 - Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
   the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
   about ten operator calls (float32 cache, AVX2; elsewhere phase 2's). In a step of decodes only
@@ -41,13 +43,14 @@ import torch.nn.functional as F
 from phases.p02_paged_kv import AttentionMetadata, PagedAttention
 from phases.p02_paged_kv.paged_attention import decode_attention
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import AVX2_FLAGS, cpu_kind
+from tinyvllm.hardware import AVX2_FLAGS, cpu_kind, has_flags
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 KERNELS = CKernel(Path(__file__).with_name("cpu_attention.c"),
                   ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
                   {"paged_decode_attention": [P] * 10 + [I64] * 7 + [ctypes.c_float],
-                   "causal_prefill_attention": [P] * 5 + [I64] * 9 + [ctypes.c_float]},
+                   "causal_prefill_attention": [P] * 5 + [I64] * 9 + [ctypes.c_float],
+                   "causal_prefill_attention_bf16": [P] * 6 + [I64] * 9 + [ctypes.c_float]},
                   fallback="attention takes PyTorch's path (phase 2's decode_attention, SDPA)")
 PREFILL_KEYS = 64          # keys per tile in causal_prefill_attention (PREFILL_KEYS in the C)
 # where causal_prefill_attention was measured against SDPA, and won (the lab note's tables: an
@@ -57,6 +60,12 @@ PREFILL_KEYS = 64          # keys per tile in causal_prefill_attention (PREFILL_
 # the work by query head (2,000 keys: 0.87 against 0.55 ms at 2 queries, 1.00 against 1.13 at 16)
 PREFILL_KINDS = ("avx2", "avx512_vnni")
 PREFILL_MIN_QUERIES = 16
+# Where the prefill kernel's products run in bfloat16 when the engine's do (setup.bf16_rows): the
+# kinds where it was measured, a CPU with AVX512-BF16's VDPBF16PS (an AVX-512 Zen 4 EPYC, 2,000
+# tokens: 18.0 against 31.3 ms per layer, kernels-prefill-bf16-zen4-avx512.json); not measured
+# on the amx kind (its AMX tiles would be the tool there)
+PREFILL_BF16_KINDS = ("avx512_vnni",)
+BF16_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 # The op SDPA's CPU flash kernel is: (q, k, v, dropout_p, is_causal) -> (out, logsumexp), the
 # second the log of each query's sum of exp(score), which SDPA itself drops. Heads may be grouped.
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -111,11 +120,27 @@ def c_prefill_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             and cpu_kind() in PREFILL_KINDS and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
 
 
-def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def bf16_prefill_runs() -> bool:
+    """The prefill kernel can multiply in bfloat16 here: a CPU kind in PREFILL_BF16_KINDS, with
+    AVX512-BF16, the library built."""
+    return (cpu_kind() in PREFILL_BF16_KINDS and has_flags(BF16_FLAGS)
+            and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
+
+
+def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        bf16: bool = False) -> torch.Tensor:
     """`prefill_attention` in one call of cpu_attention.c, written into out: q, out (Tq, H, d);
-    k, v (Tk, KVH, d), Tk >= Tq, the queries the last Tq of the keys (see c_prefill_runs)."""
+    k, v (Tk, KVH, d), Tk >= Tq, the queries the last Tq of the keys (see c_prefill_runs).
+    bf16: its products in bfloat16 (where `bf16_prefill_runs`; d a multiple of 32)."""
     (tq, h, d), (tk, kvh) = q.shape, k.shape[:2]
-    kt = torch.empty(kvh * -(-tk // PREFILL_KEYS) * PREFILL_KEYS * d)   # the keys transposed, tile by tile
+    size = kvh * -(-tk // PREFILL_KEYS) * PREFILL_KEYS * d
+    if bf16:   # the keys' and the values' bfloat16 pairs, tile by tile
+        kt, vt = torch.empty(size // 2, dtype=torch.int32), torch.empty(size // 2, dtype=torch.int32)
+        (KERNELS.lib or KERNELS.load()).causal_prefill_attention_bf16(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), kt.data_ptr(), vt.data_ptr(), tq, tk, h, kvh,
+            d, q.stride(0), k.stride(0), v.stride(0), out.stride(0), 1 / math.sqrt(d))
+        return out
+    kt = torch.empty(size)   # the keys transposed, tile by tile
     (KERNELS.lib or KERNELS.load()).causal_prefill_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), kt.data_ptr(), tq, tk, h, kvh, d, q.stride(0),
         k.stride(0), v.stride(0), out.stride(0), 1 / math.sqrt(d))
@@ -173,13 +198,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata, c_prefill: bool = True) -> torch.Tensor:
+                        v_cache: torch.Tensor, meta: AttentionMetadata, c_prefill: bool = True,
+                        bf16_prefill: bool = False) -> torch.Tensor:
     """Attention for one step's flat batch on a CPU (the new K/V already written to the cache).
 
     q: (N, H, d); k, v: (N, KVH, d), this step's new keys and values (a prompt with nothing
     cached attends over these directly); k_cache, v_cache: (num_blocks, block_size, KVH, d)
     -> (N, H, d). c_prefill=False keeps every prefill chunk on SDPA (`tinyvllm bench kernels`
-    times both).
+    times both); bf16_prefill: the C prefill kernel's products in bfloat16 (d a multiple of 32).
     """
     block_size = k_cache.shape[1]
     if not meta.prefill_rows:  # only decodes (most steps)
@@ -200,7 +226,7 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
             kb = k_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]   # (L, KVH, d)
             vb = v_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]
         if c_prefill and c_prefill_runs(q[rows], kb, vb, out[rows]):
-            c_prefill_attention(q[rows], kb, vb, out[rows])
+            c_prefill_attention(q[rows], kb, vb, out[rows], bf16_prefill and q.shape[2] % 32 == 0)
         else:
             out[rows] = prefill_attention(q[rows], kb, vb)
     if len(meta.decode_token_idx):
@@ -211,7 +237,12 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
 
 class CpuPagedAttention(PagedAttention):
     """Phase 2's backend (same cache write) with `cpu_paged_attention` for the attending; a step
-    of decodes only is one call of `c_decode_attention` (phase 2's, whole, where it cannot run)."""
+    of decodes only is one call of `c_decode_attention` (phase 2's, whole, where it cannot run).
+    bf16_prefill: prefill chunks' products in bfloat16, where the engine's products are."""
+
+    def __init__(self, cache, meta: AttentionMetadata, bf16_prefill: bool = False):
+        super().__init__(cache, meta)
+        self.bf16_prefill = bf16_prefill
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.meta.prefill_rows:
@@ -221,7 +252,7 @@ class CpuPagedAttention(PagedAttention):
             return super().__call__(layer_idx, q, k, v)
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer_idx)
-        return cpu_paged_attention(q, k, v, k_cache, v_cache, self.meta)
+        return cpu_paged_attention(q, k, v, k_cache, v_cache, self.meta, bf16_prefill=self.bf16_prefill)
 
 
 def attention_row(attention) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ import torch
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p03_continuous_batching import RECIPE as PHASE3
 
-from .cpu_attention import CpuPagedAttention
+from .cpu_attention import CpuPagedAttention, bf16_prefill_runs
 from .triton_backend import TritonPagedAttention
 
 
@@ -64,7 +64,10 @@ def make_attention(setup: EngineSetup, parts: Parts):
     backend = attention_backend(setup)
     if setup.config.batch_invariant or backend == "torch":
         return PHASE3.attention(setup, parts)
-    return partial(TritonPagedAttention if backend == "triton" else CpuPagedAttention, parts.kv_cache)
+    if backend == "triton":
+        return partial(TritonPagedAttention, parts.kv_cache)
+    # prefill's attention in bfloat16 where the engine multiplies in bfloat16 and it was measured
+    return partial(CpuPagedAttention, parts.kv_cache, bf16_prefill=bool(setup.bf16_rows) and bf16_prefill_runs())
 
 
 RECIPE = PHASE3.extend(phase=4, engine_args={"attention_backend"}, checks=(check_backend,),

@@ -125,6 +125,69 @@ def test_the_c_prefill_kernel_gives_the_same_numbers_at_any_chunking():
     assert torch.equal(whole, chunks)
 
 
+BF16_PREFILL = pytest.mark.skipif(not cpu_attention.bf16_prefill_runs(),
+                                  reason="the bfloat16 prefill kernel runs on a CPU kind of PREFILL_BF16_KINDS with AVX512-BF16")
+
+
+def bf16_rounded(*xs):
+    return [x.bfloat16().float() for x in xs]
+
+
+@BF16_PREFILL
+@pytest.mark.parametrize("tq,tk,h,kvh,d", [(16, 16, 9, 3, 64), (70, 70, 9, 3, 64), (130, 300, 9, 3, 64),
+                                           (64, 129, 16, 8, 128), (33, 97, 4, 4, 32), (40, 40, 8, 1, 64)])
+@pytest.mark.parametrize("spread", [1.0, 300.0])
+def test_the_bf16_prefill_kernel_errs_as_bfloat16_operands_do(tq, tk, h, kvh, d, spread):
+    """The prefill kernel with its products in bfloat16, against the attention in float64: finite
+    with scores hundreds apart, and its error no more than twice that of float64 attention over
+    the same q, k, v rounded to bfloat16 (the kernel also rounds each tile's probabilities): what
+    bfloat16 operands cost, and no more. The float32 kernel is 10-100x closer."""
+    g = torch.Generator().manual_seed(tq * tk + d)
+    qkv = torch.randn(tk, h + 2 * kvh, d, generator=g)
+    qkv[:, :h] *= spread
+    q, k, v = qkv[tk - tq:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
+    out = c_prefill_attention(q, k, v, torch.empty_like(q), bf16=True)
+    ref = float64_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    error = (out.double() - ref).abs().max()
+    rounding = (float64_attention(*bf16_rounded(q, k, v)) - ref).abs().max()
+    assert error <= 2 * rounding + 1e-6, (error, rounding)
+    assert (c_prefill_attention(q, k, v, torch.empty_like(q)).double() - ref).abs().max() < error / 10
+
+
+@BF16_PREFILL
+def test_the_bf16_prefill_kernel_gives_the_same_numbers_at_any_chunking():
+    """As the float32 kernel's: tiles from key 0, so a prompt in one call and in three chunks agree
+    bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(300, heads, 64, generator=g) for heads in (9, 3, 3))
+    whole = c_prefill_attention(q, k, v, torch.empty_like(q), bf16=True)
+    chunks = torch.cat([c_prefill_attention(q[a:b], k[:b], v[:b], torch.empty_like(q[a:b]), bf16=True)
+                        for a, b in [(0, 100), (100, 137), (137, 300)]])
+    assert torch.equal(whole, chunks)
+
+
+def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_llm, monkeypatch):
+    """The recipe hands CpuPagedAttention bf16_prefill where the engine multiplies in bfloat16
+    (setup.bf16_rows: dtype="auto" on a kind that does) and the bfloat16 kernel runs; never with
+    dtype="float32"; and cpu_paged_attention passes it to the C prefill kernel."""
+    f32 = make_llm(tiny_model_dir, 4, dtype="float32").llm_engine
+    auto = make_llm(tiny_model_dir, 4).llm_engine
+    meta = _one_step_meta(auto)
+    assert f32.parts.attention(meta).bf16_prefill is False
+    assert auto.parts.attention(meta).bf16_prefill is (bool(auto.setup.bf16_rows) and cpu_attention.bf16_prefill_runs())
+    if not KERNELS.available():
+        return
+    seen = []
+    monkeypatch.setattr(cpu_attention, "c_prefill_attention", lambda q, k, v, out, bf16: seen.append(bf16))
+    meta, k_cache, v_cache, g = make_batch([(20, 20), (20, 20)], 16, 2, 64, torch.float32, "cpu")
+    q, k = torch.randn(40, 6, 64, generator=g), torch.randn(40, 2, 64, generator=g)
+    monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "avx2")
+    for flag in (False, True):
+        cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=flag)
+    assert seen == [False, False, True, True]
+
+
 def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch):
     """cpu_paged_attention's prefill rows, on a CPU kind in PREFILL_KINDS and in float32: a chunk of
     PREFILL_MIN_QUERIES queries or more through cpu_attention.c's prefill kernel, fewer after cached
@@ -132,7 +195,7 @@ def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch
     prompt with nothing cached, in bfloat16, and on any other kind."""
     calls = []
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda q, k, v: calls.append("sdpa") or q.clone())
-    monkeypatch.setattr(cpu_attention, "c_prefill_attention", lambda q, k, v, out: calls.append("c"))
+    monkeypatch.setattr(cpu_attention, "c_prefill_attention", lambda q, k, v, out, bf16: calls.append("c"))
     monkeypatch.setattr(cpu_attention, "c_tail_attention", lambda q, *a: calls.append("tail") or q.clone())
     monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "avx2")
     c, tail = ("c", "tail") if KERNELS.available() else ("sdpa", "sdpa")
