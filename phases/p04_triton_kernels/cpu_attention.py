@@ -62,7 +62,7 @@ PREFILL_KINDS = ("avx2", "avx512_vnni")
 PREFILL_MIN_QUERIES = 16
 # Where the prefill kernel's products run in bfloat16 when the engine's do (setup.bf16_rows): the
 # kinds where it was measured, a CPU with AVX512-BF16's VDPBF16PS (an AVX-512 Zen 4 EPYC, 2,000
-# tokens: 18.0 against 31.3 ms per layer, kernels-prefill-bf16-zen4-avx512.json); not measured
+# tokens: 17.1 against 28.2 ms per layer, kernels-prefill-bf16-zen4-avx512.json); not measured
 # on the amx kind (its AMX tiles would be the tool there)
 PREFILL_BF16_KINDS = ("avx512_vnni",)
 BF16_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})

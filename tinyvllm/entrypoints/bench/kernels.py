@@ -13,6 +13,8 @@ KV heads and head_dim, one layer:
 - `phase3`: phase 3's attention (on a CUDA GPU this is SDPA over the gathered blocks);
 - `cpu`: phase 4's CPU path (cpu_attention.c for the decodes, and for the prefill where it runs);
 - `sdpa`: the same path with every prefill chunk through PyTorch's fused SDPA (prefill rows only);
+- `cpu_bf16`: the same path with the C prefill kernel's products in bfloat16, what `dtype="auto"`
+  runs where it multiplies in bfloat16 (prefill rows only, where that kernel runs);
 - `triton`: phase 4's `unified_attention` (CUDA only: on a CPU Triton runs only in its
   interpreter, far too slow to time, so the row is skipped with that reason).
 
@@ -76,12 +78,16 @@ def _kernels(device: torch.device) -> tuple[dict, str | None]:
     Also why Triton is left out (None: it is in)."""
     from phases.p02_paged_kv import paged_attention
     from phases.p04_triton_kernels import TritonPagedAttention, cpu_paged_attention
+    from phases.p04_triton_kernels.cpu_attention import bf16_prefill_runs
 
     makers = {"phase3": lambda meta: lambda q, k, v, kc, vc: paged_attention(q, kc, vc, meta),
               "cpu": lambda meta: lambda q, k, v, kc, vc: cpu_paged_attention(q, k, v, kc, vc, meta)}
     if device.type != "cuda":
         makers["sdpa"] = lambda meta: lambda q, k, v, kc, vc: cpu_paged_attention(q, k, v, kc, vc, meta,
                                                                                  c_prefill=False)
+        if bf16_prefill_runs():
+            makers["cpu_bf16"] = lambda meta: lambda q, k, v, kc, vc: cpu_paged_attention(q, k, v, kc, vc, meta,
+                                                                                         bf16_prefill=True)
         return makers, ("Triton compiles for CUDA GPUs only; on a CPU it runs in its interpreter "
                         "(TRITON_INTERPRET=1), far too slow to time: see test_p04_kernels.py for its checks")
     from phases.p04_triton_kernels.triton_attention import unified_attention
@@ -119,7 +125,7 @@ def run_kernels(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, de
         nbytes = (2 * batch * context * kv_heads * head_dim + 2 * q.numel()) * elem
         base = None
         for name, make in fns.items():
-            if name == "sdpa" and kind == "decode":   # the decodes' path is cpu's
+            if name in ("sdpa", "cpu_bf16") and kind == "decode":   # the decodes' path is cpu's
                 continue
             s = _best_time(partial(make(meta), q, k, v, kc, vc), device, repeat)
             base = base or s
