@@ -162,11 +162,13 @@ BF16_ONEDNN_KINDS = ("avx512_vnni",)
 # From how many rows a float32 model's products run in bfloat16 when dtype="auto", per CPU kind
 # (`use_bfloat16_products`): the rows rounded to bfloat16, oneDNN's product on a bfloat16 copy of
 # the packed weight, its output made float32 again (what PyTorch's autocast does for a matrix
-# product). The activations, norms, attention and the few-row products (phase 5's codes, up to
-# `LOSSLESS_MAX_ROWS` or one row fewer than these: `Linear.own_rows`) stay float32. On an AVX-512
-# Zen 4 EPYC (avx512_vnni), in one process, 48 requests offline 1.43x, a 2,000-token prompt's
-# first token 1.45x; perplexity over the shipped text 13.540 against 13.539 (lab note 7,
-# accuracy-bf16-products-zen4-avx512.json). From 7 rows there, not 13: the compiled step of 7, 8,
+# product). The activations, norms, decode attention and the few-row products (phase 5's codes, up
+# to `LOSSLESS_MAX_ROWS` or one row fewer than these: `Linear.own_rows`) stay float32; a prompt's
+# attention multiplies in bfloat16 too where phase 4's `PREFILL_BF16_KINDS` names the kind. On an
+# AVX-512 Zen 4 EPYC (avx512_vnni), in one process, 48 requests offline 1.43x, a 2,000-token
+# prompt's first token 1.45x; perplexity over the shipped text 13.540 against 13.539 (lab note 7,
+# accuracy-bf16-products-zen4-avx512.json), 13.546 with the prompt's attention in bfloat16 too
+# (lab note 4, accuracy-bf16-prefill-attention-zen4-avx512.json). From 7 rows there, not 13: the compiled step of 7, 8,
 # 10 and 12 requests 18.9 -> 17.5, 20.9 -> 19.0, 26.9 -> 20.5 and 31.8 -> 23.2 ms against the codes
 # (at 6, 16.4 against 15.8: even; both ways alternating in one process, lab note 7); 48 requests
 # offline, eager, the same (429.5 against 432.3 tok/s, bf16-rows-zen4-avx512.json). On the amx
