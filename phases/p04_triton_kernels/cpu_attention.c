@@ -368,6 +368,10 @@ void causal_prefill_attention(const float *q, const float *k, const float *v, fl
  * (PREFILL_KEYS / 2, d) pairs, both rounded to bfloat16 once per call; the scaled queries and
  * each tile's probabilities p are rounded as they are made. The maxima, the sums and the output
  * stay float32 (the online softmax above, unchanged). */
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && __GNUC__ >= 10)
+/* a compiler that knows AVX512-BF16 (GCC 10, clang 9 on); with an older one the rest of this file
+ * still builds, and `bf16_prefill_built` says 0 (cpu_attention.py then never calls the stub) */
+const int bf16_prefill_built = 1;
 #define BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
 /* x (n floats, n a multiple of 16) to bfloat16, rounded to nearest even, into y */
@@ -469,3 +473,11 @@ BF16_TARGET void causal_prefill_attention_bf16(const float *q, const float *k, c
         }
     }
 }
+#else
+const int bf16_prefill_built = 0;
+void causal_prefill_attention_bf16(const float *q, const float *k, const float *v, float *out, uint32_t *kt,
+                                   uint32_t *vt, int64_t Tq, int64_t Tk, int64_t H, int64_t KVH, int64_t d,
+                                   int64_t qs, int64_t ks, int64_t vs, int64_t os, float scale) {
+    abort();
+}
+#endif

@@ -122,9 +122,11 @@ def c_prefill_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 
 def bf16_prefill_runs() -> bool:
     """The prefill kernel can multiply in bfloat16 here: a CPU kind in PREFILL_BF16_KINDS, with
-    AVX512-BF16, the library built."""
-    return (cpu_kind() in PREFILL_BF16_KINDS and has_flags(BF16_FLAGS)
-            and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
+    AVX512-BF16, the library built by a compiler that knows those instructions."""
+    if cpu_kind() not in PREFILL_BF16_KINDS or not has_flags(BF16_FLAGS):
+        return False
+    lib = KERNELS.lib if KERNELS.tried else KERNELS.load()
+    return lib is not None and ctypes.c_int.in_dll(lib, "bf16_prefill_built").value == 1
 
 
 def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

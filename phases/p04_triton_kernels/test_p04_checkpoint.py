@@ -10,7 +10,10 @@ kernels' checks are in test_p04_kernels.py).
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
+import subprocess
 import types
 
 import pytest
@@ -32,6 +35,7 @@ from phases.p04_triton_kernels.tools.kernel_cases import (
     make_batch,
 )
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.ckernel import CKernel
 
 
 @pytest.mark.parametrize("batch", [MIXED, DECODES, [("bs+3", "bs+3")], [("2*bs+9", 8)], [("3*bs+9", 20)],
@@ -165,6 +169,27 @@ def test_the_bf16_prefill_kernel_gives_the_same_numbers_at_any_chunking():
     chunks = torch.cat([c_prefill_attention(q[a:b], k[:b], v[:b], torch.empty_like(q[a:b]), bf16=True)
                         for a, b in [(0, 100), (100, 137), (137, 300)]])
     assert torch.equal(whole, chunks)
+
+
+def _compiler_is_gcc() -> bool:
+    try:
+        out = subprocess.run([os.environ.get("CC", "cc"), "--version"], capture_output=True, text=True).stdout
+    except OSError:
+        return False
+    return "free software foundation" in out.lower() and "clang" not in out.lower()
+
+
+@pytest.mark.skipif(not KERNELS.available() or not _compiler_is_gcc(), reason="needs GCC and an AVX2 CPU")
+def test_an_older_compiler_builds_the_file_without_the_bf16_kernel(tmp_path):
+    """A compiler older than AVX512-BF16 (GCC before 10, told so here by defining __GNUC__ 9) still
+    builds every other kernel of cpu_attention.c, and the library says the bfloat16 one is not in
+    it: bf16_prefill_runs() reads that flag before it ever calls it."""
+    old = CKernel(KERNELS.source, [*KERNELS.flags, "-U__GNUC__", "-D__GNUC__=9"], KERNELS.needs,
+                  KERNELS.signatures, fallback="-")
+    lib = ctypes.CDLL(str(old.build(tmp_path)))
+    assert ctypes.c_int.in_dll(lib, "bf16_prefill_built").value == 0
+    assert lib.paged_decode_attention and lib.causal_prefill_attention
+    assert ctypes.c_int.in_dll(KERNELS.load(), "bf16_prefill_built").value == 1   # this compiler's
 
 
 def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_llm, monkeypatch):
