@@ -303,6 +303,18 @@ static inline float tile_softmax(float *s, int64_t see, float *top_io, float *su
     return alpha;
 }
 
+/* one row's tile of scores s made probabilities (tile_softmax) and the row's output so far, o (d
+ * floats), rescaled to its new max; a row that sees none of the tile's keys (see <= 0) gets zeros */
+static inline void tile_row(float *s, int64_t see, int64_t n, float *top, float *sum, float *o, int64_t d) {
+    if (see <= 0) {
+        memset(s, 0, PREFILL_KEYS * sizeof(float));
+        return;
+    }
+    __m256 alpha = _mm256_set1_ps(tile_softmax(s, see < n ? see : n, top, sum));
+    for (int64_t i = 0; _mm256_cvtss_f32(alpha) != 1.f && i < d; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(alpha, _mm256_loadu_ps(o + i)));
+}
+
 void causal_prefill_attention(const float *q, const float *k, const float *v, float *out, float *kt, int64_t Tq,
                               int64_t Tk, int64_t H, int64_t KVH, int64_t d, int64_t qs, int64_t ks, int64_t vs,
                               int64_t os, float scale) {
@@ -335,16 +347,8 @@ void causal_prefill_attention(const float *q, const float *k, const float *v, fl
                 const float *tile = kt + (h * tiles + b) * d * BK;
                 for (int64_t r = 0; r < M; r += 6)
                     for (int64_t c = 0; c < BK; c += 16) scores_6x16(qp + r * d, d, tile + c, s + r * BK + c);
-                for (int64_t r = 0; r < M; r++) {
-                    int64_t see = past + t0 + r / G + 1 - j0;   /* the keys of this tile row r sees */
-                    if (r >= rows || see <= 0) {   /* none: the row's p are zeros */
-                        memset(s + r * BK, 0, BK * sizeof(float));
-                        continue;
-                    }
-                    __m256 alpha = _mm256_set1_ps(tile_softmax(s + r * BK, see < n ? see : n, top + r, sum + r));
-                    for (int64_t i = 0; _mm256_cvtss_f32(alpha) != 1.f && i < d; i += 8)   /* o to the new max */
-                        _mm256_storeu_ps(o + r * d + i, _mm256_mul_ps(alpha, _mm256_loadu_ps(o + r * d + i)));
-                }
+                for (int64_t r = 0; r < M; r++)   /* row r sees this tile's first `see` keys */
+                    tile_row(s + r * BK, r < rows ? past + t0 + r / G + 1 - j0 : 0, n, top + r, sum + r, o + r * d, d);
                 for (int64_t r = 0; r < M; r += 6)
                     for (int64_t c = 0; c < d; c += 16)
                         values_6x16(s + r * BK, v + j0 * vs + h * d + c, vs, n, o + r * d + c, d);
@@ -437,13 +441,10 @@ BF16_TARGET void causal_prefill_attention_bf16(const float *q, const float *k, c
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = tasks - 1; task >= 0; task--) {   /* the longest tasks (the last queries') first */
             int64_t h = task % KVH, t0 = task / KVH * BQ, t1 = t0 + BQ < Tq ? t0 + BQ : Tq, rows = (t1 - t0) * G;
-            memset(qp, 0, sizeof(qp));
             memset(o, 0, sizeof(o));
-            for (int64_t r = 0; r < M; r++) {
-                if (r < rows) {
-                    for (int64_t i = 0; i < d; i++) qf[i] = q[(t0 + r / G) * qs + (h * G + r % G) * d + i] * scale;
-                    to_bf16(qf, d, (uint16_t *)(qp + r * d2));
-                }
+            for (int64_t r = 0; r < M; r++) {   /* the scaled queries in bfloat16, zeros past `rows` */
+                for (int64_t i = 0; i < d; i++) qf[i] = r < rows ? q[(t0 + r / G) * qs + (h * G + r % G) * d + i] * scale : 0.f;
+                to_bf16(qf, d, (uint16_t *)(qp + r * d2));
                 top[r] = -INFINITY, sum[r] = 0.f;
             }
             int64_t last = past + t1 - 1;   /* the last query's position: it sees keys 0 .. last */
@@ -452,15 +453,8 @@ BF16_TARGET void causal_prefill_attention_bf16(const float *q, const float *k, c
                 const uint32_t *ktile = kt + (h * tiles + b) * d2 * BK, *vtile = vt + (h * tiles + b) * d2 * BK;
                 for (int64_t r = 0; r < M; r += 6)
                     for (int64_t c = 0; c < BK; c += 32) tile_6x32_bf16(qp + r * d2, d2, ktile + c, BK, d2, s + r * BK + c, BK, 0);
-                for (int64_t r = 0; r < M; r++) {
-                    int64_t see = past + t0 + r / G + 1 - j0;   /* the keys of this tile row r sees */
-                    if (r >= rows || see <= 0) {   /* none: the row's p are zeros */
-                        memset(p + r * BK / 2, 0, BK / 2 * sizeof(uint32_t));
-                        continue;
-                    }
-                    __m256 alpha = _mm256_set1_ps(tile_softmax(s + r * BK, see < n ? see : n, top + r, sum + r));
-                    for (int64_t i = 0; _mm256_cvtss_f32(alpha) != 1.f && i < d; i += 8)   /* o to the new max */
-                        _mm256_storeu_ps(o + r * d + i, _mm256_mul_ps(alpha, _mm256_loadu_ps(o + r * d + i)));
+                for (int64_t r = 0; r < M; r++) {   /* the probabilities, then in bfloat16 */
+                    tile_row(s + r * BK, r < rows ? past + t0 + r / G + 1 - j0 : 0, n, top + r, sum + r, o + r * d, d);
                     to_bf16(s + r * BK, BK, (uint16_t *)(p + r * BK / 2));
                 }
                 for (int64_t r = 0; r < M; r += 6)
