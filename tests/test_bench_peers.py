@@ -109,6 +109,41 @@ def test_the_peer_runs_beside_a_phase_in_one_report(tiny_model_dir, fake_llama):
     assert "llamacpp" in report["ratios"]["output_tok_per_s"]
 
 
+def _state(pid: int) -> str:
+    """A process's state letter from /proc: 'T' while stopped."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+def test_a_peer_is_stopped_while_another_engine_is_timed(tiny_model_dir, fake_llama):
+    """run_bench stops every peer's process group (SIGSTOP) while another engine runs (its warm-up
+    and rounds), lets it run for its own, and leaves it running at the end; closing a stopped peer
+    still ends it."""
+    gguf, _ = fake_llama
+    wl = _workload(tiny_model_dir, "latency", output_len="4", input_len="5")
+    peer = LlamaCppRunner(gguf, sys.executable, max_len=wl.max_request_len)
+
+    class Watching(EngineRunner):
+        seen: list = []
+
+        def run(self, workload, on_tokens=lambda n: None):
+            self.seen.append(_state(peer.proc.pid))
+            return super().run(workload, on_tokens)
+
+    limits = MachineLimits(memory_bandwidth=10e9, matmul_flops=50e9, matmul_dtype="float32",
+                           copy_bytes=0, matmul_size=0)
+    report = run_bench(wl, [Watching(3, str(tiny_model_dir), {}), peer], model_name="tiny", repeat=2,
+                       max_extra_rounds=0, progress=False, limits=limits, log=io.StringIO())
+    assert Watching.seen == ["T"] * 3                       # the warm-up and both rounds
+    assert report["engines"][1]["output_tokens"] == 4      # it ran, resumed, for its own
+    assert _state(peer.proc.pid) != "T" and not peer.paused
+    peer.pause()
+    assert _state(peer.proc.pid) == "T"
+    peer.close()                                           # resumes, then ends it
+    assert peer.proc.poll() == 0
+
+
 def test_a_model_other_than_the_default_needs_its_gguf(tiny_model_dir, capsys):
     with pytest.raises(ValueError, match="--gguf"):
         default_gguf(str(tiny_model_dir))

@@ -221,10 +221,17 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
     results: dict[str, list[RunResult]] = {n: [] for n in names}
     first_ttft: dict[str, float] = {}  # each engine's first request ever: its first-use costs
 
+    def alone(r) -> None:
+        """Stop every other peer (`PeerRunner.pause`) while `r` is timed; a peer resumes to run."""
+        for other in runners:
+            if other is not r and hasattr(other, "pause"):
+                other.pause()
+
     def run_round(k: int, wl: Workload, name: str) -> None:
         order = runners[k % len(runners):] + runners[:k % len(runners)]
         for r in order:
             bar.set_description(f"{name} {r.name}")
+            alone(r)
             res = r.run(wl, bar.update)
             results[r.name].append(res)
             first_ttft.setdefault(r.name, res.ttft_s[0])
@@ -237,10 +244,12 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
         if warmup:
             for r in runners:
                 bar.set_description(f"warm-up {r.name}")
+                alone(r)
                 first_ttft[r.name] = r.run(warm, bar.update).ttft_s[0]
         for r in runners:
             if hasattr(r, "wait_until_compiled"):
                 bar.set_description(f"compiling {r.name}")
+                alone(r)
                 compile_wait[r.name] = r.wait_until_compiled(1 if workload.sequential else None)
         for k, wl in enumerate(rounds):
             run_round(k, wl, f"round {k + 1}/{repeat}")
@@ -252,6 +261,9 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
             extra += 1
     finally:
         bar.close()
+        for r in runners:   # the peers run again for whoever uses them next
+            if hasattr(r, "resume"):
+                r.resume()
 
     context = mean_decode_context(workload)
     model_config = runners[0].engine.model_config  # every runner runs the same model

@@ -14,6 +14,10 @@ answers one JSON line per run:
 since the run began; the runner turns them into the same `RunResult` as the phases'. Every peer
 gets exactly the workload's prompt token ids, decodes greedily, and runs each request to its
 max_tokens (end-of-sequence ignored), as the phases do.
+
+A worker runs in a process group of its own, and the bench stops that group (`pause`, SIGSTOP)
+while another engine is timed: an idle engine is not always quiet (vLLM's processes wake on
+their own), and on a machine of two cores each wake-up takes a core from the engine being timed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -88,8 +93,12 @@ class PeerRunner:
 
     def __init__(self, name: str, python: str, worker: str, args: list[str], env: dict | None = None):
         self.name = self.kind = name
+        # a session and process group of its own, the worker's engine processes in it: what
+        # `pause` stops (the worker ends when its stdin closes, with this process)
         self.proc = subprocess.Popen([python, str(WORKERS / worker), *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env or dict(os.environ))
+                                     stdout=subprocess.PIPE, text=True, env=env or dict(os.environ),
+                                     start_new_session=True)
+        self.paused = False
         ready = self._read()
         if "ready" not in ready:
             raise RuntimeError(f"{name} worker: expected 'ready', got {ready}")
@@ -104,6 +113,7 @@ class PeerRunner:
         return json.loads(line)
 
     def run(self, workload: Workload, on_tokens: OnTokens = lambda n: None) -> RunResult:
+        self.resume()
         reqs = workload.requests
         job = {"requests": [[list(r.prompt_token_ids), r.max_tokens] for r in reqs],
                "sequential": workload.sequential}
@@ -124,7 +134,24 @@ class PeerRunner:
                          output_tokens=sum(counts), ttft_s=ttfts, tpot_s=tpots,
                          peak_memory_bytes=res["max_rss_bytes"])
 
+    def pause(self) -> None:
+        """Stop the worker's process group (SIGSTOP) while another engine is timed; returns once
+        the worker has stopped (a signal is delivered soon after it is sent, not at once)."""
+        if not self.paused and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+            _, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+            if not os.WIFSTOPPED(status):   # it ended instead: keep what Popen would have read
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+
+    def resume(self) -> None:
+        if self.paused:
+            self.paused = False
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+
     def close(self) -> None:
+        self.resume()
         if self.proc.poll() is None:
             self.proc.stdin.close()
             self.proc.wait(60)
