@@ -202,8 +202,16 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
     check_fits(workload, runners)
     device, dtype = runners[0].engine.device, runners[0].engine.dtype  # where the engines run
     load_before = load_average()
+
+    def alone(r) -> None:
+        """Stop every other peer (`PeerRunner.pause`) while `r` is timed; a peer resumes to run."""
+        for other in runners:
+            if other is not r and hasattr(other, "pause"):
+                other.pause()
+
     if limits is None:
         log.write("measuring the machine's limits (memory bandwidth, matmul rate)...\n")
+        alone(None)   # every peer stopped
         limits = measure_limits(device, dtype)
 
     seed = workload.params.get("seed", 0)
@@ -220,12 +228,6 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
                disable=not (progress and log.isatty()))
     results: dict[str, list[RunResult]] = {n: [] for n in names}
     first_ttft: dict[str, float] = {}  # each engine's first request ever: its first-use costs
-
-    def alone(r) -> None:
-        """Stop every other peer (`PeerRunner.pause`) while `r` is timed; a peer resumes to run."""
-        for other in runners:
-            if other is not r and hasattr(other, "pause"):
-                other.pause()
 
     def run_round(k: int, wl: Workload, name: str) -> None:
         order = runners[k % len(runners):] + runners[:k % len(runners)]
