@@ -173,10 +173,10 @@ BF16_ONEDNN_KINDS = ("avx512_vnni",)
 # 31.8 -> 23.2 ms against the codes (at 6, 16.4 against 15.8: even; both ways alternating in one
 # process, lab note 7); 48 requests offline, eager, the same (429.5 against 432.3 tok/s,
 # bf16-rows-zen4-avx512.json). On the amx kind (the Xeon above), where AMX multiplies bfloat16
-# tiles: the products 37.1 ms against the codes' 49.3 at 12 rows, 46.8 against float32's 97.2 at 64 (linear-codes-xeon-amx.txt); 48
-# requests offline 1.68x, a 2,000-token prompt's first token 1.43x (`python -m
-# phases.p07_cuda_graphs.tools.bf16_rows --rows 9`, bf16-rows-xeon-amx.json). Nothing to gain
-# without bfloat16 arithmetic (avx2).
+# tiles: the products 37.1 ms against the codes' 49.3 at 12 rows, 46.8 against float32's 97.2 at
+# 64 (linear-codes-xeon-amx.txt); 48 requests offline 1.68x, a 2,000-token prompt's first token
+# 1.43x (`python -m phases.p07_cuda_graphs.tools.bf16_rows --rows 9`, bf16-rows-xeon-amx.json).
+# Nothing to gain without bfloat16 arithmetic (avx2).
 BF16_PRODUCT_ROWS = {"avx512_vnni": 7, "amx": 9}
 
 

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from phases.p02_paged_kv import AttentionMetadata, PagedAttention
 from phases.p02_paged_kv.paged_attention import decode_attention
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import AVX2_FLAGS, cpu_kind, has_flags
+from tinyvllm.hardware import AVX2_FLAGS, AVX512_BF16_FLAGS, cpu_kind, has_flags
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 KERNELS = CKernel(Path(__file__).with_name("cpu_attention.c"),
@@ -65,7 +65,6 @@ PREFILL_MIN_QUERIES = 16
 # tokens: 17.1 against 28.2 ms per layer, kernels-prefill-bf16-zen4-avx512.json); not measured
 # on the amx kind (its AMX tiles would be the tool there)
 PREFILL_BF16_KINDS = ("avx512_vnni",)
-BF16_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})
 # The op SDPA's CPU flash kernel is: (q, k, v, dropout_p, is_causal) -> (out, logsumexp), the
 # second the log of each query's sum of exp(score), which SDPA itself drops. Heads may be grouped.
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -123,7 +122,7 @@ def c_prefill_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 def bf16_prefill_runs() -> bool:
     """The prefill kernel can multiply in bfloat16 here: a CPU kind in PREFILL_BF16_KINDS, with
     AVX512-BF16, the library built by a compiler that knows those instructions."""
-    if cpu_kind() not in PREFILL_BF16_KINDS or not has_flags(BF16_FLAGS):
+    if cpu_kind() not in PREFILL_BF16_KINDS or not has_flags(AVX512_BF16_FLAGS):
         return False
     lib = KERNELS.lib if KERNELS.tried else KERNELS.load()
     return lib is not None and ctypes.c_int.in_dll(lib, "bf16_prefill_built").value == 1
