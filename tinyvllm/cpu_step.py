@@ -82,9 +82,6 @@ class CStep:
     def serves(self, rows: int) -> bool:
         return 0 < rows <= self.max_rows
 
-    def __bool__(self) -> bool:   # serves any step
-        return self.max_rows > 0
-
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  attention: torch.Tensor | None) -> torch.Tensor | None:
         if not self.serves(n := len(input_ids)):

@@ -242,8 +242,7 @@ class CpuPagedAttention(PagedAttention):
     bf16_prefill: prefill chunks' products in bfloat16, where the engine's products are."""
 
     def __init__(self, cache, meta: AttentionMetadata, bf16_prefill: bool = False):
-        super().__init__(cache, meta)
-        self.bf16_prefill = bf16_prefill
+        self.cache, self.meta, self.bf16_prefill = cache, meta, bf16_prefill   # (phase 2's, and one more)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.meta.prefill_rows:

@@ -124,7 +124,8 @@ class DecodeRunner:
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, fixed_shapes: bool = False):
         self.model, self.buf, self.attention, self.fixed_shapes = model, buffers, attention, fixed_shapes
         self.model_forward = partial(decode_forward, model) if fused_model(model) else model
-        self.c_step = CStep(model, layer_row) if buffers.input_ids.is_cpu else None   # the layers in one C call
+        c_step = CStep(model, layer_row) if buffers.input_ids.is_cpu else None   # the layers in one C call
+        self.c_step = c_step if c_step is not None and c_step.max_rows else None   # None: it serves no step
 
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
         """The forward on the first `bucket` rows of `buf` (the runner's own buffers unless given):

@@ -285,7 +285,7 @@ def test_a_compiled_step_multiplies_many_rows_in_bfloat16_from_cpp(tiny_codes_di
     if quantization is None:
         weights, rows = runner.native_layers.packed
         assert rows == [5] * len(runner.opaque_layers) and all(w.is_mkldnn for w in weights)
-        assert (runner.native_layers[:, -1] == 5).all() and runner.c_step.max_rows in (0, 4)
+        assert (runner.native_layers[:, -1] == 5).all() and getattr(runner.c_step, "max_rows", 0) in (0, 4)
     else:
         assert runner.native_layers.packed is None
     calls = []
