@@ -21,8 +21,10 @@ kernels. What it changes from phase 2's `paged_attention`:
   faster than SDPA at every prompt length measured (the lab note's table); fewer queries after
   cached tokens (a speculative verify) through its decode kernel, a row per query, over the
   block table in place (`c_tail_attention`). Where the engine multiplies in bfloat16
-  (`dtype="auto"` on a CPU kind in `PREFILL_BF16_KINDS` with AVX512-BF16), the same loop's two
-  products run in bfloat16 (`causal_prefill_attention_bf16`), the softmax in float32.
+  (`dtype="auto"` on a CPU kind in `PREFILL_BF16_KINDS`), so do a prompt's attention products:
+  the same loop's (`causal_prefill_attention_bf16`, AVX512-BF16) where the kind's prefill is the
+  C kernel's, else SDPA's over bfloat16 copies (oneDNN's tiles: AMX's on the Xeon); the softmax
+  stays float32.
 - Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
   the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
   about ten operator calls (float32 cache, AVX2; elsewhere phase 2's). In a step of decodes only
@@ -60,11 +62,13 @@ PREFILL_KEYS = 64          # keys per tile in causal_prefill_attention (PREFILL_
 # the work by query head (2,000 keys: 0.87 against 0.55 ms at 2 queries, 1.00 against 1.13 at 16)
 PREFILL_KINDS = ("avx2", "avx512_vnni")
 PREFILL_MIN_QUERIES = 16
-# Where the prefill kernel's products run in bfloat16 when the engine's do (setup.bf16_rows): the
-# kinds where it was measured, a CPU with AVX512-BF16's VDPBF16PS (an AVX-512 Zen 4 EPYC, 2,000
-# tokens: 17.1 against 28.2 ms per layer, kernels-prefill-bf16-zen4-avx512.json); not measured
-# on the amx kind (its AMX tiles would be the tool there)
-PREFILL_BF16_KINDS = ("avx512_vnni",)
+# Where a prompt's attention products run in bfloat16 when the engine's do (setup.bf16_rows), the
+# kinds where it was measured: the C kernel's with AVX512-BF16's VDPBF16PS on an AVX-512 Zen 4
+# EPYC (2,000 tokens 17.1 against 28.2 ms a layer, kernels-prefill-bf16-zen4-avx512.json); SDPA's
+# over bfloat16 copies on the amx kind, not in PREFILL_KINDS, where PyTorch's flash kernel runs
+# them on AMX tiles (a Xeon: 9.9 against SDPA's float32 26.6 ms, kernels-prefill-bf16-xeon-amx.json;
+# the C kernel's bfloat16 loop there 35.4, lab note 4)
+PREFILL_BF16_KINDS = ("avx512_vnni", "amx")
 # The op SDPA's CPU flash kernel is: (q, k, v, dropout_p, is_causal) -> (out, logsumexp), the
 # second the log of each query's sum of exp(score), which SDPA itself drops. Heads may be grouped.
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -119,13 +123,18 @@ def c_prefill_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
             and cpu_kind() in PREFILL_KINDS and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
 
 
-def bf16_prefill_runs() -> bool:
-    """The prefill kernel can multiply in bfloat16 here: a CPU kind in PREFILL_BF16_KINDS, with
-    AVX512-BF16, the library built by a compiler that knows those instructions."""
-    if cpu_kind() not in PREFILL_BF16_KINDS or not has_flags(AVX512_BF16_FLAGS):
-        return False
-    lib = KERNELS.lib if KERNELS.tried else KERNELS.load()
+def c_bf16_built() -> bool:
+    """The C prefill kernel's bfloat16 loop can run here: AVX512-BF16, and the library built by a
+    compiler that knows those instructions."""
+    lib = (KERNELS.lib if KERNELS.tried else KERNELS.load()) if has_flags(AVX512_BF16_FLAGS) else None
     return lib is not None and ctypes.c_int.in_dll(lib, "bf16_prefill_built").value == 1
+
+
+def bf16_prefill_runs() -> bool:
+    """A prompt's attention can multiply in bfloat16 here: a CPU kind in PREFILL_BF16_KINDS,
+    through the C kernel where the kind's prefill is its (PREFILL_KINDS), SDPA's elsewhere."""
+    kind = cpu_kind()
+    return kind in PREFILL_BF16_KINDS and (kind not in PREFILL_KINDS or c_bf16_built())
 
 
 def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -206,7 +215,8 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     q: (N, H, d); k, v: (N, KVH, d), this step's new keys and values (a prompt with nothing
     cached attends over these directly); k_cache, v_cache: (num_blocks, block_size, KVH, d)
     -> (N, H, d). c_prefill=False keeps every prefill chunk on SDPA (`tinyvllm bench kernels`
-    times both); bf16_prefill: the C prefill kernel's products in bfloat16 (d a multiple of 32).
+    times both); bf16_prefill: the prefill chunks' products in bfloat16, the C kernel's (d a
+    multiple of 32), or SDPA's on a kind whose prefill is not the C kernel's.
     """
     block_size = k_cache.shape[1]
     if not meta.prefill_rows:  # only decodes (most steps)
@@ -228,6 +238,8 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
             vb = v_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]
         if c_prefill and c_prefill_runs(q[rows], kb, vb, out[rows]):
             c_prefill_attention(q[rows], kb, vb, out[rows], bf16_prefill and q.shape[2] % 32 == 0)
+        elif bf16_prefill and cpu_kind() not in PREFILL_KINDS:   # SDPA's products on bfloat16 copies
+            out[rows] = prefill_attention(*(x.to(torch.bfloat16) for x in (q[rows], kb, vb)))
         else:
             out[rows] = prefill_attention(q[rows], kb, vb)
     if len(meta.decode_token_idx):

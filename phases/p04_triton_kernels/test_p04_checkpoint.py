@@ -129,34 +129,45 @@ def test_the_c_prefill_kernel_gives_the_same_numbers_at_any_chunking():
     assert torch.equal(whole, chunks)
 
 
-BF16_PREFILL = pytest.mark.skipif(not cpu_attention.bf16_prefill_runs(),
-                                  reason="the bfloat16 prefill kernel runs on a CPU kind of PREFILL_BF16_KINDS with AVX512-BF16")
+BF16_PREFILL = pytest.mark.skipif(not cpu_attention.c_bf16_built(),
+                                  reason="the C prefill kernel's bfloat16 loop needs AVX512-BF16")
 
 
 def bf16_rounded(*xs):
     return [x.bfloat16().float() for x in xs]
 
 
-@BF16_PREFILL
+def c_bf16_way(q, k, v, bf16=True):
+    if not cpu_attention.c_bf16_built():
+        pytest.skip("the C prefill kernel's bfloat16 loop needs AVX512-BF16")
+    return c_prefill_attention(q, k, v, torch.empty_like(q), bf16=bf16)
+
+
+def sdpa_bf16_way(q, k, v, bf16=True):   # what cpu_paged_attention runs on a kind outside PREFILL_KINDS
+    return prefill_attention(*(x.bfloat16() if bf16 else x for x in (q, k, v))).float()
+
+
+@pytest.mark.parametrize("way", [c_bf16_way, sdpa_bf16_way], ids=["c", "sdpa"])
 @pytest.mark.parametrize("tq,tk,h,kvh,d", [(16, 16, 9, 3, 64), (70, 70, 9, 3, 64), (130, 300, 9, 3, 64),
                                            (64, 129, 16, 8, 128), (33, 97, 4, 4, 32), (40, 40, 8, 1, 64)])
 @pytest.mark.parametrize("spread", [1.0, 300.0])
-def test_the_bf16_prefill_kernel_errs_as_bfloat16_operands_do(tq, tk, h, kvh, d, spread):
-    """The prefill kernel with its products in bfloat16, against the attention in float64: finite
-    with scores hundreds apart, and its error no more than twice that of float64 attention over
-    the same q, k, v rounded to bfloat16 (the kernel also rounds each tile's probabilities): what
-    bfloat16 operands cost, and no more. The float32 kernel is 10-100x closer."""
+def test_the_bf16_prefill_kernel_errs_as_bfloat16_operands_do(way, tq, tk, h, kvh, d, spread):
+    """A prompt's attention with its products in bfloat16 (the C kernel's loop, or SDPA's over
+    bfloat16 copies), against the attention in float64: finite with scores hundreds apart, and its
+    error no more than twice that of float64 attention over the same q, k, v rounded to bfloat16
+    (the kernels also round each tile's probabilities): what bfloat16 operands cost, and no more.
+    The same way in float32 is 10-100x closer."""
     g = torch.Generator().manual_seed(tq * tk + d)
     qkv = torch.randn(tk, h + 2 * kvh, d, generator=g)
     qkv[:, :h] *= spread
     q, k, v = qkv[tk - tq:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
-    out = c_prefill_attention(q, k, v, torch.empty_like(q), bf16=True)
+    out = way(q, k, v)
     ref = float64_attention(q, k, v)
     assert torch.isfinite(out).all()
     error = (out.double() - ref).abs().max()
     rounding = (float64_attention(*bf16_rounded(q, k, v)) - ref).abs().max()
     assert error <= 2 * rounding + 1e-6, (error, rounding)
-    assert (c_prefill_attention(q, k, v, torch.empty_like(q)).double() - ref).abs().max() < error / 10
+    assert (way(q, k, v, bf16=False).double() - ref).abs().max() < error / 10
 
 
 @BF16_PREFILL
@@ -195,7 +206,8 @@ def test_an_older_compiler_builds_the_file_without_the_bf16_kernel(tmp_path):
 def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_llm, monkeypatch):
     """The recipe hands CpuPagedAttention bf16_prefill where the engine multiplies in bfloat16
     (setup.bf16_rows: dtype="auto" on a kind that does) and the bfloat16 kernel runs; never with
-    dtype="float32"; and cpu_paged_attention passes it to the C prefill kernel."""
+    dtype="float32"; and cpu_paged_attention passes it to the C prefill kernel, or hands SDPA
+    bfloat16 copies on a kind whose prefill is not the C kernel's."""
     f32 = make_llm(tiny_model_dir, 4, dtype="float32").llm_engine
     auto = make_llm(tiny_model_dir, 4).llm_engine
     meta = _one_step_meta(auto)
@@ -211,6 +223,12 @@ def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_l
     for flag in (False, True):
         cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=flag)
     assert seen == [False, False, True, True]
+    sdpa = []
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda q, k, v: sdpa.append(q.dtype) or q)
+    monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "amx")
+    for flag in (False, True):
+        cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=flag)
+    assert seen == [False, False, True, True] and sdpa == [torch.float32] * 2 + [torch.bfloat16] * 2
 
 
 def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch):
