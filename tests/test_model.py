@@ -260,6 +260,41 @@ def test_bfloat16_products_reach_every_layer_an_engine_runs(tiny_codes_dir, monk
         LLM(str(tiny_codes_dir), phase=7, num_kv_blocks=16)
 
 
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 64, 65, 130])
+def test_the_amx_product_sums_bfloat16_operands_in_float32(rows):
+    """cpu_amx.c (the amx kind's bfloat16 products, up to AMX_PRODUCT_ROWS rows): x and the
+    weight rounded to bfloat16, their products summed in float32 and returned unrounded, the bias
+    added; past 64 rows in a second pass over the weight; a weight changed in place packed again.
+    Outputs not a multiple of 16, or inputs of 32, are not its (they take oneDNN's)."""
+    from tinyvllm.model import amx_matmul, amx_rows
+
+    torch.manual_seed(rows)
+    w, bias, x = torch.randn(96, 320), torch.randn(96), torch.randn(rows, 320)
+    if not amx_rows(w):
+        pytest.skip("cpu_amx.c runs on the amx kind (AMX tiles, AVX512-BF16)")
+    exact = x.bfloat16().double() @ w.bfloat16().double().T
+    torch.testing.assert_close(amx_matmul(x, w, bias).double(), exact + bias.double(), rtol=1e-5, atol=1e-4)
+    w.mul_(2)
+    torch.testing.assert_close(amx_matmul(x, w, None).double(), 2 * exact, rtol=1e-5, atol=1e-4)
+    assert amx_rows(torch.randn(40, 320)) == amx_rows(torch.randn(96, 100)) == 0
+
+
+def test_bfloat16_products_take_the_amx_kernel_up_to_its_rows(monkeypatch):
+    """A float32 product of `bf16_rows` rows or more runs on cpu_amx.c up to `amx_rows(weight)`
+    rows (AMX_PRODUCT_ROWS), on oneDNN's bfloat16 product past them, in float32 below bf16_rows."""
+    from tinyvllm import model
+
+    if not model.onednn_available():
+        pytest.skip("no oneDNN on this CPU")
+    calls = []
+    monkeypatch.setattr(model, "amx_rows", lambda w: 64)
+    monkeypatch.setattr(model, "amx_matmul", lambda x, w, b: calls.append(("amx", len(x))) or x.new_zeros(len(x), 16))
+    monkeypatch.setattr(model, "onednn_bf16", lambda x, w, b: calls.append(("onednn", len(x))) or x.new_zeros(len(x), 16))
+    for n in (8, 9, 64, 65):
+        assert model.onednn_matmul(torch.randn(n, 32), torch.randn(16, 32), None, bf16_rows=9).shape == (n, 16)
+    assert calls == [("amx", 9), ("amx", 64), ("onednn", 65)]
+
+
 def test_the_products_tool_times_each_way_with_bfloat16_beside_float32(tiny_codes_dir, capsys):
     """`python -m tinyvllm.entrypoints.bench.linear`: a column per way a float32 `Linear` can
     take, the bfloat16 product (`BF16_PRODUCT_ROWS`) and the codes among them, a line per row count."""

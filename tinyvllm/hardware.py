@@ -94,6 +94,7 @@ def cpu_microarchitecture() -> str:
 
 AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
 AVX512_BF16_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"})   # VDPBF16PS, VCVTNEPS2BF16
+AMX_BF16_FLAGS = AVX512_BF16_FLAGS | {"amx_tile", "amx_bf16"}   # TDPBF16PS on AMX tiles (tinyvllm/cpu_amx.c)
 AVX2_FLAGS = frozenset({"avx2", "fma"})
 # the flags a report records: what decides which kernel runs
 REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import math
 import platform
+import warnings
 from pathlib import Path
 from typing import Protocol
 
@@ -30,7 +31,7 @@ from torch import nn
 
 from tinyvllm.ckernel import CKernel
 from tinyvllm.config import ModelConfig
-from tinyvllm.hardware import AVX2_FLAGS, cpu_kind, cpu_vendor
+from tinyvllm.hardware import AMX_BF16_FLAGS, AVX2_FLAGS, cpu_kind, cpu_vendor
 
 
 class AttentionBackend(Protocol):
@@ -342,34 +343,100 @@ def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                   bf16_rows: int = 0) -> torch.Tensor:
     """x (N, I) @ weight (O, I)^T + bias in oneDNN on the packed weight; a float32 x of at least
     `bf16_rows` rows (0: never) in bfloat16, on the weight's packed bfloat16 copy, the output
-    float32 (the bias added in float32)."""
+    float32 (the bias added in float32); up to `amx_rows(weight)` rows, that product is
+    cpu_amx.c's instead."""
     if 0 < bf16_rows <= x.shape[0] and x.dtype == torch.float32:
-        w = onednn_packed(weight, torch.bfloat16)
-        y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w, None, "none", [], "").float()
-        return y if bias is None else y.add_(bias)
+        return (amx_matmul if x.shape[0] <= amx_rows(weight) else onednn_bf16)(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, onednn_packed(weight), bias, "none", [], "")
 
 
-def bfloat16_weights(layers: list[nn.Module]) -> tuple[list[torch.Tensor], list[int]] | None:
+def onednn_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (N, I) float32 rounded to bfloat16 @ the weight's packed bfloat16 copy in oneDNN, the
+    output (rounded to bfloat16 by oneDNN) made float32 again, the bias added in float32."""
+    y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), onednn_packed(weight, torch.bfloat16), None, "none", [], "")
+    return y.float() if bias is None else y.float().add_(bias)
+
+
+def bfloat16_weights(layers: list[nn.Module]) -> tuple | None:
     """For a C++ caller of `layers` (phase 7's cpu_ops.cpp): each `Linear`'s weight packed in
-    bfloat16 and its `bf16_rows` (an empty tensor and 0 for another layer, or one without);
-    None where no layer has any."""
+    bfloat16 and its `bf16_rows` (an empty tensor and 0 for another layer, or one without), its
+    AMX copy where cpu_amx.c takes its rows (else empty), that function's address and up to how
+    many rows it serves (0: none); None where no layer has any."""
     rows = [m.bf16_rows if isinstance(m, Linear) else 0 for m in layers]
     if not any(rows):
         return None
-    return [onednn_packed(m.weight, torch.bfloat16) if r else torch.empty(0) for m, r in zip(layers, rows)], rows
+    amx = [amx_packed(m.weight) if r and amx_rows(m.weight) else torch.empty(0) for m, r in zip(layers, rows)]
+    most = max(amx_rows(m.weight) if r else 0 for m, r in zip(layers, rows))
+    return ([onednn_packed(m.weight, torch.bfloat16) if r else torch.empty(0) for m, r in zip(layers, rows)], rows,
+            amx, AMX.address("amx_linear") if most else 0, most)
 
 
 def onednn_packed(w: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """`w` (made `dtype` first, where given) in oneDNN's blocked layout, made at the first call
     and kept on the tensor itself until `w` changes."""
     dtype = dtype or w.dtype
-    key, name = (w.data_ptr(), w.dtype, w._version if not w.is_inference() else None), f"_onednn_packed_{dtype}"
+    return kept(w, f"_onednn_packed_{dtype}", lambda: torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype)))
+
+
+def kept(w: torch.Tensor, name: str, make) -> torch.Tensor:
+    """make(), kept on the tensor `w` as `name` from its first call until `w` changes."""
+    key = (w.data_ptr(), w.dtype, w._version if not w.is_inference() else None)
     cached = getattr(w, name, None)
     if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype)))
+        cached = (key, make())
         setattr(w, name, cached)
     return cached[1]
+
+
+# Up to how many rows a float32 model's bfloat16 products (`bf16_rows`) run on tinyvllm's own AMX
+# kernel (cpu_amx.c) instead of oneDNN's, per CPU kind. At a decode step's rows the product is
+# bound by reading the weights, which oneDNN does at about 10 GB/s on a 2-core Xeon VM (amx): the
+# default model's 211 products at 1, 16, 48, 128 and 256 rows took 18.7, 21.2, 31.0, 58.1 and
+# 116.1 ms on cpu_amx.c against oneDNN's 31.4, 35.6, 45.1, 64.1 and 126.4 (`python -m
+# tinyvllm.entrypoints.bench.linear`, linear-amx-xeon-amx.txt). With its projections fused (30
+# layers of four products, random weights, a /tmp script) 128 rows were even (74.7 against 73.7)
+# and from 512 oneDNN's won (164 against 182 ms; 2,000 rows 447 against 760): a prompt's products
+# use oneDNN's tiles better than this one-pass loop does.
+AMX_PRODUCT_ROWS = {"amx": 128}
+AMX = CKernel(Path(__file__).with_name("cpu_amx.c"), ["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
+              "-fopenmp", "-shared", "-fPIC"], AMX_BF16_FLAGS,
+              {"amx_pack": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
+               "amx_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3},
+              fallback="bfloat16 products stay oneDNN's")
+
+
+def amx_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows a bfloat16 product on this float32 weight runs on cpu_amx.c (0: not
+    here): a kind `AMX_PRODUCT_ROWS` names, outputs a multiple of 16 and inputs of 32, the
+    library built and Linux's leave to use the tiles (asked once)."""
+    rows = AMX_PRODUCT_ROWS.get(cpu_kind(), 0)
+    if not rows or weight.shape[0] % 16 or weight.shape[1] % 32 or weight.dtype != torch.float32 or not weight.is_cpu:
+        return 0
+    if not AMX.tried:
+        lib = AMX.load()
+        if lib is not None and lib.amx_permit() != 0:
+            warnings.warn("tinyvllm: Linux refused the AMX tile state; bfloat16 products stay oneDNN's")
+            AMX.lib = None
+    return rows if AMX.lib is not None else 0
+
+
+def amx_packed(w: torch.Tensor) -> torch.Tensor:
+    """`w` (O, I) float32 as cpu_amx.c's bfloat16 tiles, kept on the tensor (`kept`)."""
+    def pack():
+        out = torch.empty(w.numel(), dtype=torch.int16)
+        AMX.lib.amx_pack(w.detach().contiguous().data_ptr(), out.data_ptr(), *w.shape)
+        return out
+    return kept(w, "_amx_packed", pack)
+
+
+def amx_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (M, I) @ weight (O, I)^T + bias in cpu_amx.c: x rounded to bfloat16, the weight's AMX
+    copy, the sums and the output float32 (where `amx_rows(weight)`)."""
+    x, (o, i) = x.contiguous(), weight.shape
+    y, xb = torch.empty(x.shape[0], o), torch.empty(64 * i, dtype=torch.int16)
+    AMX.lib.amx_linear(x.data_ptr(), amx_packed(weight).data_ptr(), None if bias is None else bias.data_ptr(),
+                       y.data_ptr(), xb.data_ptr(), x.shape[0], o, i)
+    return y
 
 
 # oneDNN's product with a packed weight, for a graph torch.compile builds: inductor cannot lower

@@ -165,7 +165,7 @@ def use_step(layers: torch.Tensor | None, attention=None) -> None:
         _STEP.row = row = None if layers is None else attention_row(attention)   # alive while read
         NATIVE.lib.use_step(None if layers is None else layers.data_ptr(), 0 if layers is None else len(layers),
                             None if row is None else row.data_ptr())
-        torch.ops.tinyvllm.use_packed(*(getattr(layers, "packed", None) or ([], [])))   # bfloat16 weights
+        torch.ops.tinyvllm.use_packed(*(getattr(layers, "packed", None) or ([], [], [], 0, 0)))   # bfloat16 weights
 
 
 def use_inductor_cache() -> None:

@@ -12,8 +12,9 @@
  * table) goes to the Python kernel, registered as the *_eager twin of each operator.
  *
  * A layer whose many rows multiply in bfloat16 (tinyvllm.model's `Linear.bf16_rows`) runs them
- * here too, through oneDNN's operator on the weight's packed bfloat16 copy (use_packed hands
- * them over with the step), as `onednn_matmul` does from Python.
+ * here too, through oneDNN's operator on the weight's packed bfloat16 copy, or up to a few dozen
+ * rows through tinyvllm/cpu_amx.c on its AMX copy where that runs (use_packed hands them over
+ * with the step), as `onednn_matmul` does from Python.
  *
  * Built by tinyvllm.ckernel with PyTorch's headers (about 15 s, once per machine). */
 #include <ATen/ATen.h>
@@ -33,6 +34,8 @@ using Int8Fn = void (*)(const float *, const int8_t *, const float *, float *, i
 using F32Fn = void (*)(const float *, const float *, float *, int64_t, int64_t, int64_t);  /* tinyvllm/cpu_gemv.c */
 using LosslessFn = void (*)(const float *, const uint8_t *, const float *, const float *, float *, int64_t, int64_t,
                            int64_t, int64_t);  /* phase 5's cpu_lossless.c */
+using AmxFn = void (*)(const float *, const uint16_t *, const float *, float *, uint16_t *, int64_t, int64_t,
+                      int64_t);  /* tinyvllm/cpu_amx.c */
 using AttentionFn = void (*)(const float *, const float *, const float *, float *, float *, const int64_t *,
                              const int64_t *, const int64_t *, float *, float *, int64_t, int64_t, int64_t,
                              int64_t, int64_t, int64_t, int64_t, float);
@@ -52,6 +55,10 @@ static thread_local Step step;                 /* this thread's step: a backgrou
 /* each layer's bfloat16 weight in oneDNN's layout and the rows from which it serves (0: never) */
 static thread_local std::vector<at::Tensor> packed;
 static thread_local std::vector<int64_t> packed_from;
+/* each layer's AMX copy (empty: none), cpu_amx.c's product and up to how many rows it serves */
+static thread_local std::vector<at::Tensor> amx;
+static thread_local AmxFn amx_fn = nullptr;
+static thread_local int64_t amx_rows = 0;
 static thread_local std::vector<float> space;  /* scratch, reused from call to call */
 static const int64_t CONVERT_GRAIN = 32768;   /* values a thread converts at least (ATen's grain) */
 
@@ -64,9 +71,13 @@ extern "C" void use_step(const int64_t *layers, int64_t num_layers, const int64_
     step = Step{layers, num_layers, attention};
 }
 
-void use_packed(at::TensorList weights, at::IntArrayRef from_rows) {
+void use_packed(at::TensorList weights, at::IntArrayRef from_rows, at::TensorList amx_weights, int64_t fn,
+                int64_t rows) {
     packed.assign(weights.begin(), weights.end());
     packed_from.assign(from_rows.begin(), from_rows.end());
+    amx.assign(amx_weights.begin(), amx_weights.end());
+    amx_fn = reinterpret_cast<AmxFn>(fn);
+    amx_rows = rows;
 }
 
 /* float32 -> bfloat16 rounded to nearest, ties to even, on the bits, as PyTorch's .to(torch.bfloat16)
@@ -132,9 +143,16 @@ at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_feature
         return eager.call(x, index, out_features);
     }
     const int64_t M = x.size(0), O = e[OUT], I = e[IN];
+    at::Tensor y;
+    if (bf16 && M <= amx_rows && index < (int64_t)amx.size() && amx[index].numel()) {   /* on AMX tiles */
+        y = at::empty({M, O}, x.options());
+        amx_fn(x.data_ptr<float>(), (const uint16_t *)amx[index].data_ptr(), (const float *)e[BIAS],
+               y.data_ptr<float>(), (uint16_t *)scratch(32 * I), M, O, I);
+        return y;
+    }
     if (bf16)            /* many rows in bfloat16, the bias added with the conversion back */
         return bf16_product(x, packed[index], (const float *)e[BIAS], O);
-    at::Tensor y = at::empty({M, O}, x.options());
+    y = at::empty({M, O}, x.options());
     float *out = y.data_ptr<float>();
     if (e[BITS] == 32) { /* float32: tinyvllm/cpu_gemv.c, as tinyvllm.model.Linear runs it */
         reinterpret_cast<F32Fn>(e[FN])(x.data_ptr<float>(), (const float *)e[WEIGHT], out, M, O, I);
@@ -183,7 +201,8 @@ at::Tensor unified_attention(int64_t layer_idx, const at::Tensor &query, const a
 }
 
 TORCH_LIBRARY_FRAGMENT(tinyvllm, m) {
-    m.def("use_packed(Tensor[] weights, int[] from_rows) -> ()", &use_packed);
+    m.def("use_packed(Tensor[] weights, int[] from_rows, Tensor[] amx_weights, int amx_fn, int amx_rows) -> ()",
+          &use_packed);
 }
 
 TORCH_LIBRARY_IMPL(tinyvllm, CPU, m) {

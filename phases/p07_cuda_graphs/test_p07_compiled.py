@@ -283,8 +283,9 @@ def test_a_compiled_step_multiplies_many_rows_in_bfloat16_from_cpp(tiny_codes_di
     llm = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, compilation_mode=1, quantization=quantization)
     runner = llm.llm_engine.runner.decode_runner
     if quantization is None:
-        weights, rows = runner.native_layers.packed
+        weights, rows, amx, amx_fn, amx_rows = runner.native_layers.packed   # amx: cpu_amx.c's copies, where it runs
         assert rows == [5] * len(runner.opaque_layers) and all(w.is_mkldnn for w in weights)
+        assert bool(amx_fn) == bool(amx_rows) == any(w.numel() for w in amx)
         assert (runner.native_layers[:, -1] == 5).all() and getattr(runner.c_step, "max_rows", 0) in (0, 4)
     else:
         assert runner.native_layers.packed is None

@@ -1,7 +1,7 @@
 """How fast the model's matrix products run at decode-sized batches, each way `Linear` can take
 on a CPU: `F.linear` (MKL), the product written the other way round, (W @ x^T)^T, oneDNN with a
 packed weight, the same in bfloat16 on a bfloat16 copy of it (float32 in and out: what
-`BF16_PRODUCT_ROWS` turns on), tinyvllm's own AVX2 loop (cpu_gemv.c), the weight read from its
+`BF16_PRODUCT_ROWS` turns on), on the amx kind tinyvllm's AMX kernel for those (cpu_amx.c), tinyvllm's own AVX2 loop (cpu_gemv.c), the weight read from its
 exact 4- or 8-bit codes where it has them (phase 5's cpu_lossless.c: "codes"), and the model's own
 `Linear`, which picks one of these by rows, CPU vendor and kind.
 
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from tinyvllm.download import resolve_model
     from tinyvllm.hardware import cpu_vendor
-    from tinyvllm.model import GEMV, Linear, gemv, onednn_matmul
+    from tinyvllm.model import GEMV, Linear, amx_matmul, amx_rows, gemv, onednn_bf16
     from tinyvllm.weights import load_model
 
     dtype = getattr(torch, args.dtype)
@@ -84,7 +84,9 @@ def main(argv: list[str] | None = None) -> None:
         ways["oneDNN"] = lambda m, x: torch.ops.mkldnn._linear_pointwise(x, m.packed_weight(), m.bias,
                                                                           "none", [], "")
         if dtype == torch.float32:
-            ways["oneDNN bf16"] = lambda m, x: onednn_matmul(x, m.weight, m.bias, bf16_rows=1)
+            ways["oneDNN bf16"] = lambda m, x: onednn_bf16(x, m.weight, m.bias)
+    if dtype == torch.float32 and all(amx_rows(m.weight) for m in linears):
+        ways["AMX bf16"] = lambda m, x: amx_matmul(x, m.weight, m.bias)   # cpu_amx.c, at any rows
     if GEMV.available() and dtype == torch.float32:
         ways["cpu_gemv"] = lambda m, x: gemv(x, m.weight, m.bias)
     codes = lossless_layers(linears) if dtype == torch.float32 else {}
