@@ -163,7 +163,7 @@ BF16_ONEDNN_KINDS = ("avx512_vnni",)
 # From how many rows a float32 model's products run in bfloat16 when dtype="auto", per CPU kind
 # (`use_bfloat16_products`): the rows rounded to bfloat16, oneDNN's product on a bfloat16 copy of
 # the packed weight, its output made float32 again (what PyTorch's autocast does for a matrix
-# product). The activations, norms, decode attention and the few-row products (phase 5's codes, up
+# product; up to `AMX_PRODUCT_ROWS` rows cpu_amx.c's, its output not rounded). The activations, norms, decode attention and the few-row products (phase 5's codes, up
 # to `LOSSLESS_MAX_ROWS` or one row fewer than these: `Linear.own_rows`) stay float32; a prompt's
 # attention multiplies in bfloat16 too where phase 4's `PREFILL_BF16_KINDS` names the kind. On an
 # AVX-512 Zen 4 EPYC (avx512_vnni), in one process, 48 requests offline 1.43x, a 2,000-token
@@ -257,7 +257,8 @@ class Linear(nn.Linear):
       than either library there. Phase 7's compiled step calls it from C++.
 
     From `bf16_rows` rows on (0, the default: never; `use_bfloat16_products`), a float32
-    product runs in bfloat16 on a bfloat16 copy of the packed weight, its output float32.
+    product runs in bfloat16 on a bfloat16 copy of the packed weight, its output float32; on the
+    amx kind up to `AMX_PRODUCT_ROWS` rows on AMX tiles of tinyvllm's own (cpu_amx.c).
 
     In bfloat16 on a CPU of a kind `BF16_UPCAST_ROWS` names (no bfloat16 arithmetic), from that
     many rows (a prefill, a large batch) the product runs in float32 (`upcast_linear`).
