@@ -163,8 +163,9 @@ BF16_ONEDNN_KINDS = ("avx512_vnni",)
 # From how many rows a float32 model's products run in bfloat16 when dtype="auto", per CPU kind
 # (`use_bfloat16_products`): the rows rounded to bfloat16, oneDNN's product on a bfloat16 copy of
 # the packed weight, its output made float32 again (what PyTorch's autocast does for a matrix
-# product; up to `AMX_PRODUCT_ROWS` rows cpu_amx.c's, its output not rounded). The activations, norms, decode attention and the few-row products (phase 5's codes, up
-# to `LOSSLESS_MAX_ROWS` or one row fewer than these: `Linear.own_rows`) stay float32; a prompt's
+# product; up to `AMX_PRODUCT_ROWS` rows cpu_amx.c's, its output not rounded). The activations,
+# norms, decode attention and the few-row products (phase 5's codes, up to `LOSSLESS_MAX_ROWS` or
+# one row fewer than these: `Linear.own_rows`) stay float32; a prompt's
 # attention multiplies in bfloat16 too where phase 4's `PREFILL_BF16_KINDS` names the kind. On an
 # AVX-512 Zen 4 EPYC (avx512_vnni), in one process, 48 requests offline 1.43x, a 2,000-token
 # prompt's first token 1.45x; perplexity over the shipped text 13.540 against 13.539 (lab note 7,
@@ -424,8 +425,8 @@ def amx_rows(weight: torch.Tensor) -> int:
 def amx_packed(w: torch.Tensor) -> torch.Tensor:
     """`w` (O, I) float32 as cpu_amx.c's bfloat16 tiles, kept on the tensor (`kept`)."""
     def pack():
-        out = torch.empty(w.numel(), dtype=torch.int16)
-        AMX.lib.amx_pack(w.detach().contiguous().data_ptr(), out.data_ptr(), *w.shape)
+        src, out = w.detach().contiguous(), torch.empty(w.numel(), dtype=torch.int16)   # src: alive for the call
+        AMX.lib.amx_pack(src.data_ptr(), out.data_ptr(), *w.shape)
         return out
     return kept(w, "_amx_packed", pack)
 

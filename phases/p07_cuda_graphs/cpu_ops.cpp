@@ -12,9 +12,9 @@
  * table) goes to the Python kernel, registered as the *_eager twin of each operator.
  *
  * A layer whose many rows multiply in bfloat16 (tinyvllm.model's `Linear.bf16_rows`) runs them
- * here too, through oneDNN's operator on the weight's packed bfloat16 copy, or up to a few dozen
- * rows through tinyvllm/cpu_amx.c on its AMX copy where that runs (use_packed hands them over
- * with the step), as `onednn_matmul` does from Python.
+ * here too, through oneDNN's operator on the weight's packed bfloat16 copy, or up to
+ * AMX_PRODUCT_ROWS rows through tinyvllm/cpu_amx.c on its AMX copy where that runs (use_packed
+ * hands them over with the step), as `onednn_matmul` does from Python.
  *
  * Built by tinyvllm.ckernel with PyTorch's headers (about 15 s, once per machine). */
 #include <ATen/ATen.h>
