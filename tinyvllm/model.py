@@ -178,8 +178,11 @@ BF16_ONEDNN_KINDS = ("avx512_vnni",)
 # tiles: the products 37.1 ms against the codes' 49.3 at 12 rows, 46.8 against float32's 97.2 at
 # 64 (linear-codes-xeon-amx.txt); 48 requests offline 1.68x, a 2,000-token prompt's first token
 # 1.43x (`python -m phases.p07_cuda_graphs.tools.bf16_rows --rows 9`, bf16-rows-xeon-amx.json).
-# Nothing to gain without bfloat16 arithmetic (avx2).
-BF16_PRODUCT_ROWS = {"avx512_vnni": 7, "amx": 9}
+# From 6 rows there, not 9, since cpu_amx.c (`AMX_PRODUCT_ROWS`) takes those rows: a 2-core Xeon
+# VM's compiled step of 6 and 8 requests 31.8 -> 24.6 and 36.5 -> 26.8 ms against the codes'
+# cpu_step.c, a second pair of runs 27.7 -> 27.6 and 32.9 -> 27.8; at 4, 23.5 against 24.4
+# (`compile_time`, lab note 7). Nothing to gain without bfloat16 arithmetic (avx2).
+BF16_PRODUCT_ROWS = {"avx512_vnni": 7, "amx": 6}
 
 
 def use_bfloat16_products(model: nn.Module, rows: int) -> None:

@@ -40,7 +40,7 @@ LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-con
 # 35.8 at 16 (linear-codes-zen4-avx512.txt; the engine at batch 1 83.9 against 33.7 tok/s, at 8 257.8
 # against 186.3: kind-rules-zen4-avx512.json). On the amx kind (a GPU machine's Xeon host pinned
 # to 2 cores) 18.4 against 27.4 at 1 row, 38.1 against 51.1 at 8, where oneDNN's bfloat16 products
-# (`BF16_PRODUCT_ROWS`, from 9 rows there) take over: 37.1 against 49.3 at 12
+# (`BF16_PRODUCT_ROWS`, from 6 rows there since cpu_amx.c) take over: 37.1 against 49.3 at 12
 # (linear-codes-xeon-amx.txt; the engine at batch 1 31.8 -> 55.0 tok/s, at 8 147.2 -> 179.5:
 # kind-rules-xeon-amx.json).
 LOSSLESS_MAX_ROWS = {"avx2": 12, "avx512_vnni": 12, "amx": 8}
