@@ -11,9 +11,9 @@
  * tiles (64 rows), A one tile loaded per C tile from the rows rounded to bfloat16, B one tile, so a
  * B tile of the weight is read once per step, for every row.
  *
- * amx_pack lays a float32 weight (N, K) out as bfloat16 B tiles, [N/16][K/32][16 pairs][16][2]:
- * an output block's tiles one after the other, so a thread streams its share of the weight from
- * start to end. amx_linear: y (M, N) = x (M, K) @ W^T (+ bias), float32 in and out, M <= 64 per
+ * The weight comes as bfloat16 B tiles, [N/16][K/32][16 pairs][16][2] (tinyvllm.model's
+ * `amx_packed`: PyTorch's rounding, then a permute): an output block's tiles one after the other,
+ * so a thread streams its share of the weight from start to end. amx_linear: y (M, N) = x (M, K) @ W^T (+ bias), float32 in and out, M <= 64 per
  * pass over the weight (more rows: another pass), N a multiple of 16, K of 32. A process must ask
  * Linux for the tile state once (amx_permit: 0 when granted). */
 #include <immintrin.h>
@@ -32,25 +32,6 @@ typedef struct {
 } TileConfig;
 
 int amx_permit(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-
-static uint16_t round_bf16(float v) {   /* to nearest even, as PyTorch rounds */
-    uint32_t b;
-    memcpy(&b, &v, 4);
-    return (uint16_t)((b + 0x7fff + ((b >> 16) & 1)) >> 16);
-}
-
-void amx_pack(const float *w, uint16_t *out, int64_t n, int64_t k) {
-    const int64_t kbn = k / 32;
-    #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < n / 16; nb++)
-        for (int64_t kb = 0; kb < kbn; kb++) {
-            uint16_t *tile = out + (nb * kbn + kb) * 512;
-            for (int p = 0; p < 16; p++)
-                for (int j = 0; j < 16; j++)
-                    for (int e = 0; e < 2; e++)
-                        tile[(p * 16 + j) * 2 + e] = round_bf16(w[(nb * 16 + j) * k + kb * 32 + 2 * p + e]);
-        }
-}
 
 /* rows m0.. of x rounded to bfloat16 into xb (16 * tiles rows of k), rows past m zero */
 static void round_rows(const float *x, uint16_t *xb, int64_t m0, int64_t m, int64_t tiles, int64_t k) {

@@ -405,8 +405,7 @@ def kept(w: torch.Tensor, name: str, make) -> torch.Tensor:
 AMX_PRODUCT_ROWS = {"amx": 128}
 AMX = CKernel(Path(__file__).with_name("cpu_amx.c"), ["-O3", "-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16",
               "-fopenmp", "-shared", "-fPIC"], AMX_BF16_FLAGS,
-              {"amx_pack": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
-               "amx_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3},
+              {"amx_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3},
               fallback="bfloat16 products stay oneDNN's")
 
 
@@ -426,12 +425,11 @@ def amx_rows(weight: torch.Tensor) -> int:
 
 
 def amx_packed(w: torch.Tensor) -> torch.Tensor:
-    """`w` (O, I) float32 as cpu_amx.c's bfloat16 tiles, kept on the tensor (`kept`)."""
-    def pack():
-        src, out = w.detach().contiguous(), torch.empty(w.numel(), dtype=torch.int16)   # src: alive for the call
-        AMX.lib.amx_pack(src.data_ptr(), out.data_ptr(), *w.shape)
-        return out
-    return kept(w, "_amx_packed", pack)
+    """`w` (O, I) float32 as cpu_amx.c's bfloat16 tiles, kept on the tensor (`kept`): rounded by
+    PyTorch, then each 16 outputs' tiles of 32 inputs, a tile 16 pairs of inputs by 16 outputs."""
+    o, i = w.shape
+    return kept(w, "_amx_packed", lambda: w.detach().bfloat16().view(o // 16, 16, i // 32, 16, 2)
+                .permute(0, 2, 3, 1, 4).contiguous())
 
 
 def amx_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
