@@ -309,3 +309,28 @@ def test_the_products_tool_times_each_way_with_bfloat16_beside_float32(tiny_code
     assert [line.split()[0] for line in lines[2:]] == ["1", "16"]
     ways = (len(header) - 5) // 13                      # "rows", then 11 characters and 2 spaces a way
     assert all(len(line.split()) == 1 + ways and float(line.split()[-1]) > 0 for line in lines[2:])
+
+
+def test_bf16_product_leaves_a_prompt_s_product_in_bfloat16(monkeypatch):
+    """`bf16_product`: where a Linear's rows take oneDNN's bfloat16 product (from `bf16_rows`,
+    past `amx_rows`), the same numbers as `layer(x)` before its float32 copy, from a float32 or a
+    bfloat16 x, in the dtype asked; None where `layer(x)` would run another product."""
+    from tinyvllm import model
+
+    if not model.Linear.use_onednn:
+        pytest.skip("no oneDNN on this CPU")
+    monkeypatch.setattr(model, "amx_rows", lambda w: 8)
+    torch.manual_seed(0)
+    layer = model.Linear(64, 48, bias=False).requires_grad_(False)
+    x = torch.randn(9, 64)
+    assert model.bf16_product(layer, x) is None                 # bf16_rows 0: float32 products
+    layer.bf16_rows = 4
+    y = model.bf16_product(layer, x, torch.bfloat16)
+    assert y.dtype == torch.bfloat16 and torch.equal(y.float(), layer(x))
+    assert torch.equal(model.bf16_product(layer, x.bfloat16()), layer(x))   # float32 out by default
+    assert model.bf16_product(layer, x[:8]) is None             # cpu_amx.c's rows
+    assert model.bf16_product(torch.nn.Linear(64, 48), x) is None
+    with_bias = model.Linear(64, 48, bias=True).requires_grad_(False)
+    with_bias.bf16_rows = 4
+    assert model.bf16_product(with_bias, x) is None
+

@@ -355,6 +355,42 @@ def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, onednn_packed(weight), bias, "none", [], "")
 
 
+def bf16_product(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """`layer(x)` as `out_dtype` where `runs_bf16(layer, x)`: x may be float32 or bfloat16, and
+    oneDNN's output is bfloat16 before any conversion, so a caller that goes on in bfloat16 reads
+    half the bytes and makes no float32 copy. None elsewhere: the caller runs `layer(x)`."""
+    if not runs_bf16(layer, x):
+        return None
+    y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), onednn_packed(layer.weight, torch.bfloat16), None, "none",
+                                           [], "")
+    return y.to(out_dtype)
+
+
+def runs_bf16(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `layer` is a `Linear` (or subclass) whose product at x's rows is oneDNN's bfloat16
+    one (from `bf16_rows`, past `amx_rows`), without a bias, outside a trace and autograd."""
+    w, n = getattr(layer, "weight", None), x.shape[0] if x.dim() == 2 else 0
+    return (isinstance(layer, Linear) and layer.bf16_rows > 0 and layer.use_onednn and layer.bias is None
+            and n >= max(layer.bf16_rows, amx_rows(w) + 1) and w.dtype == torch.float32 and x.is_cpu
+            and x.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
+            and not (w.requires_grad and torch.is_grad_enabled()))
+
+
+def gated_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up), [gate, up] = gate_up(x): a fused MLP (phase 7's). Where both
+    products are oneDNN's bfloat16 ones at x's rows (`runs_bf16`: a prompt's, with dtype="auto"),
+    gate_up's output stays bfloat16 and the SiLU, the product and down read it so: half the
+    bytes of float32's and no float32 copy of the widest activation (the SiLU's output is
+    rounded to bfloat16 once more). A layer in a compiled step's wrapper (`.layer`) is looked
+    into for that."""
+    inner_gate_up, inner_down = (getattr(m, "layer", m) for m in (gate_up, down))
+    if runs_bf16(inner_gate_up, x) and runs_bf16(inner_down, x):
+        gate, up = bf16_product(inner_gate_up, x, torch.bfloat16).chunk(2, dim=-1)
+        return bf16_product(inner_down, F.silu(gate) * up)
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.silu(gate) * up)
+
+
 def onednn_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x (N, I) float32 rounded to bfloat16 @ the weight's packed bfloat16 copy in oneDNN, the
     output (rounded to bfloat16 by oneDNN) made float32 again, the bias added in float32."""

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from phases.p05_quantization import cpu_int8
 from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear, lossless
 from phases.p05_quantization.quant import QuantizedLinear
-from tinyvllm.model import GEMV, Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary, fused_add_rms_norm
+from tinyvllm.model import GEMV, Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary, fused_add_rms_norm, gated_mlp
 
 
 def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
@@ -90,8 +90,7 @@ class FusedLlamaMLP(torch.nn.Module):
         self.gate_up_proj, self.down_proj = gate_up_proj, unfused.down_proj
 
     def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return gated_mlp(self.gate_up_proj, self.down_proj, x)
 
 
 def fuse_projections(model: torch.nn.Module) -> int:
@@ -167,9 +166,8 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
         out = attn(a.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:])   # (N, H, d)
         h, residual = add_rms_norm(a.o_proj(out.reshape(n, hq * d)), residual,
                                    layer.post_attention_layernorm)
-        gate, up = layer.mlp.gate_up_proj(h).chunk(2, dim=-1)
         nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
-        h, residual = add_rms_norm(layer.mlp.down_proj(F.silu(gate) * up), residual, nxt)
+        h, residual = add_rms_norm(gated_mlp(layer.mlp.gate_up_proj, layer.mlp.down_proj, h), residual, nxt)
     return h
 
 

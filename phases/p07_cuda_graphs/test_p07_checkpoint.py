@@ -303,6 +303,40 @@ def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quan
                 assert torch.equal(expected, decode_forward(fused, ids, pos, NoCache()))
 
 
+def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, monkeypatch):
+    """Where the fused MLP's products are oneDNN's bfloat16 ones (dtype="auto", a prompt's rows),
+    gate_up's output is left in bfloat16 and the SiLU, the product and the down projection read
+    it so (`gated_mlp`): the float32 path's numbers to bfloat16's rounding, with no float32
+    gate_up made; the same inside the compiled step's OpaqueLinear; rows below `bf16_rows` are
+    float32's."""
+    import phases.p07_cuda_graphs.fused as fused_module
+    from phases.p07_cuda_graphs.compiled import OpaqueLinear
+    from tinyvllm import model as model_module
+
+    if not model_module.Linear.use_onednn:
+        pytest.skip("no oneDNN on this CPU")
+    monkeypatch.setattr(model_module, "amx_rows", lambda w: 0)
+    model = LLM(str(tiny_model_dir), phase=7, dtype="float32", enforce_eager=True).llm_engine.model
+    fused_module.fuse_projections(model)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp) is fused_module.FusedLlamaMLP
+    x = torch.randn(24, mlp.gate_up_proj.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        f32 = mlp(x)
+        model_module.use_bfloat16_products(model, 16)
+        asked, real = [], model_module.bf16_product
+        monkeypatch.setattr(model_module, "bf16_product", lambda m, h, *a: asked.append((h.dtype, *a)) or real(m, h, *a))
+        y = mlp(x)
+        assert asked == [(torch.float32, torch.bfloat16), (torch.bfloat16,)] and y.dtype == torch.float32
+        assert (y - f32).norm() < 2 ** -6 * f32.norm()          # bfloat16 keeps 8 bits
+        gate, up = real(mlp.gate_up_proj, x, torch.bfloat16).chunk(2, dim=-1)
+        assert torch.equal(y, real(mlp.down_proj, torch.nn.functional.silu(gate) * up))
+        mlp.gate_up_proj, mlp.down_proj = OpaqueLinear(mlp.gate_up_proj, 0), OpaqueLinear(mlp.down_proj, 1)
+        assert torch.equal(mlp(x), y)
+        asked.clear()
+        assert torch.equal(mlp(x[:15]), f32[:15]) and asked == []
+
+
 # -- the static step runs the attention the recipe chose ---------------------------------------
 
 @pytest.mark.parametrize("kwargs,expected", [
