@@ -369,10 +369,11 @@ def bf16_product(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype = tor
 def runs_bf16(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether `layer` is a `Linear` (or subclass) whose product at x's rows is oneDNN's bfloat16
     one (from `bf16_rows`, past `amx_rows`), without a bias, outside a trace and autograd."""
-    w, n = getattr(layer, "weight", None), x.shape[0] if x.dim() == 2 else 0
-    return (isinstance(layer, Linear) and layer.bf16_rows > 0 and layer.use_onednn and layer.bias is None
-            and n >= max(layer.bf16_rows, amx_rows(w) + 1) and w.dtype == torch.float32 and x.is_cpu
-            and x.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling()
+    if torch.compiler.is_compiling() or not isinstance(layer, Linear) or not layer.bf16_rows:
+        return False   # (a graph being traced asks nothing more: amx_rows may load a library)
+    w, n = layer.weight, x.shape[0] if x.dim() == 2 else 0
+    return (layer.use_onednn and layer.bias is None and n >= max(layer.bf16_rows, amx_rows(w) + 1)
+            and w.dtype == torch.float32 and x.is_cpu and x.dtype in (torch.float32, torch.bfloat16)
             and not (w.requires_grad and torch.is_grad_enabled()))
 
 
