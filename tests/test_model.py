@@ -334,3 +334,46 @@ def test_bf16_product_leaves_a_prompt_s_product_in_bfloat16(monkeypatch):
     with_bias.bf16_rows = 4
     assert model.bf16_product(with_bias, x) is None
 
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_silu_and_mul_rounds_silu_gate_times_up_once(rows):
+    """`silu_and_mul` of a bfloat16 [gate, up]: silu(gate) * up computed in float32 and rounded
+    to bfloat16 once (cpu_amx.c where it is built: the exp of its own within float32's error,
+    so nearly every value is the correctly rounded one); PyTorch's two operators elsewhere (a view
+    that is not contiguous, an I not a multiple of 16), to bfloat16's rounding twice."""
+    import torch.nn.functional as F
+
+    from tinyvllm.model import silu_and_mul
+
+    torch.manual_seed(rows)
+    gate_up = (4 * torch.randn(rows, 2 * 160)).bfloat16()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    exact = F.silu(gate) * up
+    out = silu_and_mul(gate_up)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 160)
+    torch.testing.assert_close(out.float(), exact, rtol=2 ** -8, atol=1e-6)
+    assert (out == exact.bfloat16()).float().mean() > 0.999
+    strided = torch.cat([gate_up, gate_up], dim=1)[:, : 2 * 160]      # rows 640 apart: PyTorch's way
+    torch.testing.assert_close(silu_and_mul(strided).float(), exact, rtol=2 ** -7, atol=1e-5)
+
+
+def test_rmsnorm_runs_cpu_norm_c_without_autograd():
+    """RMSNorm on float32 rows without autograd: one call of cpu_norm.c where it runs (its own
+    order of the squares' sum: float32's rounding apart from PyTorch's operators); with autograd
+    recording, PyTorch's operators, whose gradient flows."""
+    from tinyvllm.model import RMSNorm, fused_add_rms_norm
+
+    torch.manual_seed(0)
+    norm, x = RMSNorm(96, 1e-5), torch.randn(33, 96)
+    norm.weight.data = torch.rand(96) + 0.5
+    y = norm(x)                                                        # autograd on: PyTorch's
+    y.sum().backward()
+    assert norm.weight.grad is not None
+    reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.equal(y, reference)
+    with torch.inference_mode():
+        fast, c = norm(x), fused_add_rms_norm(x.clone(), None, norm)
+        torch.testing.assert_close(fast, reference.detach(), rtol=1e-6, atol=1e-6)
+        if c is not None:                                              # a kind FUSED_NORM_KINDS names
+            assert torch.equal(fast, c[0])

@@ -1,4 +1,5 @@
-/* tinyvllm: a float32 model's bfloat16 products at decode rows, on AMX tiles (Intel Xeon, `amx` kind).
+/* tinyvllm: a float32 model's bfloat16 products at decode rows, on AMX tiles (Intel Xeon, `amx` kind);
+ * and the SiLU and product of a prompt's bfloat16 MLP (silu_and_mul, at the end).
  *
  * `dtype="auto"` runs a float32 model's products of many rows in bfloat16 (tinyvllm.model's
  * `BF16_PRODUCT_ROWS`). oneDNN does that on AMX tiles too, but at a decode step's few rows its
@@ -88,6 +89,45 @@ void amx_linear(const float *x, const uint16_t *w, const float *bias, float *y, 
                 if (tiles > 3) STORE(3)
             }
             _tile_release();
+        }
+    }
+}
+
+/* e^x for 16 float32 lanes: x = k ln2 + r, |r| <= ln2 / 2, e^r by its Taylor polynomial to r^6
+ * (relative error under 2e-7, far below the bfloat16 rounding after it), times 2^k; x clamped to
+ * [-87, 87], where e^x stays a normal float */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(87.f)), _mm512_set1_ps(-87.f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);   /* ln2 in two parts */
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, k);
+}
+
+static inline __m512 load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* vLLM's silu_and_mul for a prompt's MLP in bfloat16 (tinyvllm.model's `gated_mlp`): out (M, I) =
+ * silu(gate) * up, gate_up (M, 2I) = [gate, up] as oneDNN's product leaves it, bfloat16 in and
+ * out, float32 inside and rounded once; I a multiple of 16. PyTorch's F.silu(gate) * up is two
+ * passes over the rows, each rounding to bfloat16. */
+void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t inter) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < m; i++) {
+        const uint16_t *g = gate_up + i * 2 * inter, *u = g + inter;
+        for (int64_t j = 0; j < inter; j += 16) {
+            __m512 gv = load_bf16(g + j);
+            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+            __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(s, load_bf16(u + j)));
+            _mm256_storeu_si256((__m256i *)(out + i * inter + j), (__m256i)y);
         }
     }
 }

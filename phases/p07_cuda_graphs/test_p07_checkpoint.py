@@ -255,6 +255,7 @@ def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quan
     import copy
 
     import phases.p07_cuda_graphs.fused as fused_module
+    import tinyvllm.model as model_module
 
     from phases.p07_cuda_graphs.fused import (
         FusedLlamaAttention,
@@ -296,18 +297,19 @@ def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quan
             assert torch.equal(expected, fused(ids, pos, NoCache()))
             # the leaner decode forward (add + RMSNorm fused, one RoPE for q and k): float32's
             # rounding apart with cpu_norm.c's norm (its own order of the squares' sum), the same
-            # bits with PyTorch's
+            # bits with PyTorch's in both (RMSNorm runs cpu_norm.c too where it can)
             torch.testing.assert_close(decode_forward(fused, ids, pos, NoCache()), expected, rtol=tol, atol=tol)
             with monkeypatch.context() as m:
                 m.setattr(fused_module, "fused_add_rms_norm", lambda *args: None)
-                assert torch.equal(expected, decode_forward(fused, ids, pos, NoCache()))
+                m.setattr(model_module, "fused_add_rms_norm", lambda *args: None)
+                assert torch.equal(model(ids, pos, NoCache()), decode_forward(fused, ids, pos, NoCache()))
 
 
 def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, monkeypatch):
     """Where the fused MLP's products are oneDNN's bfloat16 ones (dtype="auto", a prompt's rows),
-    gate_up's output is left in bfloat16 and the SiLU, the product and the down projection read
-    it so (`gated_mlp`): the float32 path's numbers to bfloat16's rounding, with no float32
-    gate_up made; the same inside the compiled step's OpaqueLinear; rows below `bf16_rows` are
+    gate_up's output is left in bfloat16 and `silu_and_mul` and the down projection read it so
+    (`gated_mlp`): the float32 path's numbers to bfloat16's rounding, with no float32 gate_up
+    made; the same inside the compiled step's OpaqueLinear; rows below `bf16_rows` are
     float32's."""
     import phases.p07_cuda_graphs.fused as fused_module
     from phases.p07_cuda_graphs.compiled import OpaqueLinear
@@ -316,6 +318,7 @@ def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, m
     if not model_module.Linear.use_onednn:
         pytest.skip("no oneDNN on this CPU")
     monkeypatch.setattr(model_module, "amx_rows", lambda w: 0)
+    monkeypatch.setattr(model_module, "BF16_MLP_HERE", True)      # (BF16_MLP_KINDS: the amx kind)
     model = LLM(str(tiny_model_dir), phase=7, dtype="float32", enforce_eager=True).llm_engine.model
     fused_module.fuse_projections(model)
     mlp = model.model.layers[0].mlp
@@ -329,8 +332,7 @@ def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, m
         y = mlp(x)
         assert asked == [(torch.float32, torch.bfloat16), (torch.bfloat16,)] and y.dtype == torch.float32
         assert (y - f32).norm() < 2 ** -6 * f32.norm()          # bfloat16 keeps 8 bits
-        gate, up = real(mlp.gate_up_proj, x, torch.bfloat16).chunk(2, dim=-1)
-        assert torch.equal(y, real(mlp.down_proj, torch.nn.functional.silu(gate) * up))
+        assert torch.equal(y, real(mlp.down_proj, model_module.silu_and_mul(real(mlp.gate_up_proj, x, torch.bfloat16))))
         mlp.gate_up_proj, mlp.down_proj = OpaqueLinear(mlp.gate_up_proj, 0), OpaqueLinear(mlp.down_proj, 1)
         assert torch.equal(mlp(x), y)
         asked.clear()
