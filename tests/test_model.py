@@ -377,3 +377,25 @@ def test_rmsnorm_runs_cpu_norm_c_without_autograd():
         torch.testing.assert_close(fast, reference.detach(), rtol=1e-6, atol=1e-6)
         if c is not None:                                              # a kind FUSED_NORM_KINDS names
             assert torch.equal(fast, c[0])
+
+
+def test_rope_in_c_gives_pytorch_s_numbers_bit_for_bit(monkeypatch):
+    """`apply_rotary` on float32 rows without autograd, on a kind ROPE_KINDS names: cpu_norm.c's
+    `rope` on q and k as views of one qkv product, PyTorch's operators' bits; a layout it does not
+    take (heads not d apart, d not a multiple of 16) or autograd gets the operators."""
+    from tinyvllm import model
+
+    monkeypatch.setattr(model, "ROPE_HERE", True)
+    torch.manual_seed(0)
+    qkv, angle = torch.randn(37, 15 * 64), 50 * torch.rand(37, 1, 32)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    q, k = qkv[:, : 9 * 64].view(37, 9, 64), qkv[:, 9 * 64: 12 * 64].view(37, 3, 64)
+    expected = [x * cos + model._rotate_half(x) * sin for x in (q, k)]
+    with torch.inference_mode():
+        if model.rope(q, cos, sin) is None:
+            pytest.skip("cpu_norm.c is not built on this CPU (AVX2)")
+        for got, want in zip(model.apply_rotary(q, k, cos, sin), expected):
+            assert got.is_contiguous() and torch.equal(got, want)
+        assert model.rope(qkv[:, : 9 * 64].view(37, 64, 9).transpose(1, 2), cos, sin) is None   # d not in a row
+        assert model.rope(torch.randn(37, 2, 40), cos[..., :40].contiguous(), sin[..., :40].contiguous()) is None
+    assert model.rope(q, cos, sin) is None                                     # autograd on

@@ -18,6 +18,7 @@
  * pass over the weight (more rows: another pass), N a multiple of 16, K of 32. A process must ask
  * Linux for the tile state once (amx_permit: 0 when granted). */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -129,5 +130,97 @@ void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t int
             __m256bh y = _mm512_cvtneps_pbh(_mm512_mul_ps(s, load_bf16(u + j)));
             _mm256_storeu_si256((__m256i *)(out + i * inter + j), (__m256i)y);
         }
+    }
+}
+
+/* A prompt's causal attention on AMX tiles, heads of d = 64 (phase 4's prefill of a prompt with
+ * nothing cached, `dtype="auto"` on the amx kind): flash attention's loop, a block of 16 queries
+ * of one head against 64 keys at a time, an online softmax in float32 between the two products.
+ *   S (16 x 64) = Q (16 x 64, two A tiles) . K^T          four C tiles, K packed as B tiles
+ *   P = exp(S * scale - running max), bfloat16            AVX-512, the running sum in float32
+ *   O (16 x 64) = O * e^(old max - new max) + P . V       four C tiles, V packed as B tiles
+ * q: (T, heads, 64) bfloat16, T a multiple of 64 (rows past the prompt are padding; their outputs
+ * are dropped by the caller); kp: each KV head's keys as [T/16][2][16 pairs of d][16 keys][2];
+ * vp: its values as [T/32][4][16 pairs of keys][16 of d][2] (tinyvllm.model's `amx_attention`
+ * packs both); out (T, heads, 64) float32. */
+#define QK(c) { _tile_loadd(6, kb + ((c) * 2) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
+                _tile_loadd(7, kb + ((c) * 2 + 1) * 512, 64); _tile_dpbf16ps(c, 5, 7); }
+#define PV(c) { _tile_loadd(6, vb + (c) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
+                _tile_loadd(7, vb + (4 + (c)) * 512, 64); _tile_dpbf16ps(c, 5, 7); }
+
+void amx_attention(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, float *out, int64_t t,
+                   int64_t heads, int64_t kv_heads, float scale) {
+    const int64_t qblocks = t / 16, group = heads / kv_heads;
+    #pragma omp parallel
+    {
+        TileConfig cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette = 1;
+        for (int i = 0; i < 8; i++) {
+            cfg.rows[i] = 16;
+            cfg.colsb[i] = 64;
+        }
+        _tile_loadconfig(&cfg);
+        float s[16 * 64] __attribute__((aligned(64))), o[16 * 64] __attribute__((aligned(64)));
+        uint16_t p[16 * 64] __attribute__((aligned(64)));
+        float m[16], l[16], alpha[16];
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < heads * qblocks; task++) {
+            const int64_t qb = qblocks - 1 - task / heads, h = task % heads, g = h / group;   /* longest first */
+            const int64_t i0 = qb * 16, last = i0 / 64;
+            const uint16_t *qh = q + (i0 * heads + h) * 64;
+            for (int r = 0; r < 16; r++) { m[r] = -INFINITY; l[r] = 0.f; }
+            memset(o, 0, sizeof o);
+            for (int64_t j = 0; j <= last; j++) {
+                const uint16_t *kb = kp + (g * (t / 16) + j * 4) * 2 * 512;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                _tile_loadd(4, qh, heads * 128);
+                _tile_loadd(5, qh + 32, heads * 128);
+                QK(0) QK(1) QK(2) QK(3)
+                _tile_stored(0, s, 256); _tile_stored(1, s + 16, 256);
+                _tile_stored(2, s + 32, 256); _tile_stored(3, s + 48, 256);
+                for (int r = 0; r < 16; r++) {
+                    __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
+                    for (int c = 0; c < 4; c++) {
+                        x[c] = _mm512_mul_ps(_mm512_load_ps(s + r * 64 + c * 16), _mm512_set1_ps(scale));
+                        if (j == last) {   /* keys past this query masked */
+                            int64_t allowed = i0 + r - (j * 64 + c * 16) + 1;
+                            __mmask16 keep = allowed >= 16 ? 0xFFFF : allowed <= 0 ? 0 : (__mmask16)((1u << allowed) - 1);
+                            x[c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, x[c]);
+                        }
+                        mx = _mm512_max_ps(mx, x[c]);
+                    }
+                    const float mnew = fmaxf(m[r], _mm512_reduce_max_ps(mx));
+                    alpha[r] = expf(m[r] - mnew);
+                    m[r] = mnew;
+                    __m512 sum = _mm512_setzero_ps();
+                    for (int c = 0; c < 4; c++) {
+                        __mmask16 live = _mm512_cmp_ps_mask(x[c], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                        x[c] = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x[c], _mm512_set1_ps(mnew))));
+                        sum = _mm512_add_ps(sum, x[c]);
+                    }
+                    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+                    _mm512_store_si512((__m512i *)(p + r * 64), (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
+                    _mm512_store_si512((__m512i *)(p + r * 64 + 32), (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
+                }
+                const uint16_t *vb = vp + (g * (t / 32) + j * 2) * 4 * 512;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                _tile_loadd(4, p, 128);
+                _tile_loadd(5, p + 32, 128);
+                PV(0) PV(1) PV(2) PV(3)
+                _tile_stored(0, s, 256); _tile_stored(1, s + 16, 256);
+                _tile_stored(2, s + 32, 256); _tile_stored(3, s + 48, 256);
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 4; c++) {
+                        __m512 acc = _mm512_mul_ps(_mm512_load_ps(o + r * 64 + c * 16), _mm512_set1_ps(alpha[r]));
+                        _mm512_store_ps(o + r * 64 + c * 16, _mm512_add_ps(acc, _mm512_load_ps(s + r * 64 + c * 16)));
+                    }
+            }
+            for (int r = 0; r < 16; r++)
+                for (int c = 0; c < 4; c++)
+                    _mm512_storeu_ps(out + ((i0 + r) * heads + h) * 64 + c * 16,
+                                     _mm512_mul_ps(_mm512_load_ps(o + r * 64 + c * 16), _mm512_set1_ps(1.f / l[r])));
+        }
+        _tile_release();
     }
 }
