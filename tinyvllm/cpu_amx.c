@@ -1,5 +1,6 @@
 /* tinyvllm: a float32 model's bfloat16 products at decode rows, on AMX tiles (Intel Xeon, `amx` kind);
- * and the SiLU and product of a prompt's bfloat16 MLP (silu_and_mul, at the end).
+ * after them, the SiLU and product of a prompt's bfloat16 MLP (silu_and_mul) and a prompt's
+ * causal attention on the tiles (amx_attention).
  *
  * `dtype="auto"` runs a float32 model's products of many rows in bfloat16 (tinyvllm.model's
  * `BF16_PRODUCT_ROWS`). oneDNN does that on AMX tiles too, but at a decode step's few rows its
@@ -112,6 +113,21 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, k);
 }
 
+/* 2^x for 16 float32 lanes, x <= 0 (a score less the running maximum, in base 2): x = k + f,
+ * |f| <= 1/2, 2^f by a degree-5 polynomial (relative error about 2e-6: the weights are rounded to
+ * bfloat16, 4e-3, after it), times 2^k; x clamped at -126 */
+static inline __m512 exp2_16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+    __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT), f = _mm512_sub_ps(x, k);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, k);
+}
+
 static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -148,9 +164,10 @@ void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t int
 #define PV(c) { _tile_loadd(6, vb + (c) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
                 _tile_loadd(7, vb + (4 + (c)) * 512, 64); _tile_dpbf16ps(c, 5, 7); }
 
-void amx_attention(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, float *out, int64_t t,
+void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float *out, int64_t t,
                    int64_t heads, int64_t kv_heads, float scale) {
-    const int64_t qblocks = t / 16, group = heads / kv_heads;
+    const int64_t qblocks = (t + 15) / 16, group = heads / kv_heads, padded = (t + 63) / 64 * 64;
+    const float scale2 = scale * 1.44269504f;   /* the scores in base 2: e^(s scale) = 2^(s scale log2 e) */
     #pragma omp parallel
     {
         TileConfig cfg;
@@ -162,27 +179,33 @@ void amx_attention(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, fl
         }
         _tile_loadconfig(&cfg);
         float s[16 * 64] __attribute__((aligned(64))), o[16 * 64] __attribute__((aligned(64)));
-        uint16_t p[16 * 64] __attribute__((aligned(64)));
+        uint16_t p[16 * 64] __attribute__((aligned(64))), qt[16 * 64] __attribute__((aligned(64)));
         float m[16], l[16], alpha[16];
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < heads * qblocks; task++) {
             const int64_t qb = qblocks - 1 - task / heads, h = task % heads, g = h / group;   /* longest first */
             const int64_t i0 = qb * 16, last = i0 / 64;
-            const uint16_t *qh = q + (i0 * heads + h) * 64;
-            for (int r = 0; r < 16; r++) { m[r] = -INFINITY; l[r] = 0.f; }
+            for (int r = 0; r < 16; r++) {   /* the block's queries rounded to bfloat16, rows past t zero */
+                m[r] = -INFINITY;
+                l[r] = 0.f;
+                for (int c = 0; c < 4; c++) {
+                    __m512 x = i0 + r < t ? _mm512_loadu_ps(q + ((i0 + r) * heads + h) * 64 + c * 16) : _mm512_setzero_ps();
+                    _mm256_store_si256((__m256i *)(qt + r * 64 + c * 16), (__m256i)_mm512_cvtneps_pbh(x));
+                }
+            }
             memset(o, 0, sizeof o);
             for (int64_t j = 0; j <= last; j++) {
-                const uint16_t *kb = kp + (g * (t / 16) + j * 4) * 2 * 512;
+                const uint16_t *kb = kp + (g * (padded / 16) + j * 4) * 2 * 512;
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                _tile_loadd(4, qh, heads * 128);
-                _tile_loadd(5, qh + 32, heads * 128);
+                _tile_loadd(4, qt, 128);
+                _tile_loadd(5, qt + 32, 128);
                 QK(0) QK(1) QK(2) QK(3)
                 _tile_stored(0, s, 256); _tile_stored(1, s + 16, 256);
                 _tile_stored(2, s + 32, 256); _tile_stored(3, s + 48, 256);
                 for (int r = 0; r < 16; r++) {
                     __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
                     for (int c = 0; c < 4; c++) {
-                        x[c] = _mm512_mul_ps(_mm512_load_ps(s + r * 64 + c * 16), _mm512_set1_ps(scale));
+                        x[c] = _mm512_mul_ps(_mm512_load_ps(s + r * 64 + c * 16), _mm512_set1_ps(scale2));
                         if (j == last) {   /* keys past this query masked */
                             int64_t allowed = i0 + r - (j * 64 + c * 16) + 1;
                             __mmask16 keep = allowed >= 16 ? 0xFFFF : allowed <= 0 ? 0 : (__mmask16)((1u << allowed) - 1);
@@ -191,19 +214,19 @@ void amx_attention(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, fl
                         mx = _mm512_max_ps(mx, x[c]);
                     }
                     const float mnew = fmaxf(m[r], _mm512_reduce_max_ps(mx));
-                    alpha[r] = expf(m[r] - mnew);
+                    alpha[r] = exp2f(m[r] - mnew);
                     m[r] = mnew;
                     __m512 sum = _mm512_setzero_ps();
                     for (int c = 0; c < 4; c++) {
                         __mmask16 live = _mm512_cmp_ps_mask(x[c], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                        x[c] = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(x[c], _mm512_set1_ps(mnew))));
+                        x[c] = _mm512_maskz_mov_ps(live, exp2_16(_mm512_sub_ps(x[c], _mm512_set1_ps(mnew))));
                         sum = _mm512_add_ps(sum, x[c]);
                     }
                     l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
                     _mm512_store_si512((__m512i *)(p + r * 64), (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
                     _mm512_store_si512((__m512i *)(p + r * 64 + 32), (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
                 }
-                const uint16_t *vb = vp + (g * (t / 32) + j * 2) * 4 * 512;
+                const uint16_t *vb = vp + (g * (padded / 32) + j * 2) * 4 * 512;
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 _tile_loadd(4, p, 128);
                 _tile_loadd(5, p + 32, 128);
@@ -212,11 +235,12 @@ void amx_attention(const uint16_t *q, const uint16_t *kp, const uint16_t *vp, fl
                 _tile_stored(2, s + 32, 256); _tile_stored(3, s + 48, 256);
                 for (int r = 0; r < 16; r++)
                     for (int c = 0; c < 4; c++) {
-                        __m512 acc = _mm512_mul_ps(_mm512_load_ps(o + r * 64 + c * 16), _mm512_set1_ps(alpha[r]));
+                        __m512 acc = _mm512_load_ps(o + r * 64 + c * 16);
+                        if (alpha[r] != 1.f) acc = _mm512_mul_ps(acc, _mm512_set1_ps(alpha[r]));
                         _mm512_store_ps(o + r * 64 + c * 16, _mm512_add_ps(acc, _mm512_load_ps(s + r * 64 + c * 16)));
                     }
             }
-            for (int r = 0; r < 16; r++)
+            for (int r = 0; r < 16 && i0 + r < t; r++)
                 for (int c = 0; c < 4; c++)
                     _mm512_storeu_ps(out + ((i0 + r) * heads + h) * 64 + c * 16,
                                      _mm512_mul_ps(_mm512_load_ps(o + r * 64 + c * 16), _mm512_set1_ps(1.f / l[r])));

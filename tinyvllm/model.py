@@ -416,16 +416,13 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     kv_heads = k.shape[1]
     if d != 64 or heads % kv_heads or not q.is_cpu or not amx_rows(torch.empty(16, 32)):
         return None
-    padded = -(-t // 64) * 64
-    qb, kb, vb = (x.new_zeros(padded, x.shape[1], 64, dtype=torch.bfloat16) for x in (q, k, v))
-    for dst, src in ((qb, q), (kb, k), (vb, v)):
-        dst[:t] = src
+    padded, q = -(-t // 64) * 64, q.float().contiguous()
+    kb, vb = (F.pad(x.to(torch.bfloat16), (0, 0, 0, 0, 0, padded - t)) for x in (k, v))   # zero keys past t
     kp = kb.view(padded // 16, 16, kv_heads, 2, 16, 2).permute(2, 0, 3, 4, 1, 5).contiguous()
     vp = vb.view(padded // 32, 16, 2, kv_heads, 4, 16).permute(3, 0, 4, 1, 5, 2).contiguous()
-    out = torch.empty(padded, heads, 64)
-    AMX.lib.amx_attention(qb.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), padded, heads, kv_heads,
-                          d ** -0.5)
-    return out[:t]
+    out = q.new_empty(t, heads, 64)
+    AMX.lib.amx_attention(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), t, heads, kv_heads, d ** -0.5)
+    return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -170,6 +170,30 @@ def test_the_bf16_prefill_kernel_errs_as_bfloat16_operands_do(way, tq, tk, h, kv
     assert (way(q, k, v, bf16=False).double() - ref).abs().max() < error / 10
 
 
+@pytest.mark.parametrize("t,h,kvh", [(1, 9, 3), (16, 9, 3), (70, 9, 3), (300, 6, 2), (129, 8, 1), (2000, 9, 3)])
+@pytest.mark.parametrize("spread", [1.0, 300.0])
+def test_a_prompt_s_attention_on_amx_tiles_errs_as_bfloat16_operands_do(t, h, kvh, spread):
+    """tinyvllm.model's `amx_attention` (cpu_amx.c, the amx kind, heads of 64): a prompt with
+    nothing cached, any length (padded to 64 keys inside), grouped heads; against float64, finite
+    with scores hundreds apart and its error within twice what rounding q, k, v to bfloat16 costs
+    (it rounds each block's probabilities too, as the other bfloat16 kernels do)."""
+    from tinyvllm.model import amx_attention
+
+    g = torch.Generator().manual_seed(t * h)
+    qkv = torch.randn(t, h + 2 * kvh, 64, generator=g)
+    qkv[:, :h] *= spread
+    q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
+    out = amx_attention(q, k, v)
+    if out is None:
+        pytest.skip("cpu_amx.c runs on the amx kind (AMX tiles, AVX512-BF16)")
+    ref = float64_attention(q, k, v)
+    assert out.shape == q.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
+    error = (out.double() - ref).abs().max()
+    rounding = (float64_attention(*bf16_rounded(q, k, v)) - ref).abs().max()
+    assert error <= 2 * rounding + 1e-6, (error, rounding)
+    assert amx_attention(q[..., :32], k[..., :32], v[..., :32]) is None      # heads of 32: not its
+
+
 @BF16_PREFILL
 def test_the_bf16_prefill_kernel_gives_the_same_numbers_at_any_chunking():
     """As the float32 kernel's: tiles from key 0, so a prompt in one call and in three chunks agree
@@ -206,8 +230,9 @@ def test_an_older_compiler_builds_the_file_without_the_bf16_kernel(tmp_path):
 def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_llm, monkeypatch):
     """The recipe hands CpuPagedAttention bf16_prefill where the engine multiplies in bfloat16
     (setup.bf16_rows: dtype="auto" on a kind that does) and the bfloat16 kernel runs; never with
-    dtype="float32"; and cpu_paged_attention passes it to the C prefill kernel, or hands SDPA
-    bfloat16 copies on a kind whose prefill is not the C kernel's."""
+    dtype="float32"; and cpu_paged_attention passes it to the C prefill kernel, or on a kind whose
+    prefill is not the C kernel's runs a whole prompt on cpu_amx.c's tiles (`amx_attention`) where
+    that runs, else hands SDPA bfloat16 copies."""
     f32 = make_llm(tiny_model_dir, 4, dtype="float32").llm_engine
     auto = make_llm(tiny_model_dir, 4).llm_engine
     meta = _one_step_meta(auto)
@@ -223,12 +248,18 @@ def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_l
     for flag in (False, True):
         cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=flag)
     assert seen == [False, False, True, True]
-    sdpa = []
+    sdpa, amx = [], []
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda q, k, v: sdpa.append(q.dtype) or q)
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda q, k, v: amx.append(len(q)))   # None: not here
     monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "amx")
     for flag in (False, True):
         cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=flag)
     assert seen == [False, False, True, True] and sdpa == [torch.float32] * 2 + [torch.bfloat16] * 2
+    assert amx == [20, 20]                   # whole prompts in bfloat16 ask cpu_amx.c first
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda q, k, v: amx.append(len(q)) or q.clone())
+    sdpa.clear()
+    cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=True)
+    assert sdpa == [] and amx == [20] * 4
 
 
 def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch):
