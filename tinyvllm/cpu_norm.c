@@ -12,8 +12,13 @@
 #include <math.h>
 #include <stdint.h>
 
+/* From this many rows (a prompt's) a call splits its rows among OpenMP's threads; a decode step's
+ * few rows stay on the calling thread, where starting the threads would cost more than the rows. */
+#define PARALLEL_ROWS 64
+
 /* x, out (N, D); residual (N, D) or NULL; weight (D,). out may be x. */
 void add_rms_norm(float *x, float *residual, const float *weight, float *out, int64_t N, int64_t D, float eps) {
+    #pragma omp parallel for if (N >= PARALLEL_ROWS)
     for (int64_t n = 0; n < N; n++) {
         float *xn = x + n * D, *r = residual ? residual + n * D : xn, *o = out + n * D;
         __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
@@ -54,6 +59,7 @@ void rope(const float *x, int64_t row, int64_t heads, const float *cos, const fl
           int64_t d) {
     const int64_t half = d / 2;
     const __m256 sign = _mm256_set1_ps(-0.f);
+    #pragma omp parallel for if (N >= PARALLEL_ROWS)
     for (int64_t n = 0; n < N; n++)
         for (int64_t h = 0; h < heads; h++) {
             const float *xh = x + n * row + h * d, *c = cos + n * d, *s = sin + n * d;

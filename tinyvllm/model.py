@@ -229,7 +229,7 @@ def upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 # -ffp-contract=off: `rope` rounds each product before the sum, as PyTorch's operators do
 NORM = CKernel(Path(__file__).with_name("cpu_norm.c"), ["-O3", "-mavx2", "-mfma", "-ffp-contract=off",
-              "-fno-math-errno", "-shared", "-fPIC"], AVX2_FLAGS,
+              "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
               {"add_rms_norm": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_float],
                "rope": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2},
               fallback="the residual add and RMSNorm, and RoPE, stay PyTorch's operators")
