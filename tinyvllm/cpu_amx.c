@@ -36,6 +36,18 @@ typedef struct {
 
 int amx_permit(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
+/* this thread's first `n` tile registers as 16 rows of 64 bytes each */
+static void configure_tiles(int n) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < n; t++) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* rows m0.. of x rounded to bfloat16 into xb (16 * tiles rows of k), rows past m zero */
 static void round_rows(const float *x, uint16_t *xb, int64_t m0, int64_t m, int64_t tiles, int64_t k) {
     for (int64_t i = 0; i < 16 * tiles; i++)
@@ -63,14 +75,7 @@ void amx_linear(const float *x, const uint16_t *w, const float *bias, float *y, 
         round_rows(x, xb, m0, m, tiles, k);
         #pragma omp parallel
         {
-            TileConfig cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int t = 0; t < 6; t++) {
-                cfg.rows[t] = 16;
-                cfg.colsb[t] = 64;
-            }
-            _tile_loadconfig(&cfg);
+            configure_tiles(6);
             float sums[256] __attribute__((aligned(64)));
             #pragma omp for schedule(static)
             for (int64_t nb = 0; nb < n / 16; nb++) {
@@ -160,6 +165,12 @@ void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t int
  * packs both); out (T, heads, 64) float32. */
 #define QK(c) { _tile_loadd(6, kb + ((c) * 2) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
                 _tile_loadd(7, kb + ((c) * 2 + 1) * 512, 64); _tile_dpbf16ps(c, 5, 7); }
+/* C tiles 0-3 = A tiles 4 and 5 (`a`: 16 rows of 64 bfloat16, a tile each half) against four pairs
+ * of B tiles (`OP`), then stored to s as 16 rows of 64 float32 */
+#define BLOCK(a, OP) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); \
+                       _tile_loadd(4, a, 128); _tile_loadd(5, (a) + 32, 128); OP(0) OP(1) OP(2) OP(3) \
+                       _tile_stored(0, s, 256); _tile_stored(1, s + 16, 256); \
+                       _tile_stored(2, s + 32, 256); _tile_stored(3, s + 48, 256); }
 #define PV(c) { _tile_loadd(6, vb + (c) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
                 _tile_loadd(7, vb + (4 + (c)) * 512, 64); _tile_dpbf16ps(c, 5, 7); }
 
@@ -169,14 +180,7 @@ void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float
     const float scale2 = scale * 1.44269504f;   /* the scores in base 2: e^(s scale) = 2^(s scale log2 e) */
     #pragma omp parallel
     {
-        TileConfig cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette = 1;
-        for (int i = 0; i < 8; i++) {
-            cfg.rows[i] = 16;
-            cfg.colsb[i] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        configure_tiles(8);
         float s[16 * 64] __attribute__((aligned(64))), o[16 * 64] __attribute__((aligned(64)));
         uint16_t p[16 * 64] __attribute__((aligned(64))), qt[16 * 64] __attribute__((aligned(64)));
         float m[16], l[16], alpha[16];
@@ -195,12 +199,7 @@ void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float
             memset(o, 0, sizeof o);
             for (int64_t j = 0; j <= last; j++) {
                 const uint16_t *kb = kp + (g * (padded / 16) + j * 4) * 2 * 512;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                _tile_loadd(4, qt, 128);
-                _tile_loadd(5, qt + 32, 128);
-                QK(0) QK(1) QK(2) QK(3)
-                _tile_stored(0, s, 256); _tile_stored(1, s + 16, 256);
-                _tile_stored(2, s + 32, 256); _tile_stored(3, s + 48, 256);
+                BLOCK(qt, QK)
                 for (int r = 0; r < 16; r++) {
                     __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
                     for (int c = 0; c < 4; c++) {
@@ -226,12 +225,7 @@ void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float
                     _mm512_store_si512((__m512i *)(p + r * 64 + 32), (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
                 }
                 const uint16_t *vb = vp + (g * (padded / 32) + j * 2) * 4 * 512;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                _tile_loadd(4, p, 128);
-                _tile_loadd(5, p + 32, 128);
-                PV(0) PV(1) PV(2) PV(3)
-                _tile_stored(0, s, 256); _tile_stored(1, s + 16, 256);
-                _tile_stored(2, s + 32, 256); _tile_stored(3, s + 48, 256);
+                BLOCK(p, PV)
                 for (int r = 0; r < 16; r++)
                     for (int c = 0; c < 4; c++) {
                         __m512 acc = _mm512_load_ps(o + r * 64 + c * 16);
