@@ -358,11 +358,14 @@ def test_silu_and_mul_rounds_silu_gate_times_up_once(rows):
     torch.testing.assert_close(silu_and_mul(strided).float(), exact, rtol=2 ** -7, atol=1e-5)
 
 
-def test_rmsnorm_runs_cpu_norm_c_without_autograd():
-    """RMSNorm on float32 rows without autograd: one call of cpu_norm.c where it runs (its own
-    order of the squares' sum: float32's rounding apart from PyTorch's operators); with autograd
-    recording, PyTorch's operators, whose gradient flows."""
+def test_rmsnorm_runs_cpu_norm_c_without_autograd(monkeypatch):
+    """RMSNorm on float32 rows without autograd, on a kind NORM_MODULE_KINDS names: one call of
+    cpu_norm.c where it runs (its own order of the squares' sum: float32's rounding apart from
+    PyTorch's operators); with autograd recording, PyTorch's operators, whose gradient flows."""
+    from tinyvllm import model
     from tinyvllm.model import RMSNorm, fused_add_rms_norm
+
+    monkeypatch.setattr(model, "NORM_MODULE_HERE", True)
 
     torch.manual_seed(0)
     norm, x = RMSNorm(96, 1e-5), torch.randn(33, 96)

@@ -561,6 +561,15 @@ def _(x, weight, bias, bf16_rows):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+# The CPU kinds where the RMSNorm module calls cpu_norm.c (`fused_add_rms_norm` without a residual,
+# as `decode_forward`'s first layer does on every FUSED_NORM_KINDS kind): on a 2-core Xeon VM (amx)
+# a prompt's 2,000 rows 0.24 ms against 0.79 for the module's six operators, `LLM()`'s 2,000-token
+# first token 1.284 -> 1.141 s (alternating rounds; lab note 7). Unmeasured at a prompt's rows on
+# the other kinds, which keep the operators there.
+NORM_MODULE_KINDS = ("amx",)
+NORM_MODULE_HERE = cpu_kind() in NORM_MODULE_KINDS
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -568,10 +577,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 rows on a CPU kind FUSED_NORM_KINDS names: one C call (a prompt's 2,000 rows
-        # 0.24 ms against 0.79 for these six operators on a 2-core Xeon VM, amx), its own order of
-        # the squares' sum; where autograd may need the graph, PyTorch's operators
-        if not torch.is_grad_enabled() and (fused := fused_add_rms_norm(x, None, self)) is not None:
+        # float32 rows on a CPU kind NORM_MODULE_KINDS names: one C call, its own order of the
+        # squares' sum; where autograd may need the graph, PyTorch's operators
+        if NORM_MODULE_HERE and not torch.is_grad_enabled() and (fused := fused_add_rms_norm(x, None, self)) is not None:
             return fused[0]
         dtype = x.dtype
         x = x.float()  # the variance in float32, as the reference does, whatever the model dtype
