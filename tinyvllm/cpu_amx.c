@@ -157,12 +157,12 @@ void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t int
  * nothing cached, `dtype="auto"` on the amx kind): flash attention's loop, a block of 16 queries
  * of one head against 64 keys at a time, an online softmax in float32 between the two products.
  *   S (16 x 64) = Q (16 x 64, two A tiles) . K^T          four C tiles, K packed as B tiles
- *   P = exp(S * scale - running max), bfloat16            AVX-512, the running sum in float32
- *   O (16 x 64) = O * e^(old max - new max) + P . V       four C tiles, V packed as B tiles
- * q: (T, heads, 64) bfloat16, T a multiple of 64 (rows past the prompt are padding; their outputs
- * are dropped by the caller); kp: each KV head's keys as [T/16][2][16 pairs of d][16 keys][2];
- * vp: its values as [T/32][4][16 pairs of keys][16 of d][2] (tinyvllm.model's `amx_attention`
- * packs both); out (T, heads, 64) float32. */
+ *   P = 2^(S * scale * log2 e - running max), bfloat16    AVX-512, the running sum in float32
+ *   O (16 x 64) = O * 2^(old max - new max) + P . V       four C tiles, V packed as B tiles
+ * q: (T, heads, 64) float32, each block of 16 rounded to bfloat16 here (rows past T zero); kp:
+ * each KV head's keys as [P/16][2][16 pairs of d][16 keys][2], vp: its values as [P/32][4][16
+ * pairs of keys][16 of d][2], P = T rounded up to 64, keys past T zero (tinyvllm.model's
+ * `amx_attention` packs both); out (T, heads, 64) float32. */
 #define QK(c) { _tile_loadd(6, kb + ((c) * 2) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
                 _tile_loadd(7, kb + ((c) * 2 + 1) * 512, 64); _tile_dpbf16ps(c, 5, 7); }
 /* C tiles 0-3 = A tiles 4 and 5 (`a`: 16 rows of 64 bfloat16, a tile each half) against four pairs

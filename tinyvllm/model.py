@@ -388,11 +388,7 @@ def bf16_product(layer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype = tor
     """`layer(x)` as `out_dtype` where `runs_bf16(layer, x)`: x may be float32 or bfloat16, and
     oneDNN's output is bfloat16 before any conversion, so a caller that goes on in bfloat16 reads
     half the bytes and makes no float32 copy. None elsewhere: the caller runs `layer(x)`."""
-    if not runs_bf16(layer, x):
-        return None
-    y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), onednn_packed(layer.weight, torch.bfloat16), None, "none",
-                                           [], "")
-    return y.to(out_dtype)
+    return onednn_bf16_out(x, layer.weight).to(out_dtype) if runs_bf16(layer, x) else None
 
 
 def runs_bf16(layer: nn.Module, x: torch.Tensor) -> bool:
@@ -414,7 +410,7 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     kind without `AMX_PRODUCT_ROWS`, the library not built)."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
-    if d != 64 or heads % kv_heads or not q.is_cpu or not amx_rows(torch.empty(16, 32)):
+    if d != 64 or heads % kv_heads or not q.is_cpu or not AMX_PRODUCT_ROWS.get(cpu_kind()) or amx_lib() is None:
         return None
     padded, q = -(-t // 64) * 64, q.float().contiguous()
     kb, vb = (F.pad(x.to(torch.bfloat16), (0, 0, 0, 0, 0, padded - t)) for x in (k, v))   # zero keys past t
@@ -428,7 +424,7 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a bfloat16 (M, 2I) [gate, up], as bfloat16 (M, I): cpu_amx.c's one pass
     (float32 inside, rounded once) where that library is built, else PyTorch's two operators."""
-    lib, (m, two_i) = AMX.lib if AMX.tried else AMX.load(), gate_up.shape
+    lib, (m, two_i) = amx_lib(), gate_up.shape
     if lib is None or two_i % 32 or not gate_up.is_contiguous() or gate_up.dtype != torch.bfloat16:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -459,11 +455,16 @@ def gated_mlp(gate_up: nn.Module, down: nn.Module, x: torch.Tensor) -> torch.Ten
     return down(F.silu(gate) * up)
 
 
+def onednn_bf16_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (N, I) rounded to bfloat16 @ the weight's packed bfloat16 copy in oneDNN, the output
+    bfloat16 (oneDNN rounds its float32 sums)."""
+    return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), onednn_packed(weight, torch.bfloat16), None, "none", [], "")
+
+
 def onednn_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (N, I) float32 rounded to bfloat16 @ the weight's packed bfloat16 copy in oneDNN, the
-    output (rounded to bfloat16 by oneDNN) made float32 again, the bias added in float32."""
-    y = torch.ops.mkldnn._linear_pointwise(x.bfloat16(), onednn_packed(weight, torch.bfloat16), None, "none", [], "")
-    return y.float() if bias is None else y.float().add_(bias)
+    """`onednn_bf16_out` made float32 again, the bias added in float32."""
+    y = onednn_bf16_out(x, weight).float()
+    return y if bias is None else y.add_(bias)
 
 
 def bfloat16_weights(layers: list[nn.Module]) -> tuple | None:
@@ -515,19 +516,25 @@ AMX = CKernel(Path(__file__).with_name("cpu_amx.c"), ["-O3", "-mavx512f", "-mavx
               fallback="bfloat16 products stay oneDNN's, a prompt's attention SDPA's")
 
 
-def amx_rows(weight: torch.Tensor) -> int:
-    """Up to how many rows a bfloat16 product on this float32 weight runs on cpu_amx.c (0: not
-    here): a kind `AMX_PRODUCT_ROWS` names, outputs a multiple of 16 and inputs of 32, the
-    library built and Linux's leave to use the tiles (asked once)."""
-    rows = AMX_PRODUCT_ROWS.get(cpu_kind(), 0)
-    if not rows or weight.shape[0] % 16 or weight.shape[1] % 32 or weight.dtype != torch.float32 or not weight.is_cpu:
-        return 0
+def amx_lib():
+    """cpu_amx.c, built and loaded at the first call, with Linux's leave to use the AMX tiles
+    asked for then (None where either fails: its callers take PyTorch's or oneDNN's way)."""
     if not AMX.tried:
         lib = AMX.load()
         if lib is not None and lib.amx_permit() != 0:
             warnings.warn("tinyvllm: Linux refused the AMX tile state; bfloat16 products stay oneDNN's")
             AMX.lib = None
-    return rows if AMX.lib is not None else 0
+    return AMX.lib
+
+
+def amx_rows(weight: torch.Tensor) -> int:
+    """Up to how many rows a bfloat16 product on this float32 weight runs on cpu_amx.c (0: not
+    here): a kind `AMX_PRODUCT_ROWS` names, outputs a multiple of 16 and inputs of 32, the
+    library there (`amx_lib`)."""
+    rows = AMX_PRODUCT_ROWS.get(cpu_kind(), 0)
+    if not rows or weight.shape[0] % 16 or weight.shape[1] % 32 or weight.dtype != torch.float32 or not weight.is_cpu:
+        return 0
+    return rows if amx_lib() is not None else 0
 
 
 def amx_packed(w: torch.Tensor) -> torch.Tensor:
