@@ -28,7 +28,7 @@
  * (B,) the new token's slot, or NULL where the K/V is already written (decodes beside a
  * prefill). scores: B * H * T floats of scratch, T >= the longest sequence.
  *
- * Built by cpu_attention.py with `cc -O3 -mavx2 -mfma -fno-math-errno -fopenmp`, called through
+ * Built by cpu_attention.py with `cc -O3 -mavx2 -mfma -fno-math-errno -fopenmp -DFETCH_AHEAD=0|1`, called through
  * ctypes.
  */
 #include <immintrin.h>
@@ -142,6 +142,18 @@ static void block_weighted_sum_any(float *o, const float *p, const float *v, int
         for (int64_t i = 0; i < d; i++) o[i] += p[t] * v[i];
 }
 
+/* FETCH_AHEAD (-DFETCH_AHEAD=1, cpu_attention.py's FETCH_AHEAD_KINDS): while a block is read, the
+ * next one's lines (this head's d floats of each of its tokens) are asked of memory ahead. A block's
+ * tokens lie in one place but the blocks of a sequence anywhere (the block table), so the CPU's own
+ * prefetcher cannot guess the next; without this a task waits on memory at each block. */
+#ifndef FETCH_AHEAD
+#define FETCH_AHEAD 0
+#endif
+static inline void fetch_block(const float *p, int64_t row, int64_t left, int64_t block_size, int64_t d) {
+    for (int64_t t = 0; t < (left < block_size ? left : block_size); t++)
+        for (int64_t i = 0; i < d; i += 16) _mm_prefetch((const char *)(p + t * row + i), _MM_HINT_T0);
+}
+
 void paged_decode_attention(const float *q, const float *k_new, const float *v_new, float *k_cache,
                             float *v_cache, const int64_t *slots, const int64_t *block_tables,
                             const int64_t *seq_lens, float *out, float *scores, int64_t B, int64_t H,
@@ -177,6 +189,10 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
         for (int64_t t0 = lo; t0 < hi; t0 += block_size) {   /* block by block: no division per token */
             const float *k = k_cache + table[t0 / block_size] * block_size * row + h * d;
             int64_t end = hi < t0 + block_size ? hi : t0 + block_size, t = t0;
+            if (FETCH_AHEAD)   /* the next block's keys, or after the last the first block's values */
+                fetch_block(end < hi ? k_cache + table[end / block_size] * block_size * row + h * d
+                                     : v_cache + table[lo / block_size] * block_size * row + h * d,
+                            row, end < hi ? hi - end : hi - lo, block_size, d);
             if (d % 8 == 0)
                 for (; t + 8 <= end; t += 8, k += 8 * row)
                     for (int64_t g = g0; g < g1; g++) _mm256_storeu_ps(s + g * T + t, dots8(qb + g * d, k, row, d, scale8));
@@ -191,6 +207,9 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
         for (int64_t t0 = lo; t0 < hi; t0 += block_size) {   /* a block's values, once per query head */
             const float *v = v_cache + table[t0 / block_size] * block_size * row + h * d;
             int64_t m = hi - t0 < block_size ? hi - t0 : block_size;
+            if (FETCH_AHEAD && t0 + m < hi)
+                fetch_block(v_cache + table[(t0 + m) / block_size] * block_size * row + h * d, row, hi - t0 - m,
+                            block_size, d);
             for (int64_t g = g0; g < g1; g++) block_weighted_sum_any(o + g * d, s + g * T + t0, v, m, row, d);
         }
         for (int64_t g = g0; g < g1; g++) {

@@ -27,7 +27,13 @@ from phases.p04_triton_kernels import (
     cpu_paged_attention,
     prefill_attention,
 )
-from phases.p04_triton_kernels.cpu_attention import KERNELS, c_decode_attention, c_decode_runs, c_prefill_attention
+from phases.p04_triton_kernels.cpu_attention import (
+    FETCH_AHEAD_KINDS,
+    KERNELS,
+    c_decode_attention,
+    c_decode_runs,
+    c_prefill_attention,
+)
 from phases.p04_triton_kernels.tools.kernel_cases import (
     DECODES,
     MIXED,
@@ -36,6 +42,7 @@ from phases.p04_triton_kernels.tools.kernel_cases import (
 )
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.ckernel import CKernel
+from tinyvllm.hardware import cpu_kind
 
 
 @pytest.mark.parametrize("batch", [MIXED, DECODES, [("bs+3", "bs+3")], [("2*bs+9", 8)], [("3*bs+9", 20)],
@@ -355,6 +362,24 @@ def test_c_decode_splits_long_sequences_the_same_at_any_batch(bs):
     table = meta.block_tables[0, : -(-1300 // bs)].tolist()
     alone = AttentionMetadata.build(meta.slot_mapping[:1].tolist(), [1], [1300], [table], torch.device("cpu"))
     assert torch.equal(c_decode_attention(q[:1], k_cache, v_cache, alone), out[:1])
+
+@pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+def test_c_decode_fetching_ahead_changes_no_number(monkeypatch):
+    """FETCH_AHEAD (the next block's lines asked of memory while one is read, on the kinds in
+    FETCH_AHEAD_KINDS) only changes when memory is read: the kernel built the other way gives the
+    same outputs bit for bit, over sequences of one token, a part block, whole blocks and several
+    segments."""
+    fetching = f"-DFETCH_AHEAD={int(cpu_kind() in FETCH_AHEAD_KINDS)}"
+    assert fetching in KERNELS.flags
+    flags = [f for f in KERNELS.flags if f != fetching] + [f"-DFETCH_AHEAD={int(fetching[-1] == '0')}"]
+    flipped = CKernel(KERNELS.source, flags, KERNELS.needs, KERNELS.signatures)
+    meta, k_cache, v_cache, g = make_batch([(1, 1), (23, 1), (64, 1), (1100, 1)], 16, 3, 64, torch.float32, "cpu")
+    q = torch.randn(4, 9, 64, generator=g)
+    out = c_decode_attention(q, k_cache, v_cache, meta)
+    monkeypatch.setattr(KERNELS, "lib", flipped.load())
+    assert KERNELS.lib is not None
+    assert torch.equal(c_decode_attention(q, k_cache, v_cache, meta), out)
+
 
 def test_backend_choice_on_cpu(tiny_model_dir, make_llm):
     from phases.p04_triton_kernels import attention_backend
