@@ -153,6 +153,45 @@ void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t m, int64_t int
     }
 }
 
+/* k, v (T tokens `kstride`/`vstride` floats apart, each kv_heads heads of 64 after one another)
+ * rounded to bfloat16 into amx_attention's kp and vp (below), keys from T to P zero: a key tile's
+ * 16 rows made bfloat16 pairs, then each pair's column of 16 keys gathered into a row of the tile;
+ * two rows of values interleaved into pairs. */
+void amx_pack_kv(const float *k, const float *v, int64_t kstride, int64_t vstride, uint32_t *kp, uint32_t *vp,
+                 int64_t t, int64_t kv_heads) {
+    const int64_t padded = (t + 63) / 64 * 64, ktiles = kv_heads * (padded / 16);
+    #pragma omp parallel
+    {
+        uint32_t rows[16 * 32] __attribute__((aligned(64)));
+        const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(32));
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < ktiles + kv_heads * (padded / 32); task++) {
+            if (task < ktiles) {   /* 16 keys of head g: [2 halves of d][16 pairs][16 keys] */
+                const int64_t g = task / (padded / 16), t0 = task % (padded / 16) * 16;
+                for (int r = 0; r < 16; r++)
+                    for (int c = 0; c < 4; c++) {
+                        __m512 x = t0 + r < t ? _mm512_loadu_ps(k + (t0 + r) * kstride + g * 64 + c * 16) : _mm512_setzero_ps();
+                        _mm256_store_si256((__m256i *)(rows + r * 32 + c * 8), (__m256i)_mm512_cvtneps_pbh(x));
+                    }
+                for (int c = 0; c < 32; c++)
+                    _mm512_storeu_si512(kp + task * 512 + c * 16, _mm512_i32gather_epi32(_mm512_add_epi32(column, _mm512_set1_epi32(c)), rows, 4));
+            } else {               /* 32 keys of head g: [4 quarters of d][16 pairs of keys][16] */
+                const int64_t vt = task - ktiles, g = vt / (padded / 32), t0 = vt % (padded / 32) * 32;
+                for (int c = 0; c < 16; c++)
+                    for (int j = 0; j < 4; j++) {
+                        const int64_t a = t0 + 2 * c, b = a + 1;
+                        __m512 x = a < t ? _mm512_loadu_ps(v + a * vstride + g * 64 + j * 16) : _mm512_setzero_ps();
+                        __m512 y = b < t ? _mm512_loadu_ps(v + b * vstride + g * 64 + j * 16) : _mm512_setzero_ps();
+                        __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x));
+                        __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(y)), 16);
+                        _mm512_storeu_si512(vp + (vt * 4 + j) * 256 + c * 16, _mm512_or_si512(lo, hi));
+                    }
+            }
+        }
+    }
+}
+
 /* A prompt's causal attention on AMX tiles, heads of d = 64 (phase 4's prefill of a prompt with
  * nothing cached, `dtype="auto"` on the amx kind): flash attention's loop, a block of 16 queries
  * of one head against 64 keys at a time, an online softmax in float32 between the two products.

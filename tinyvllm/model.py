@@ -412,10 +412,10 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     kv_heads = k.shape[1]
     if d != 64 or heads % kv_heads or not q.is_cpu or not AMX_PRODUCT_ROWS.get(cpu_kind()) or amx_lib() is None:
         return None
-    padded, q = -(-t // 64) * 64, q.float().contiguous()
-    kb, vb = (F.pad(x.to(torch.bfloat16), (0, 0, 0, 0, 0, padded - t)) for x in (k, v))   # zero keys past t
-    kp = kb.view(padded // 16, 16, kv_heads, 2, 16, 2).permute(2, 0, 3, 4, 1, 5).contiguous()
-    vp = vb.view(padded // 32, 16, 2, kv_heads, 4, 16).permute(3, 0, 4, 1, 5, 2).contiguous()
+    q, (k, v) = q.float().contiguous(), (x if x.dtype == torch.float32 and x.stride()[1:] == (64, 1)
+                                           else x.float().contiguous() for x in (k, v))
+    kp, vp = (torch.empty(kv_heads * -(-t // 64) * 64 * 32, dtype=torch.int32) for _ in range(2))
+    AMX.lib.amx_pack_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kp.data_ptr(), vp.data_ptr(), t, kv_heads)
     out = q.new_empty(t, heads, 64)
     AMX.lib.amx_attention(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), t, heads, kv_heads, d ** -0.5)
     return out
@@ -512,7 +512,8 @@ AMX = CKernel(Path(__file__).with_name("cpu_amx.c"), ["-O3", "-mavx512f", "-mavx
               "-fopenmp", "-shared", "-fPIC"], AMX_BF16_FLAGS,
               {"amx_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3,
                "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
-               "amx_attention": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float]},
+               "amx_attention": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float],
+               "amx_pack_kv": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2},
               fallback="bfloat16 products stay oneDNN's, a prompt's attention SDPA's")
 
 
