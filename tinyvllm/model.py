@@ -402,12 +402,14 @@ def runs_bf16(layer: nn.Module, x: torch.Tensor) -> bool:
             and not (w.requires_grad and torch.is_grad_enabled()))
 
 
-def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Causal attention of a prompt with nothing cached: q (T, H, 64), k, v (T, KVH, 64) ->
-    (T, H, 64) float32, on cpu_amx.c's AMX tiles (`amx_attention` there: q, k and v rounded to
-    bfloat16, their products summed in float32, the softmax in float32, its weights rounded to
-    bfloat16 for the second product); None where it does not run (heads of another size, a CPU
-    kind without `AMX_PRODUCT_ROWS`, the library not built)."""
+    (T, H, 64) float32 (written into `out` where given: contiguous float32), on cpu_amx.c's AMX
+    tiles (`amx_attention` there: q, k and v rounded to bfloat16, their products summed in
+    float32, the softmax in float32, its weights rounded to bfloat16 for the second product);
+    None where it does not run (heads of another size, a CPU kind without `AMX_PRODUCT_ROWS`, the
+    library not built)."""
     t, heads, d = q.shape
     kv_heads = k.shape[1]
     if d != 64 or heads % kv_heads or not q.is_cpu or not AMX_PRODUCT_ROWS.get(cpu_kind()) or amx_lib() is None:
@@ -416,7 +418,8 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Te
                                            else x.float().contiguous() for x in (k, v))
     kp, vp = (torch.empty(kv_heads * -(-t // 64) * 64 * 32, dtype=torch.int32) for _ in range(2))
     AMX.lib.amx_pack_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kp.data_ptr(), vp.data_ptr(), t, kv_heads)
-    out = q.new_empty(t, heads, 64)
+    if out is None or out.dtype != torch.float32 or not out.is_contiguous():
+        out = q.new_empty(t, heads, 64)
     AMX.lib.amx_attention(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), t, heads, kv_heads, d ** -0.5)
     return out
 

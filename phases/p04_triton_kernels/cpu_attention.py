@@ -247,8 +247,9 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
             vb = v_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]
         if c_prefill and c_prefill_runs(q[rows], kb, vb, out[rows]):
             c_prefill_attention(q[rows], kb, vb, out[rows], bf16_prefill and q.shape[2] % 32 == 0)
-        elif bf16_prefill and lens[b] == tq and (amx := amx_attention(q[rows], kb, vb)) is not None:
-            out[rows] = amx                                      # a whole prompt on AMX tiles
+        elif bf16_prefill and lens[b] == tq and (amx := amx_attention(q[rows], kb, vb, out[rows])) is not None:
+            if amx.data_ptr() != out[rows].data_ptr():           # a whole prompt on AMX tiles
+                out[rows] = amx
         elif bf16_prefill and cpu_kind() not in PREFILL_KINDS:   # SDPA's products on bfloat16 copies
             out[rows] = prefill_attention(*(x.to(torch.bfloat16) for x in (q[rows], kb, vb)))
         else:

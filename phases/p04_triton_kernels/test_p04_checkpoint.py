@@ -199,6 +199,8 @@ def test_a_prompt_s_attention_on_amx_tiles_errs_as_bfloat16_operands_do(t, h, kv
     rounding = (float64_attention(*bf16_rounded(q, k, v)) - ref).abs().max()
     assert error <= 2 * rounding + 1e-6, (error, rounding)
     assert amx_attention(q[..., :32], k[..., :32], v[..., :32]) is None      # heads of 32: not its
+    into = torch.empty(t, h, 64)                                               # the caller's rows: no copy
+    assert amx_attention(q, k, v, into) is into and torch.equal(into, out)
 
 
 @BF16_PREFILL
@@ -257,16 +259,21 @@ def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_l
     assert seen == [False, False, True, True]
     sdpa, amx = [], []
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda q, k, v: sdpa.append(q.dtype) or q)
-    monkeypatch.setattr(cpu_attention, "amx_attention", lambda q, k, v: amx.append(len(q)))   # None: not here
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda q, k, v, out: amx.append(len(q)))   # None: not here
     monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "amx")
     for flag in (False, True):
         cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=flag)
     assert seen == [False, False, True, True] and sdpa == [torch.float32] * 2 + [torch.bfloat16] * 2
     assert amx == [20, 20]                   # whole prompts in bfloat16 ask cpu_amx.c first
-    monkeypatch.setattr(cpu_attention, "amx_attention", lambda q, k, v: amx.append(len(q)) or q.clone())
+    monkeypatch.setattr(cpu_attention, "amx_attention", lambda q, k, v, out: amx.append(len(q)) or q.clone())
     sdpa.clear()
     cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=True)
     assert sdpa == [] and amx == [20] * 4
+    from tinyvllm.model import amx_attention
+    if amx_attention(q[:20], k[:20], k[:20]) is not None:   # the real one writes each prompt's rows in place
+        monkeypatch.setattr(cpu_attention, "amx_attention", amx_attention)
+        out = cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=True)
+        assert torch.equal(out, torch.cat([amx_attention(q[r], k[r], k[r]) for r in (slice(0, 20), slice(20, 40))]))
 
 
 def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch):
