@@ -382,6 +382,34 @@ def test_rmsnorm_runs_cpu_norm_c_without_autograd(monkeypatch):
             assert torch.equal(fast, c[0])
 
 
+def test_a_layer_s_residual_add_joins_the_c_norm_with_the_same_numbers(monkeypatch):
+    """On a kind NORM_MODULE_KINDS names, a decoder layer adds attention's output to its input and
+    normalizes the sum in one cpu_norm.c pass: the numbers of the add and then the module's norm,
+    bit for bit, and the caller's input is left as it was."""
+    from tinyvllm import model
+    from tinyvllm.config import ModelConfig
+
+    if not (model.FUSED_NORM_HERE and model.NORM.available()):
+        pytest.skip("cpu_norm.c's add + RMSNorm is not this kind's")
+    monkeypatch.setattr(model, "NORM_MODULE_HERE", True)
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=64, hidden_size=96, intermediate_size=160, num_hidden_layers=1,
+                         num_attention_heads=3, num_key_value_heads=1, head_dim=32)
+    layer = model.LlamaDecoderLayer(config, 0).requires_grad_(False)
+    for p in layer.parameters():
+        p.normal_(0, 0.2)
+    attn = lambda i, q, k, v: q * 0.5 + k.repeat_interleave(3, 1)     # any attention: its output is added
+    x, rope = torch.randn(70, 96), (torch.ones(70, 1, 32), torch.zeros(70, 1, 32))
+    before, real, joined = x.clone(), model.fused_add_rms_norm, []
+    monkeypatch.setattr(model, "fused_add_rms_norm", lambda x, r, *a: joined.append(r is not None) or real(x, r, *a))
+    with torch.inference_mode():
+        out = layer(x, rope, attn)
+        assert joined.count(True) == 1                                 # the add went into the norm's call
+        h = x + layer.self_attn(layer.input_layernorm(x), rope, attn)
+        assert torch.equal(out, h + layer.mlp(layer.post_attention_layernorm(h)))
+    assert torch.equal(x, before)
+
+
 def test_rope_in_c_gives_pytorch_s_numbers_bit_for_bit(monkeypatch):
     """`apply_rotary` on float32 rows without autograd, on a kind ROPE_KINDS names: cpu_norm.c's
     `rope` on q and k as views of one qkv product, PyTorch's operators' bits; a layout it does not

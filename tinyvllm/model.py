@@ -250,21 +250,23 @@ FUSED_NORM_KINDS = ("avx2", "avx512_vnni", "amx")
 FUSED_NORM_HERE = cpu_kind() in FUSED_NORM_KINDS   # asked once: cpu_kind() costs a microsecond a call
 
 
-def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None,
-                       norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor] | None:
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                       out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """vLLM's fused residual add + RMSNorm in one call of cpu_norm.c, for float32 rows (N, D) in a
     CPU's memory: residual += x, then x = norm(residual), both in place, returns (x, residual);
-    without a residual, (norm(x), x). None where it does not run (another dtype or device, a
-    graph being traced, a CPU kind not in FUSED_NORM_KINDS, no C compiler): the caller takes
-    PyTorch's operators."""
+    without a residual, (norm(x), x). Given `out` (x's shape, contiguous), the norm goes there and
+    x is only read. None where it does not run (another dtype or device, a graph being traced, a
+    CPU kind not in FUSED_NORM_KINDS, no C compiler): the caller takes PyTorch's operators."""
     w = norm.weight
     if (x.dtype != torch.float32 or w.dtype != torch.float32 or not x.is_cpu or x.dim() != 2
             or not x.is_contiguous() or w.shape != x.shape[1:]
-            or (residual is not None and (residual.shape != x.shape or not residual.is_contiguous()))
+            or any(t is not None and (t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous())
+                   for t in (residual, out))
             or torch.compiler.is_compiling() or not FUSED_NORM_HERE
             or (NORM.lib if NORM.tried else NORM.load()) is None):   # built and loaded at the first call only
         return None
-    out = torch.empty_like(x) if residual is None else x
+    if out is None:
+        out = torch.empty_like(x) if residual is None else x
     NORM.lib.add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), w.data_ptr(),
                           out.data_ptr(), x.shape[0], x.shape[1], norm.eps)
     return out, x if residual is None else residual
@@ -648,7 +650,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope, attn):
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
+        h = self.self_attn(self.input_layernorm(x), rope, attn)
+        # where the RMSNorm module is cpu_norm.c's, the residual add joins it: h = x + h, then its
+        # norm, in one pass (an add is an add: the same numbers); x, the caller's, is only read
+        if NORM_MODULE_HERE and not torch.is_grad_enabled() and (
+                fused := fused_add_rms_norm(x, h, self.post_attention_layernorm, torch.empty_like(h))) is not None:
+            return fused[1] + self.mlp(fused[0])
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
