@@ -196,7 +196,9 @@ void amx_pack_kv(const float *k, const float *v, int64_t kstride, int64_t vstrid
  * nothing cached, `dtype="auto"` on the amx kind): flash attention's loop, a block of 16 queries
  * of one head against 64 keys at a time, an online softmax in float32 between the two products.
  *   S (16 x 64) = Q (16 x 64, two A tiles) . K^T          four C tiles, K packed as B tiles
- *   P = 2^(S * scale * log2 e - running max), bfloat16    AVX-512, the running sum in float32
+ *   P = 2^(S * scale * log2 e - running max), bfloat16    AVX-512: the 16 rows' maxima first, then
+ *                                                       their rescales in one vector; a row's
+ *                                                       running sum in 16 lanes to the end
  *   O (16 x 64) = O * 2^(old max - new max) + P . V       four C tiles, V packed as B tiles
  * q: (T, heads, 64) float32, each block of 16 rounded to bfloat16 here (rows past T zero); kp:
  * each KV head's keys as [P/16][2][16 pairs of d][16 keys][2], vp: its values as [P/32][4][16
@@ -222,14 +224,15 @@ void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float
         configure_tiles(8);
         float s[16 * 64] __attribute__((aligned(64))), o[16 * 64] __attribute__((aligned(64)));
         uint16_t p[16 * 64] __attribute__((aligned(64))), qt[16 * 64] __attribute__((aligned(64)));
-        float m[16], l[16], alpha[16];
+        float m[16] __attribute__((aligned(64))), mnew[16] __attribute__((aligned(64)));
+        float alpha[16] __attribute__((aligned(64))), l[16 * 16] __attribute__((aligned(64)));
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < heads * qblocks; task++) {
             const int64_t qb = qblocks - 1 - task / heads, h = task % heads, g = h / group;   /* longest first */
             const int64_t i0 = qb * 16, last = i0 / 64;
             for (int r = 0; r < 16; r++) {   /* the block's queries rounded to bfloat16, rows past t zero */
                 m[r] = -INFINITY;
-                l[r] = 0.f;
+                _mm512_store_ps(l + r * 16, _mm512_setzero_ps());
                 for (int c = 0; c < 4; c++) {
                     __m512 x = i0 + r < t ? _mm512_loadu_ps(q + ((i0 + r) * heads + h) * 64 + c * 16) : _mm512_setzero_ps();
                     _mm256_store_si256((__m256i *)(qt + r * 64 + c * 16), (__m256i)_mm512_cvtneps_pbh(x));
@@ -239,27 +242,33 @@ void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float
             for (int64_t j = 0; j <= last; j++) {
                 const uint16_t *kb = kp + (g * (padded / 16) + j * 4) * 2 * 512;
                 BLOCK(qt, QK)
-                for (int r = 0; r < 16; r++) {
-                    __m512 x[4], mx = _mm512_set1_ps(-INFINITY);
+                for (int r = 0; r < 16; r++) {   /* the scores in base 2, masked, and each row's maximum */
+                    __m512 mx = _mm512_set1_ps(-INFINITY);
                     for (int c = 0; c < 4; c++) {
-                        x[c] = _mm512_mul_ps(_mm512_load_ps(s + r * 64 + c * 16), _mm512_set1_ps(scale2));
+                        __m512 x = _mm512_mul_ps(_mm512_load_ps(s + r * 64 + c * 16), _mm512_set1_ps(scale2));
                         if (j == last) {   /* keys past this query masked */
                             int64_t allowed = i0 + r - (j * 64 + c * 16) + 1;
                             __mmask16 keep = allowed >= 16 ? 0xFFFF : allowed <= 0 ? 0 : (__mmask16)((1u << allowed) - 1);
-                            x[c] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, x[c]);
+                            x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, x);
                         }
-                        mx = _mm512_max_ps(mx, x[c]);
+                        _mm512_store_ps(s + r * 64 + c * 16, x);
+                        mx = _mm512_max_ps(mx, x);
                     }
-                    const float mnew = fmaxf(m[r], _mm512_reduce_max_ps(mx));
-                    alpha[r] = exp2f(m[r] - mnew);
-                    m[r] = mnew;
-                    __m512 sum = _mm512_setzero_ps();
+                    mnew[r] = _mm512_reduce_max_ps(mx);
+                }
+                /* the 16 rows' new maxima and rescales at once: alpha = 2^(old max - new max) */
+                const __m512 mold = _mm512_load_ps(m), mn = _mm512_max_ps(mold, _mm512_load_ps(mnew));
+                _mm512_store_ps(alpha, exp2_16(_mm512_sub_ps(mold, mn)));
+                _mm512_store_ps(m, mn);
+                for (int r = 0; r < 16; r++) {   /* P = 2^(x - max), bfloat16; each row's sum kept in 16 lanes */
+                    __m512 x[4], sum = _mm512_setzero_ps();
                     for (int c = 0; c < 4; c++) {
+                        x[c] = _mm512_load_ps(s + r * 64 + c * 16);
                         __mmask16 live = _mm512_cmp_ps_mask(x[c], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                        x[c] = _mm512_maskz_mov_ps(live, exp2_16(_mm512_sub_ps(x[c], _mm512_set1_ps(mnew))));
+                        x[c] = _mm512_maskz_mov_ps(live, exp2_16(_mm512_sub_ps(x[c], _mm512_set1_ps(m[r]))));
                         sum = _mm512_add_ps(sum, x[c]);
                     }
-                    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+                    _mm512_store_ps(l + r * 16, _mm512_fmadd_ps(_mm512_load_ps(l + r * 16), _mm512_set1_ps(alpha[r]), sum));
                     _mm512_store_si512((__m512i *)(p + r * 64), (__m512i)_mm512_cvtne2ps_pbh(x[1], x[0]));
                     _mm512_store_si512((__m512i *)(p + r * 64 + 32), (__m512i)_mm512_cvtne2ps_pbh(x[3], x[2]));
                 }
@@ -275,7 +284,8 @@ void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float
             for (int r = 0; r < 16 && i0 + r < t; r++)
                 for (int c = 0; c < 4; c++)
                     _mm512_storeu_ps(out + ((i0 + r) * heads + h) * 64 + c * 16,
-                                     _mm512_mul_ps(_mm512_load_ps(o + r * 64 + c * 16), _mm512_set1_ps(1.f / l[r])));
+                                     _mm512_mul_ps(_mm512_load_ps(o + r * 64 + c * 16),
+                                                   _mm512_set1_ps(1.f / _mm512_reduce_add_ps(_mm512_load_ps(l + r * 16)))));
         }
         _tile_release();
     }
