@@ -264,8 +264,9 @@ def test_bfloat16_products_reach_every_layer_an_engine_runs(tiny_codes_dir, monk
 def test_the_amx_product_sums_bfloat16_operands_in_float32(rows):
     """cpu_amx.c (the amx kind's bfloat16 products, up to AMX_PRODUCT_ROWS rows): x and the
     weight rounded to bfloat16, their products summed in float32 and returned unrounded, the bias
-    added; past 64 rows in a second pass over the weight; a weight changed in place packed again.
-    Outputs not a multiple of 16, or inputs of 32, are not its (they take oneDNN's)."""
+    added; past 64 rows in a second pass over the weight; a weight changed in place packed again;
+    a wide weight's outputs in groups and its inputs in chunks (`CHUNK_KB`, `GROUP`). Outputs not a
+    multiple of 16, or inputs of 32, are not its (they take oneDNN's)."""
     from tinyvllm.model import amx_matmul, amx_rows
 
     torch.manual_seed(rows)
@@ -277,6 +278,9 @@ def test_the_amx_product_sums_bfloat16_operands_in_float32(rows):
     w.mul_(2)
     torch.testing.assert_close(amx_matmul(x, w, None).double(), 2 * exact, rtol=1e-5, atol=1e-4)
     assert amx_rows(torch.randn(40, 320)) == amx_rows(torch.randn(96, 100)) == 0
+    wide, xs = torch.randn(1040, 800), torch.randn(rows, 800)   # several groups of outputs, inputs in chunks
+    torch.testing.assert_close(amx_matmul(xs, wide, None).double(), xs.bfloat16().double() @ wide.bfloat16().double().T,
+                               rtol=1e-5, atol=1e-4)
 
 
 def test_bfloat16_products_take_the_amx_kernel_up_to_its_rows(monkeypatch):

@@ -24,6 +24,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <omp.h>
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -57,6 +58,11 @@ static void round_rows(const float *x, uint16_t *xb, int64_t m0, int64_t m, int6
         }
 }
 
+/* The rows' tiles are read again for every 16 outputs: a chunk of the inputs at a time (CHUNK_KB KB of
+ * them over the rows' tiles: in the core's L1 cache) for a group of GROUP output blocks, whose C tiles
+ * wait in `parts` between chunks (the same sums in the same order). */
+#define CHUNK_KB 24
+#define GROUP 16
 /* C tile t += the t-th 16 rows of xb against the B tile in register 5 (tile numbers must be constants) */
 #define DOT(t) { _tile_loadd(4, xb + (t) * 16 * k + kb * 32, k * 2); _tile_dpbf16ps(t, 4, 5); }
 #define STORE(t) { _tile_stored(t, sums, 64); put(sums, y, bias, m0 + (t) * 16, m, nb, n); }
@@ -67,34 +73,54 @@ static void put(const float *sums, float *y, const float *bias, int64_t row, int
             y[(row + r) * n + nb * 16 + j] = sums[r * 16 + j] + (bias ? bias[nb * 16 + j] : 0.0f);
 }
 
+/* C tiles 0..tiles-1 from the 16 x 16 float32 blocks 1 KB apart at `part` (load), or to them (store) */
+#define PARTS(op) { op(0, part, 64);                         \
+                    if (tiles > 1) op(1, part + 256, 64);      \
+                    if (tiles > 2) op(2, part + 512, 64);      \
+                    if (tiles > 3) op(3, part + 768, 64); }
+
 void amx_linear(const float *x, const uint16_t *w, const float *bias, float *y, uint16_t *xb,
                 int64_t m, int64_t n, int64_t k) {
-    const int64_t kbn = k / 32;
+    const int64_t kbn = k / 32, nbn = n / 16;
     for (int64_t m0 = 0; m0 < m; m0 += 64) {
         const int64_t tiles = (m - m0 + 15) / 16 < 4 ? (m - m0 + 15) / 16 : 4;
+        const int64_t kc = CHUNK_KB / tiles;   /* blocks of 32 inputs a chunk */
         round_rows(x, xb, m0, m, tiles, k);
         #pragma omp parallel
         {
             configure_tiles(6);
-            float sums[256] __attribute__((aligned(64)));
-            #pragma omp for schedule(static)
-            for (int64_t nb = 0; nb < n / 16; nb++) {
-                const uint16_t *wn = w + nb * kbn * 512;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t kb = 0; kb < kbn; kb++) {
-                    for (int line = 0; line < 16; line++)   /* the B tile four ahead, 16 cache lines */
-                        _mm_prefetch((const char *)(wn + (kb + 4) * 512 + line * 32), _MM_HINT_T0);
-                    _tile_loadd(5, wn + kb * 512, 64);
-                    DOT(0)
-                    if (tiles > 1) DOT(1)
-                    if (tiles > 2) DOT(2)
-                    if (tiles > 3) DOT(3)
+            float sums[256] __attribute__((aligned(64))), parts[GROUP * 4 * 256] __attribute__((aligned(64)));
+            const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+            const int64_t lo = nbn * id / threads, hi = nbn * (id + 1) / threads;   /* this thread's outputs */
+            for (int64_t g0 = lo; g0 < hi; g0 += GROUP)
+                for (int64_t kb0 = 0; kb0 < kbn; kb0 += kc) {
+                    const int64_t g1 = g0 + GROUP < hi ? g0 + GROUP : hi, kb1 = kb0 + kc < kbn ? kb0 + kc : kbn;
+                    for (int64_t nb = g0; nb < g1; nb++) {
+                        const uint16_t *wn = w + nb * kbn * 512;
+                        float *part = parts + (nb - g0) * 4 * 256;
+                        if (kb0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
+                        else PARTS(_tile_loadd)
+                        for (int64_t kb = kb0; kb < kb1; kb++) {
+                            /* the B tile four ahead in this order (the next output block's chunk after this one's), 16 lines */
+                            const uint16_t *ahead = wn + (kb + 4 < kb1 ? kb + 4 : kbn + kb0 + kb + 4 - kb1) * 512;
+                            for (int line = 0; line < 16; line++)
+                                _mm_prefetch((const char *)(ahead + line * 32), _MM_HINT_T0);
+                            _tile_loadd(5, wn + kb * 512, 64);
+                            DOT(0)
+                            if (tiles > 1) DOT(1)
+                            if (tiles > 2) DOT(2)
+                            if (tiles > 3) DOT(3)
+                        }
+                        if (kb1 < kbn)
+                            PARTS(_tile_stored)
+                        else {
+                            STORE(0)
+                            if (tiles > 1) STORE(1)
+                            if (tiles > 2) STORE(2)
+                            if (tiles > 3) STORE(3)
+                        }
+                    }
                 }
-                STORE(0)
-                if (tiles > 1) STORE(1)
-                if (tiles > 2) STORE(2)
-                if (tiles > 3) STORE(3)
-            }
             _tile_release();
         }
     }
