@@ -218,9 +218,10 @@ void amx_pack_kv(const float *k, const float *v, int64_t kstride, int64_t vstrid
     }
 }
 
-/* A prompt's causal attention on AMX tiles, heads of d = 64 (phase 4's prefill of a prompt with
- * nothing cached, `dtype="auto"` on the amx kind): flash attention's loop, a block of 16 queries
- * of one head against 64 keys at a time, an online softmax in float32 between the two products.
+/* A prompt's causal attention on AMX tiles, heads of d = 64 (phase 4's prefill, `dtype="auto"` on
+ * the amx kind): the T queries are the last T of TK keys (TK > T: a chunk after cached keys, its
+ * mask lower-right); flash attention's loop, a block of 16 queries of one head against 64 keys at
+ * a time, an online softmax in float32 between the two products.
  *   S (16 x 64) = Q (16 x 64, two A tiles) . K^T          four C tiles, K packed as B tiles
  *   P = 2^(S * scale * log2 e - running max), bfloat16    AVX-512: the 16 rows' maxima first, then
  *                                                       their rescales in one vector; a row's
@@ -228,8 +229,8 @@ void amx_pack_kv(const float *k, const float *v, int64_t kstride, int64_t vstrid
  *   O (16 x 64) = O * 2^(old max - new max) + P . V       four C tiles, V packed as B tiles
  * q: (T, heads, 64) float32, each block of 16 rounded to bfloat16 here (rows past T zero); kp:
  * each KV head's keys as [P/16][2][16 pairs of d][16 keys][2], vp: its values as [P/32][4][16
- * pairs of keys][16 of d][2], P = T rounded up to 64, keys past T zero (tinyvllm.model's
- * `amx_attention` packs both); out (T, heads, 64) float32. */
+ * pairs of keys][16 of d][2], P = TK rounded up to 64, keys past TK zero (tinyvllm.model's
+ * `amx_attention` packs both, `amx_pack_kv`); out (T, heads, 64) float32. */
 #define QK(c) { _tile_loadd(6, kb + ((c) * 2) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
                 _tile_loadd(7, kb + ((c) * 2 + 1) * 512, 64); _tile_dpbf16ps(c, 5, 7); }
 /* C tiles 0-3 = A tiles 4 and 5 (`a`: 16 rows of 64 bfloat16, a tile each half) against four pairs
@@ -241,9 +242,9 @@ void amx_pack_kv(const float *k, const float *v, int64_t kstride, int64_t vstrid
 #define PV(c) { _tile_loadd(6, vb + (c) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
                 _tile_loadd(7, vb + (4 + (c)) * 512, 64); _tile_dpbf16ps(c, 5, 7); }
 
-void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float *out, int64_t t,
+void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float *out, int64_t t, int64_t tk,
                    int64_t heads, int64_t kv_heads, float scale) {
-    const int64_t qblocks = (t + 15) / 16, group = heads / kv_heads, padded = (t + 63) / 64 * 64;
+    const int64_t qblocks = (t + 15) / 16, group = heads / kv_heads, padded = (tk + 63) / 64 * 64;
     const float scale2 = scale * 1.44269504f;   /* the scores in base 2: e^(s scale) = 2^(s scale log2 e) */
     #pragma omp parallel
     {
@@ -255,7 +256,8 @@ void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < heads * qblocks; task++) {
             const int64_t qb = qblocks - 1 - task / heads, h = task % heads, g = h / group;   /* longest first */
-            const int64_t i0 = qb * 16, last = i0 / 64;
+            /* query i0 + r sits at key position p0 + r: the queries are the last t of the tk keys */
+            const int64_t i0 = qb * 16, p0 = tk - t + i0, last = (p0 + 15 < tk - 1 ? p0 + 15 : tk - 1) / 64;
             for (int r = 0; r < 16; r++) {   /* the block's queries rounded to bfloat16, rows past t zero */
                 m[r] = -INFINITY;
                 _mm512_store_ps(l + r * 16, _mm512_setzero_ps());
@@ -272,8 +274,8 @@ void amx_attention(const float *q, const uint16_t *kp, const uint16_t *vp, float
                     __m512 mx = _mm512_set1_ps(-INFINITY);
                     for (int c = 0; c < 4; c++) {
                         __m512 x = _mm512_mul_ps(_mm512_load_ps(s + r * 64 + c * 16), _mm512_set1_ps(scale2));
-                        if (j == last) {   /* keys past this query masked */
-                            int64_t allowed = i0 + r - (j * 64 + c * 16) + 1;
+                        if (j * 64 + 63 > p0) {   /* keys past this query masked */
+                            int64_t allowed = p0 + r - (j * 64 + c * 16) + 1;
                             __mmask16 keep = allowed >= 16 ? 0xFFFF : allowed <= 0 ? 0 : (__mmask16)((1u << allowed) - 1);
                             x = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), keep, x);
                         }

@@ -406,23 +406,24 @@ def runs_bf16(layer: nn.Module, x: torch.Tensor) -> bool:
 
 def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Causal attention of a prompt with nothing cached: q (T, H, 64), k, v (T, KVH, 64) ->
-    (T, H, 64) float32 (written into `out` where given: contiguous float32), on cpu_amx.c's AMX
-    tiles (`amx_attention` there: q, k and v rounded to bfloat16, their products summed in
-    float32, the softmax in float32, its weights rounded to bfloat16 for the second product);
-    None where it does not run (heads of another size, a CPU kind without `AMX_PRODUCT_ROWS`, the
-    library not built)."""
-    t, heads, d = q.shape
-    kv_heads = k.shape[1]
-    if d != 64 or heads % kv_heads or not q.is_cpu or not AMX_PRODUCT_ROWS.get(cpu_kind()) or amx_lib() is None:
+    """Causal attention of a prompt's queries q (T, H, 64), the last T of the keys k, v (TK, KVH,
+    64), TK >= T (more: a chunk after cached keys) -> (T, H, 64) float32 (written into `out` where
+    given: contiguous float32), on cpu_amx.c's AMX tiles (`amx_attention` there: q, k and v rounded
+    to bfloat16, their products summed in float32, the softmax in float32, its weights rounded to
+    bfloat16 for the second product); None where it does not run (heads of another size, a CPU
+    kind without `AMX_PRODUCT_ROWS`, the library not built)."""
+    (t, heads, d), (tk, kv_heads) = q.shape, k.shape[:2]
+    if (d != 64 or heads % kv_heads or tk < t or not q.is_cpu or not AMX_PRODUCT_ROWS.get(cpu_kind())
+            or amx_lib() is None):
         return None
     q, (k, v) = q.float().contiguous(), (x if x.dtype == torch.float32 and x.stride()[1:] == (64, 1)
                                            else x.float().contiguous() for x in (k, v))
-    kp, vp = (torch.empty(kv_heads * -(-t // 64) * 64 * 32, dtype=torch.int32) for _ in range(2))
-    AMX.lib.amx_pack_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kp.data_ptr(), vp.data_ptr(), t, kv_heads)
+    kp, vp = (torch.empty(kv_heads * -(-tk // 64) * 64 * 32, dtype=torch.int32) for _ in range(2))
+    AMX.lib.amx_pack_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kp.data_ptr(), vp.data_ptr(), tk, kv_heads)
     if out is None or out.dtype != torch.float32 or not out.is_contiguous():
         out = q.new_empty(t, heads, 64)
-    AMX.lib.amx_attention(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), t, heads, kv_heads, d ** -0.5)
+    AMX.lib.amx_attention(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), t, tk, heads, kv_heads,
+                          d ** -0.5)
     return out
 
 
@@ -517,7 +518,7 @@ AMX = CKernel(Path(__file__).with_name("cpu_amx.c"), ["-O3", "-mavx512f", "-mavx
               "-fopenmp", "-shared", "-fPIC"], AMX_BF16_FLAGS,
               {"amx_linear": [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3,
                "silu_and_mul": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2,
-               "amx_attention": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_float],
+               "amx_attention": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_float],
                "amx_pack_kv": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2},
               fallback="bfloat16 products stay oneDNN's, a prompt's attention SDPA's")
 

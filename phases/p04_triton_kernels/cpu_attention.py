@@ -23,9 +23,9 @@ kernels. What it changes from phase 2's `paged_attention`:
   block table in place (`c_tail_attention`). Where the engine multiplies in bfloat16
   (`dtype="auto"` on a CPU kind in `PREFILL_BF16_KINDS`), so do a prompt's attention products:
   the same loop's (`causal_prefill_attention_bf16`, AVX512-BF16) where the kind's prefill is the
-  C kernel's, else a whole prompt's on tinyvllm's own AMX tiles where they run (the amx kind:
-  tinyvllm.model's `amx_attention`, cpu_amx.c), a chunk after cached keys SDPA's over bfloat16
-  copies; the softmax stays float32.
+  C kernel's, else on tinyvllm's own AMX tiles where they run (the amx kind: tinyvllm.model's
+  `amx_attention`, cpu_amx.c; a chunk after cached keys over the keys gathered from its blocks),
+  else SDPA's over bfloat16 copies; the softmax stays float32.
 - Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
   the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
   about ten operator calls (float32 cache, AVX2; elsewhere phase 2's). In a step of decodes only
@@ -74,9 +74,10 @@ PREFILL_MIN_QUERIES = 16
 # EPYC (2,000 tokens 17.1 against 28.2 ms a layer, kernels-prefill-bf16-zen4-avx512.json); SDPA's
 # over bfloat16 copies on the amx kind, not in PREFILL_KINDS, where PyTorch's flash kernel runs
 # them on AMX tiles (a Xeon: 9.9 against SDPA's float32 26.6 ms, kernels-prefill-bf16-xeon-amx.json;
-# the C kernel's bfloat16 loop there 35.4, lab note 4). There a whole prompt (nothing cached, heads
-# of 64) takes tinyvllm's own AMX loop first (tinyvllm.model's `amx_attention`: 2,000 tokens 8.2-8.6
-# against SDPA's 9.8-10.4 ms with its copies; `LLM()`'s first token 0.799 -> 0.727 s, lab note 4).
+# the C kernel's bfloat16 loop there 35.4, lab note 4). There a prompt's chunk (heads of 64) takes
+# tinyvllm's own AMX loop first (tinyvllm.model's `amx_attention`: 2,000 tokens 6.0-6.3 against
+# SDPA's 9.8-10.4 ms with its copies; 48 chat prompts after a cached prefix, their prefill step
+# 0.56-0.58 -> 0.37-0.40 s, lab note 4).
 PREFILL_BF16_KINDS = ("avx512_vnni", "amx")
 # The op SDPA's CPU flash kernel is: (q, k, v, dropout_p, is_causal) -> (out, logsumexp), the
 # second the log of each query's sum of exp(score), which SDPA itself drops. Heads may be grouped.
@@ -247,8 +248,8 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
             vb = v_cache.index_select(0, blocks).flatten(0, 1)[: lens[b]]
         if c_prefill and c_prefill_runs(q[rows], kb, vb, out[rows]):
             c_prefill_attention(q[rows], kb, vb, out[rows], bf16_prefill and q.shape[2] % 32 == 0)
-        elif bf16_prefill and lens[b] == tq and (amx := amx_attention(q[rows], kb, vb, out[rows])) is not None:
-            if amx.data_ptr() != out[rows].data_ptr():           # a whole prompt on AMX tiles
+        elif bf16_prefill and (amx := amx_attention(q[rows], kb, vb, out[rows])) is not None:
+            if amx.data_ptr() != out[rows].data_ptr():           # on AMX tiles (after cached keys too)
                 out[rows] = amx
         elif bf16_prefill and cpu_kind() not in PREFILL_KINDS:   # SDPA's products on bfloat16 copies
             out[rows] = prefill_attention(*(x.to(torch.bfloat16) for x in (q[rows], kb, vb)))

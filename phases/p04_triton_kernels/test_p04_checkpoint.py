@@ -177,19 +177,21 @@ def test_the_bf16_prefill_kernel_errs_as_bfloat16_operands_do(way, tq, tk, h, kv
     assert (way(q, k, v, bf16=False).double() - ref).abs().max() < error / 10
 
 
-@pytest.mark.parametrize("t,h,kvh", [(1, 9, 3), (16, 9, 3), (70, 9, 3), (300, 6, 2), (129, 8, 1), (2000, 9, 3)])
+@pytest.mark.parametrize("t,tk,h,kvh", [(1, 1, 9, 3), (16, 16, 9, 3), (70, 70, 9, 3), (300, 300, 6, 2), (129, 129, 8, 1),
+                                        (2000, 2000, 9, 3), (20, 42, 9, 3), (1, 77, 9, 3), (50, 130, 6, 2), (512, 2000, 9, 3)])
 @pytest.mark.parametrize("spread", [1.0, 300.0])
-def test_a_prompt_s_attention_on_amx_tiles_errs_as_bfloat16_operands_do(t, h, kvh, spread):
+def test_a_prompt_s_attention_on_amx_tiles_errs_as_bfloat16_operands_do(t, tk, h, kvh, spread):
     """tinyvllm.model's `amx_attention` (cpu_amx.c, the amx kind, heads of 64): a prompt with
-    nothing cached, any length (padded to 64 keys inside), grouped heads; against float64, finite
-    with scores hundreds apart and its error within twice what rounding q, k, v to bfloat16 costs
-    (it rounds each block's probabilities too, as the other bfloat16 kernels do)."""
+    nothing cached or a chunk after cached keys (its queries the last of the keys, the diagonal
+    anywhere in a block of 64), any length (padded to 64 keys inside), grouped heads; against
+    float64, finite with scores hundreds apart and its error within twice what rounding q, k, v to
+    bfloat16 costs (it rounds each block's probabilities too, as the other bfloat16 kernels do)."""
     from tinyvllm.model import amx_attention
 
-    g = torch.Generator().manual_seed(t * h)
-    qkv = torch.randn(t, h + 2 * kvh, 64, generator=g)
-    qkv[:, :h] *= spread
-    q, k, v = qkv[:, :h], qkv[:, h:h + kvh], qkv[:, h + kvh:]
+    g = torch.Generator().manual_seed(tk * h + t)
+    kv = torch.randn(tk, h + 2 * kvh, 64, generator=g)
+    kv[:, :h] *= spread
+    q, k, v = kv[tk - t:, :h], kv[:, h:h + kvh], kv[:, h + kvh:]
     out = amx_attention(q, k, v)
     if out is None:
         pytest.skip("cpu_amx.c runs on the amx kind (AMX tiles, AVX512-BF16)")
@@ -199,6 +201,7 @@ def test_a_prompt_s_attention_on_amx_tiles_errs_as_bfloat16_operands_do(t, h, kv
     rounding = (float64_attention(*bf16_rounded(q, k, v)) - ref).abs().max()
     assert error <= 2 * rounding + 1e-6, (error, rounding)
     assert amx_attention(q[..., :32], k[..., :32], v[..., :32]) is None      # heads of 32: not its
+    assert amx_attention(k.repeat(2, 1, 1), k, v) is None                     # more queries than keys
     into = torch.empty(t, h, 64)                                               # the caller's rows: no copy
     assert amx_attention(q, k, v, into) is into and torch.equal(into, out)
 
@@ -240,8 +243,8 @@ def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_l
     """The recipe hands CpuPagedAttention bf16_prefill where the engine multiplies in bfloat16
     (setup.bf16_rows: dtype="auto" on a kind that does) and the bfloat16 kernel runs; never with
     dtype="float32"; and cpu_paged_attention passes it to the C prefill kernel, or on a kind whose
-    prefill is not the C kernel's runs a whole prompt on cpu_amx.c's tiles (`amx_attention`) where
-    that runs, else hands SDPA bfloat16 copies."""
+    prefill is not the C kernel's runs a prompt (a chunk after cached keys too) on cpu_amx.c's
+    tiles (`amx_attention`) where that runs, else hands SDPA bfloat16 copies."""
     f32 = make_llm(tiny_model_dir, 4, dtype="float32").llm_engine
     auto = make_llm(tiny_model_dir, 4).llm_engine
     meta = _one_step_meta(auto)
@@ -274,6 +277,10 @@ def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_l
         monkeypatch.setattr(cpu_attention, "amx_attention", amx_attention)
         out = cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=True)
         assert torch.equal(out, torch.cat([amx_attention(q[r], k[r], k[r]) for r in (slice(0, 20), slice(20, 40))]))
+        meta, k_cache, v_cache, g = make_batch([(20, 20), (50, 20)], 16, 2, 64, torch.float32, "cpu")
+        out = cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=True)   # 30 keys cached, then 20
+        cached_k, cached_v = (c[meta.block_tables[1, :4]].flatten(0, 1)[:50] for c in (k_cache, v_cache))
+        assert torch.equal(out[20:], amx_attention(q[20:], cached_k, cached_v)) and sdpa == []
 
 
 def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch):
