@@ -420,7 +420,7 @@ def amx_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                            else x.float().contiguous() for x in (k, v))
     kp, vp = (torch.empty(kv_heads * -(-tk // 64) * 64 * 32, dtype=torch.int32) for _ in range(2))
     AMX.lib.amx_pack_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), kp.data_ptr(), vp.data_ptr(), tk, kv_heads)
-    if out is None or out.dtype != torch.float32 or not out.is_contiguous():
+    if out is None or out.shape != (t, heads, 64) or out.dtype != torch.float32 or not out.is_contiguous():
         out = q.new_empty(t, heads, 64)
     AMX.lib.amx_attention(q.data_ptr(), kp.data_ptr(), vp.data_ptr(), out.data_ptr(), t, tk, heads, kv_heads,
                           d ** -0.5)
