@@ -101,7 +101,7 @@ void amx_linear(const float *x, const uint16_t *w, const float *bias, float *y, 
                         if (kb0 == 0) { _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); }
                         else PARTS(_tile_loadd)
                         for (int64_t kb = kb0; kb < kb1; kb++) {
-                            /* the B tile four ahead in this order (the next output block's chunk after this one's), 16 lines */
+                            /* the B tile four ahead in this order (after this chunk, the next block's), 16 lines */
                             const uint16_t *ahead = wn + (kb + 4 < kb1 ? kb + 4 : kbn + kb0 + kb + 4 - kb1) * 512;
                             for (int line = 0; line < 16; line++)
                                 _mm_prefetch((const char *)(ahead + line * 32), _MM_HINT_T0);

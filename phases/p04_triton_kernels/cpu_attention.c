@@ -28,8 +28,8 @@
  * (B,) the new token's slot, or NULL where the K/V is already written (decodes beside a
  * prefill). scores: B * H * T floats of scratch, T >= the longest sequence.
  *
- * Built by cpu_attention.py with `cc -O3 -mavx2 -mfma -fno-math-errno -fopenmp -DFETCH_AHEAD=0|1`, called through
- * ctypes.
+ * Built by cpu_attention.py with `cc -O3 -mavx2 -mfma -fno-math-errno -fopenmp -DFETCH_AHEAD=0|1`,
+ * called through ctypes.
  */
 #include <immintrin.h>
 #include <math.h>
