@@ -7,8 +7,10 @@ the system's C compiler (`CC`, default `cc`) into `$TINYVLLM_CACHE/kernels/` (de
 another compiler builds a new one. A C++ file (phase 7's operators) is compiled by `CXX` (default
 `c++`), with the folders it searches given apart from its flags (`search`: PyTorch's headers and
 libraries, wherever the environment keeps them) so that they are not in the name. It is loaded
-only where the CPU has the instructions it was compiled for; where it cannot be built, `load()`
-warns once and returns None, and the caller takes another path.
+only where the CPU kind tinyvllm acts as has the instructions it was compiled for
+(`tinyvllm.platform`), with the macros its rules set (`defines`: `-DFETCH_AHEAD=1` on the kind
+whose rule says so); where it cannot be built, `load()` warns once and returns None, and the
+caller takes another path.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tinyvllm.hardware import has_flags
+from tinyvllm import platform
 
 
 @dataclass
@@ -35,6 +37,7 @@ class CKernel:
     signatures: dict[str, list]
     fallback: str = "another kernel is used"   # what happens where it cannot be built (the warning)
     search: dict[str, str] = field(default_factory=dict)   # CPATH, LIBRARY_PATH, ...: not in the key
+    defines: dict[str, str] = field(default_factory=dict)  # macro -> the platform rule it is (0 or 1)
     lib: ctypes.CDLL | None = None
     tried: bool = False
 
@@ -44,14 +47,15 @@ class CKernel:
 
         src = self.source.read_bytes()
         cc = os.environ.get("CXX", "c++") if self.source.suffix == ".cpp" else os.environ.get("CC", "cc")
-        key = hashlib.sha256(src + " ".join([cc, *self.flags]).encode()).hexdigest()[:16]
+        flags = self.flags + [f"-D{macro}={int(bool(platform.current().rule(rule)))}" for macro, rule in self.defines.items()]
+        key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
         out = (cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
         if not out.exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # several processes may build
             os.close(fd)
             try:
-                subprocess.run([cc, *self.flags, str(self.source), "-o", tmp, "-lm"], check=True,
+                subprocess.run([cc, *flags, str(self.source), "-o", tmp, "-lm"], check=True,
                                capture_output=True, text=True, env=self.environment())
                 os.replace(tmp, out)
             finally:
@@ -84,8 +88,8 @@ class CKernel:
         return env
 
     def supported(self) -> bool:
-        """This CPU has the instructions the file is compiled for."""
-        return has_flags(self.needs)
+        """The CPU kind tinyvllm acts as has the instructions the file is compiled for."""
+        return platform.current().has(self.needs)
 
     def available(self) -> bool:
         return self.load() is not None

@@ -1,5 +1,5 @@
-"""What CPU this is: its vendor, its generation, its instruction-set flags, and the *kind*
-tinyvllm tells apart.
+"""What CPU this is: its vendor, its generation, its instruction-set flags, and which *kind* of
+CPU a set of flags makes.
 
 The fastest matrix product on a CPU depends on what the CPU can do, and the machines tinyvllm
 runs on are not alike. Two things decide it:
@@ -8,21 +8,20 @@ runs on are not alike. Two things decide it:
   (16 lanes), and AVX512-VNNI (`vpdpbusd`: 64 byte multiply-adds in one instruction);
 - the vendor: Intel's math library (MKL) takes its fast code paths only on Intel CPUs.
 
-`cpu_kind()` names the classes the kernels were measured on: "amx" (AVX-512 with VNNI and AMX's
-matrix tiles: an Intel Xeon of the Sapphire Rapids generation), "avx512_vnni" (AVX-512 with VNNI,
-no AMX: an AMD EPYC of the Zen 4 generation), "avx2" (AVX2 and FMA, no VNNI: older EPYCs and
-Xeons, or a newer one whose virtual machine hides AVX-512), and "other" (anything else, an ARM
-CPU included). A choice measured on one kind is made on that kind only. Reports and throughput
-checkpoints record it beside the numbers, with the flags it was told from (`kind_of` names the
-kind of a report's flags); reports also record the generation where the CPU's family and model
-number name one (`cpu_microarchitecture`: "Zen 4"), since one kind spans generations whose
-cores and memory differ.
+`kind_of(flags)` names the classes the kernels were measured on: "amx" (AVX-512 with VNNI and
+AMX's matrix tiles: an Intel Xeon of the Sapphire Rapids generation), "avx512_vnni" (AVX-512 with
+VNNI, no AMX: an AMD EPYC of the Zen 4 generation), "avx2" (AVX2 and FMA, no VNNI: older EPYCs
+and Xeons, or a newer one whose virtual machine hides AVX-512), and "other" (anything else, an ARM
+CPU included). This module only reads the machine; which kind tinyvllm acts as, and what each
+kind chooses, is `tinyvllm.platform`'s. Reports record the kind beside the numbers, with the flags
+it was told from (`report_kind` names the kind of a report's flags), and the generation where
+the CPU's family and model number name one (`cpu_microarchitecture`: "Zen 4"), since one kind
+spans generations whose cores and memory differ.
 """
 
 from __future__ import annotations
 
 import functools
-import platform
 from pathlib import Path
 
 
@@ -101,10 +100,6 @@ REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni
                   "avx_vnni", "amx_int8", "amx_bf16")
 
 
-def has_flags(flags: frozenset[str]) -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64") and flags <= cpu_flags()
-
-
 AMX_FLAGS = frozenset({"amx_int8", "amx_bf16"})
 
 
@@ -113,14 +108,6 @@ def kind_of(flags: frozenset[str] | set[str]) -> str:
     if AVX512_VNNI_FLAGS <= flags:
         return "amx" if AMX_FLAGS <= flags else "avx512_vnni"
     return "avx2" if AVX2_FLAGS <= flags else "other"
-
-
-@functools.cache
-def cpu_kind() -> str:
-    """"amx", "avx512_vnni", "avx2" or "other": the class of CPU a kernel choice was measured on
-    (asked once: callers ask it on hot paths, once per layer and sequence)."""
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    return kind_of(cpu_flags()) if x86 else "other"
 
 
 def report_kind(machine: dict) -> str | None:
@@ -132,6 +119,6 @@ def report_kind(machine: dict) -> str | None:
     return machine.get("cpu_kind")
 
 
-def reported_flags() -> list[str]:
-    """Which of `REPORTED_FLAGS` this CPU has, for a report."""
-    return [f for f in REPORTED_FLAGS if f in cpu_flags()]
+def reported_flags(flags: frozenset[str]) -> list[str]:
+    """Which of `REPORTED_FLAGS` are among `flags`, for a report."""
+    return [f for f in REPORTED_FLAGS if f in flags]

@@ -244,7 +244,7 @@ WIDE_TINY_LLAMA_COMMAND = ("python -c \"from tinyvllm.testing import WIDE_TINY_L
 
 @dataclass(frozen=True)
 class KindClaim:
-    """A checkpoint's claim on one kind of CPU (`tinyvllm.hardware.cpu_kind()`), where the gain
+    """A checkpoint's claim on one kind of CPU (the kind `tinyvllm.platform` acts as), where the gain
     differs there: what was measured, where, and what the test asserts."""
 
     claimed_gain: float
@@ -302,9 +302,9 @@ class ThroughputCheckpoint:
 
     def on_this_cpu(self) -> tuple[str, KindClaim]:
         """This CPU's kind and the claim that stands for it."""
-        from tinyvllm.hardware import cpu_kind
+        from tinyvllm import platform
 
-        kind = cpu_kind()
+        kind = platform.current().kind
         return kind, self.per_cpu_kind.get(kind, KindClaim(self.claimed_gain, self.min_gain, self.claim_source))
 
     def __post_init__(self) -> None:

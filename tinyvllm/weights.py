@@ -20,8 +20,7 @@ import torch
 from safetensors import safe_open
 
 from tinyvllm.config import ModelConfig
-from tinyvllm.hardware import cpu_kind
-from tinyvllm.model import BF16_PRODUCT_ROWS, LlamaForCausalLM, onednn_available, use_bfloat16_products
+from tinyvllm.model import LlamaForCausalLM
 
 # Buffers some checkpoints carry that we compute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -31,40 +30,6 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # same weight's aligned copy, as phase 7's fused projections are) and reads lines split in two
 # (the default model's 211 products at one row 2-7% slower on an AVX-512 EPYC).
 ALIGN = 64
-
-
-def resolve_dtype(dtype: str, device: torch.device, config: ModelConfig | None = None) -> torch.dtype:
-    """'auto' means float32 on a CPU and bfloat16 on a GPU. On an AVX2 CPU measurement backs
-    float32 (docs/assets/bench/dtype-avx2-bf16-latency.json: no bfloat16 arithmetic, so a
-    prefill took 5 times float32's and a bfloat16 matmul ran at 0.9 GFLOP/s); where the CPU
-    computes bfloat16 (AVX512-BF16), a bfloat16 engine as a whole was slower than a float32 one
-    too (dtype-zen4-avx512-bf16-*.json: its attention and elementwise work are slower), so there
-    'auto' keeps float32 and multiplies many rows in bfloat16 (`bf16_product_rows`)."""
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
-
-
-def bf16_product_rows(dtype: str, device: torch.device, tensor_parallel_size: int = 1) -> int:
-    """From how many rows a float32 model's products run in bfloat16 (0: never): with
-    dtype='auto' on a CPU, one rank, what `BF16_PRODUCT_ROWS` says for its kind, where oneDNN is
-    there (several ranks stay float32: each rank's partial sum would be rounded to bfloat16).
-    $TINYVLLM_BF16_PRODUCTS=0 turns it off for every engine of the process (the test suite's
-    setting: its references are float32's)."""
-    env = os.environ.get("TINYVLLM_BF16_PRODUCTS", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"TINYVLLM_BF16_PRODUCTS must be 0 or 1 (or unset), got {env!r}")
-    if dtype != "auto" or device.type != "cpu" or tensor_parallel_size > 1 or env == "0" or not onednn_available():
-        return 0
-    return BF16_PRODUCT_ROWS.get(cpu_kind(), 0)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} was asked for, but no CUDA GPU is available")
-    return torch.device(device)
 
 
 def safetensors_files(folder: str | os.PathLike) -> list[Path]:
@@ -165,9 +130,8 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
 
 
 def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,
-               max_positions: int | None = None, bf16_rows: int = 0) -> LlamaForCausalLM:
-    """Build the model from config.json, load its weights, and move it to `device` and `dtype`;
-    a float32 one multiplies from `bf16_rows` rows on in bfloat16 (`bf16_product_rows`)."""
+               max_positions: int | None = None) -> LlamaForCausalLM:
+    """Build the model from config.json, load its weights, and move it to `device` and `dtype`."""
     config = ModelConfig.from_pretrained(folder)
     # On the meta device: shapes without memory, so no random init is made and thrown away; the
     # checkpoint's tensors then become the parameters (not Module.to_empty and a copy: its
@@ -175,9 +139,7 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.devi
     with torch.device("meta"):
         model = LlamaForCausalLM(config, max_positions)
     load_weights(model, folder)
-    model = model.to(device=device, dtype=dtype).eval()
-    use_bfloat16_products(model, bf16_rows if dtype == torch.float32 else 0)
-    return model
+    return model.to(device=device, dtype=dtype).eval()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -36,7 +36,7 @@ import torch
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.download import resolve_model
 from tinyvllm.tokenizer import Tokenizer
-from tinyvllm.weights import bf16_product_rows, resolve_device, resolve_dtype
+from tinyvllm import platform
 
 
 @dataclass
@@ -53,24 +53,26 @@ class EngineSetup:
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     tensor_parallel_rank: int = 0   # which of several processes running one model this one is
-    bf16_rows: int = 0              # float32 products from this many rows in bfloat16 (0: never)
+    bf16_rows: int = 0              # dtype="auto" on this CPU: float32 products from this many rows in
+                                    # bfloat16 (0: never), where a phase's products do (phase 4 on)
 
     @classmethod
     def create(cls, model: str | Path | None, engine_args: dict, tensor_parallel_rank: int = 0) -> "EngineSetup":
         """Check the arguments, find the model (None: the default one) and read its config and
         tokenizer."""
         config = EngineConfig.from_kwargs(**engine_args)
+        machine = platform.current()   # first: a $TINYVLLM_CPU_KIND this CPU cannot be is refused here
         model_path = resolve_model(model)
-        device = resolve_device(config.device)
+        device = platform.resolve_device(config.device)
         model_config = ModelConfig.from_pretrained(model_path)
         limit = model_config.max_position_embeddings
         max_model_len = min(config.max_model_len or limit, limit)
         model_config.check_max_model_len(max_model_len)
         tokenizer = Tokenizer(model_path)
         return cls(config, dict(engine_args), model_path, model_config, device,
-                   resolve_dtype(config.dtype, device), max_model_len, tokenizer,
+                   platform.resolve_dtype(config.dtype, device), max_model_len, tokenizer,
                    eos_token_ids(model_path, model_config, tokenizer), tensor_parallel_rank,
-                   bf16_product_rows(config.dtype, device, config.tensor_parallel_size))
+                   machine.bf16_product_rows(config.dtype, device.type, config.tensor_parallel_size))
 
 
 def eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:

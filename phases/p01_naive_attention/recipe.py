@@ -20,9 +20,9 @@ from .scheduler import FifoScheduler
 
 
 def load_checkpoint(setup: EngineSetup):
-    """The model with all its weights loaded, on the engine's device and dtype (and where
-    dtype='auto' says so on this CPU, its products of many rows in bfloat16)."""
-    return load_model(setup.model_path, setup.dtype, setup.device, setup.max_model_len, setup.bf16_rows)
+    """The model with all its weights loaded, on the engine's device and dtype: its layers
+    `tinyvllm.layers`' plain ones."""
+    return load_model(setup.model_path, setup.dtype, setup.device, setup.max_model_len)
 
 
 def make_model_loader(setup: EngineSetup, parts: Parts):

@@ -37,8 +37,9 @@ from torch import nn
 
 from phases.p02_paged_kv import AttentionMetadata, KVCache, PagedAttention
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import AVX2_FLAGS, cpu_kind
-from tinyvllm.model import Linear
+from tinyvllm import platform
+from tinyvllm.hardware import AVX2_FLAGS
+from tinyvllm.layers import Linear
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 KERNELS = CKernel(Path(__file__).with_name("batch_invariant.c"),
@@ -59,7 +60,7 @@ def check_batch_invariant(device: torch.device, dtype: torch.dtype, head_dim: in
                          f"{MAX_HEAD_DIM}; this model's is {head_dim}")
     if not KERNELS.available():
         raise ValueError(f"batch_invariant=True needs an x86 CPU with AVX2 and a C compiler (CC) to build "
-                         f"batch_invariant.c; this CPU is of the kind {cpu_kind()!r}")
+                         f"batch_invariant.c; this CPU is of the kind {platform.current().kind!r}")
 
 
 class BatchInvariantLinear(Linear):
@@ -83,10 +84,7 @@ def make_batch_invariant(model: nn.Module) -> int:
     count = 0
     for name, m in list(model.named_modules()):
         if type(m) is Linear:
-            new = BatchInvariantLinear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-            new.weight, new.bias = m.weight, m.bias
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, new)
+            model.set_submodule(name, BatchInvariantLinear.like(m))
             count += 1
     return count
 

@@ -18,31 +18,22 @@ from functools import partial
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv import RECIPE as PHASE2
 from phases.p02_paged_kv import BlockAllocator
-from tinyvllm.hardware import cpu_kind
+from tinyvllm import platform
 
 from .batch_invariant import BatchInvariantAttention, check_batch_invariant, make_batch_invariant
 from .prefix_cache import PrefixCachingBlockAllocator
 from .scheduler import Scheduler
 
-# 2048 tokens a step on a GPU (vLLM's LLM takes 8192 or more there, EngineArgs' batch defaults);
-# on a CPU a smaller chunk keeps decodes flowing while a long prompt is prefilled, and is still
-# large enough for efficient matmuls.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
-# A CPU engine whose prompts multiply in bfloat16 (dtype="auto": `setup.bf16_rows`), per CPU kind:
-# on the amx kind oneDNN's AMX products and phase 7's bfloat16 MLP run faster on larger chunks. A
-# 2,000-token prompt's first token on a 2-core Xeon VM: 1.33-1.38 s in chunks of 512, 1.26-1.28
-# in 1,024, 1.15-1.21 in 2,048; 48 chat prompts offline 500-588 tok/s either way, the VM's noise
-# (medians of 5, two rounds; lab note 7). vLLM takes 4096 on a CPU.
-BF16_MAX_NUM_BATCHED_TOKENS = {"amx": 2048}
-
 
 def max_num_batched_tokens(setup: EngineSetup) -> int:
-    """The step's token budget: `max_num_batched_tokens`, or the default of the device (of the
-    CPU kind, with bfloat16 products); without chunked prefill at least max_model_len (a whole
-    sequence, prompt and output on a recompute, must fit one step)."""
+    """The step's token budget: `max_num_batched_tokens`, or the platform's default (512 tokens a
+    step on a CPU, where a smaller chunk keeps decodes flowing while a long prompt is prefilled and
+    is still large enough for efficient products; 2048 on a GPU; more on a CPU kind whose
+    dtype="auto" multiplies prompts in bfloat16); without chunked prefill at least max_model_len
+    (a whole sequence, prompt and output on a recompute, must fit one step)."""
     c = setup.config
-    default = BF16_MAX_NUM_BATCHED_TOKENS.get(cpu_kind()) if setup.bf16_rows and setup.device.type == "cpu" else None
-    budget = c.max_num_batched_tokens or default or DEFAULT_MAX_NUM_BATCHED_TOKENS.get(setup.device.type, 2048)
+    default = platform.current().max_num_batched_tokens(setup.device.type, bool(setup.bf16_rows))
+    budget = c.max_num_batched_tokens or default
     return budget if c.enable_chunked_prefill else max(budget, setup.max_model_len)
 
 

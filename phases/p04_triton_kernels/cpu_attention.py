@@ -15,17 +15,17 @@ kernels. What it changes from phase 2's `paged_attention`:
   cached keys in one call, the chunk's own causally in another, merged by their log-sum-exps, as
   split-KV merges its segments; on a GPU's tensors (a reference in tests) SDPA with the mask.
 - A prompt with nothing cached attends over the K/V it just computed: no read of the cache.
-- In float32 on an AVX2 CPU of a kind in `PREFILL_KINDS`, a chunk of at least
+- In float32, where the platform's `c_prefill` rule says (the kinds it was measured on), a chunk of at least
   `PREFILL_MIN_QUERIES` queries goes instead through `cpu_attention.c`'s
   `causal_prefill_attention`: the same loop in register tiles, lower-right causal in one call,
   faster than SDPA at every prompt length measured (the lab note's table); fewer queries after
   cached tokens (a speculative verify) through its decode kernel, a row per query, over the
   block table in place (`c_tail_attention`). Where the engine multiplies in bfloat16
-  (`dtype="auto"` on a CPU kind in `PREFILL_BF16_KINDS`), so do a prompt's attention products:
-  the same loop's (`causal_prefill_attention_bf16`, AVX512-BF16) where the kind's prefill is the
-  C kernel's, else on tinyvllm's own AMX tiles where they run (the amx kind: tinyvllm.model's
-  `amx_attention`, cpu_amx.c; a chunk after cached keys over the keys gathered from its blocks),
-  else SDPA's over bfloat16 copies; the softmax stays float32.
+  (`dtype="auto"` where the platform's `bf16_prefill` rule says), so do a prompt's attention
+  products: the same loop's (`causal_prefill_attention_bf16`, AVX512-BF16) where the prefill is
+  the C kernel's, else on tinyvllm's own AMX tiles where they run (the amx kind: `amx_attention`,
+  cpu_amx.c; a chunk after cached keys over the keys gathered from its blocks), else SDPA's over
+  bfloat16 copies; the softmax stays float32.
 - Decodes attend in `cpu_attention.c`, one call per layer for all of a step's decode rows, over
   the block table in place: no padded gather, no mask, where phase 2's `decode_attention` makes
   about ten operator calls (float32 cache, AVX2; elsewhere phase 2's). In a step of decodes only
@@ -45,41 +45,27 @@ import torch.nn.functional as F
 
 from phases.p02_paged_kv import AttentionMetadata, PagedAttention
 from phases.p02_paged_kv.paged_attention import decode_attention
+from tinyvllm import platform
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import AVX2_FLAGS, AVX512_BF16_FLAGS, cpu_kind, has_flags
-from tinyvllm.model import amx_attention
+from tinyvllm.hardware import AVX2_FLAGS, AVX512_BF16_FLAGS
+
+from .cpu_amx import amx_attention
 
 P, I64 = ctypes.c_void_p, ctypes.c_int64
-# The CPU kinds where the decode kernel asks for each next block of the cache while it reads one
-# (FETCH_AHEAD in the C): on a 2-core Xeon VM (amx), 48 sequences of 106 tokens over 30 layers'
-# caches 21.1 -> 15.7 ms, 48 chat prompts offline 681 -> 776 tok/s (alternating rounds in one
-# process, lab note 4); the same numbers. Unmeasured on the other kinds.
-FETCH_AHEAD_KINDS = ("amx",)
+# FETCH_AHEAD: the decode kernel asks for each next block of the cache while it reads one, where
+# the platform's `decode_fetch_ahead` rule says (the same numbers either way)
 KERNELS = CKernel(Path(__file__).with_name("cpu_attention.c"),
-                  ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC",
-                   f"-DFETCH_AHEAD={int(cpu_kind() in FETCH_AHEAD_KINDS)}"], AVX2_FLAGS,
+                  ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
                   {"paged_decode_attention": [P] * 10 + [I64] * 7 + [ctypes.c_float],
                    "causal_prefill_attention": [P] * 5 + [I64] * 9 + [ctypes.c_float],
                    "causal_prefill_attention_bf16": [P] * 6 + [I64] * 9 + [ctypes.c_float]},
-                  fallback="attention takes PyTorch's path (phase 2's decode_attention, SDPA)")
+                  fallback="attention takes PyTorch's path (phase 2's decode_attention, SDPA)",
+                  defines={"FETCH_AHEAD": "decode_fetch_ahead"})
 PREFILL_KEYS = 64          # keys per tile in causal_prefill_attention (PREFILL_KEYS in the C)
-# where causal_prefill_attention was measured against SDPA, and won (the lab note's tables: an
-# AVX2 Zen 4 EPYC; an AVX-512 one, 2,000 tokens 28.7 against 38.3 ms), and from how many
-# queries: fewer after a long context (a prefix-cache hit, a speculative verify)
-# leave two threads three tasks (one per KV head) and every key to transpose, where SDPA splits
-# the work by query head (2,000 keys: 0.87 against 0.55 ms at 2 queries, 1.00 against 1.13 at 16)
-PREFILL_KINDS = ("avx2", "avx512_vnni")
+# From how many queries a chunk takes the C prefill kernel: fewer after a long context (a
+# prefix-cache hit, a speculative verify) leave two threads three tasks (one per KV head) and
+# every key to transpose, where SDPA splits the work by query head (lab note 4)
 PREFILL_MIN_QUERIES = 16
-# Where a prompt's attention products run in bfloat16 when the engine's do (setup.bf16_rows), the
-# kinds where it was measured: the C kernel's with AVX512-BF16's VDPBF16PS on an AVX-512 Zen 4
-# EPYC (2,000 tokens 17.1 against 28.2 ms a layer, kernels-prefill-bf16-zen4-avx512.json); SDPA's
-# over bfloat16 copies on the amx kind, not in PREFILL_KINDS, where PyTorch's flash kernel runs
-# them on AMX tiles (a Xeon: 9.9 against SDPA's float32 26.6 ms, kernels-prefill-bf16-xeon-amx.json;
-# the C kernel's bfloat16 loop there 35.4, lab note 4). There a prompt's chunk (heads of 64) takes
-# tinyvllm's own AMX loop first (tinyvllm.model's `amx_attention`: 2,000 tokens 6.0-6.3 against
-# SDPA's 9.8-10.4 ms with its copies; 48 chat prompts after a cached prefix, their prefill step
-# 0.56-0.58 -> 0.37-0.40 s, lab note 4).
-PREFILL_BF16_KINDS = ("avx512_vnni", "amx")
 # The op SDPA's CPU flash kernel is: (q, k, v, dropout_p, is_causal) -> (out, logsumexp), the
 # second the log of each query's sum of exp(score), which SDPA itself drops. Heads may be grouped.
 FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -127,25 +113,28 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 def c_prefill_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> bool:
     """cpu_attention.c's prefill kernel takes this chunk: float32 tensors in the CPU's memory, each
-    token's heads in one piece, d a multiple of 16, at least PREFILL_MIN_QUERIES queries, on a CPU
-    kind in PREFILL_KINDS."""
+    token's heads in one piece, d a multiple of 16, at least PREFILL_MIN_QUERIES queries, the
+    library built."""
     return (all(x.is_cpu and x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
                 for x in (q, k, v, out)) and q.shape[2] % 16 == 0 and q.shape[0] >= PREFILL_MIN_QUERIES
-            and cpu_kind() in PREFILL_KINDS and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
+            and (KERNELS.lib if KERNELS.tried else KERNELS.load()) is not None)
 
 
 def c_bf16_built() -> bool:
-    """The C prefill kernel's bfloat16 loop can run here: AVX512-BF16, and the library built by a
-    compiler that knows those instructions."""
-    lib = (KERNELS.lib if KERNELS.tried else KERNELS.load()) if has_flags(AVX512_BF16_FLAGS) else None
+    """The C prefill kernel's bfloat16 loop can run here: AVX512-BF16 on this platform's kind, and
+    the library built by a compiler that knows those instructions."""
+    lib = (KERNELS.lib if KERNELS.tried else KERNELS.load()) if platform.current().has(AVX512_BF16_FLAGS) else None
     return lib is not None and ctypes.c_int.in_dll(lib, "bf16_prefill_built").value == 1
 
 
-def bf16_prefill_runs() -> bool:
-    """A prompt's attention can multiply in bfloat16 here: a CPU kind in PREFILL_BF16_KINDS,
-    through the C kernel where the kind's prefill is its (PREFILL_KINDS), SDPA's elsewhere."""
-    kind = cpu_kind()
-    return kind in PREFILL_BF16_KINDS and (kind not in PREFILL_KINDS or c_bf16_built())
+def prefill_paths() -> tuple[bool, bool]:
+    """(c_prefill, bf16_prefill) on this platform: whether a float32 prompt's attention takes
+    cpu_attention.c's prefill kernel, and whether a prompt's attention may multiply in bfloat16
+    where the engine's products do (through the C kernel's bfloat16 loop where the prefill is the
+    C kernel's, AMX tiles or SDPA elsewhere)."""
+    p = platform.current()
+    c_prefill = bool(p.rule("c_prefill"))
+    return c_prefill, bool(p.rule("bf16_prefill")) and (not c_prefill or c_bf16_built())
 
 
 def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -219,16 +208,19 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
 
 
 def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                        v_cache: torch.Tensor, meta: AttentionMetadata, c_prefill: bool = True,
+                        v_cache: torch.Tensor, meta: AttentionMetadata, c_prefill: bool | None = None,
                         bf16_prefill: bool = False) -> torch.Tensor:
     """Attention for one step's flat batch on a CPU (the new K/V already written to the cache).
 
     q: (N, H, d); k, v: (N, KVH, d), this step's new keys and values (a prompt with nothing
     cached attends over these directly); k_cache, v_cache: (num_blocks, block_size, KVH, d)
-    -> (N, H, d). c_prefill=False keeps every prefill chunk on SDPA (`tinyvllm bench kernels`
-    times both); bf16_prefill: the prefill chunks' products in bfloat16, the C kernel's (d a
-    multiple of 32), or SDPA's on a kind whose prefill is not the C kernel's.
+    -> (N, H, d). c_prefill: a float32 prefill chunk through cpu_attention.c's kernel (None: where
+    the platform's rule says; False keeps every chunk on SDPA, which `tinyvllm bench kernels` times
+    beside it); bf16_prefill: the prefill chunks' products in bfloat16, the C kernel's (d a
+    multiple of 32), else AMX tiles or SDPA's over bfloat16 copies.
     """
+    if c_prefill is None:
+        c_prefill = prefill_paths()[0]
     block_size = k_cache.shape[1]
     if not meta.prefill_rows:  # only decodes (most steps)
         return decode_rows(q, k_cache, v_cache, meta)
@@ -237,8 +229,8 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     for b in meta.prefill_rows:
         rows = slice(starts[b], starts[b + 1])
         tq = starts[b + 1] - starts[b]
-        if c_prefill and tq < min(lens[b], PREFILL_MIN_QUERIES) and cpu_kind() in PREFILL_KINDS \
-                and c_decode_runs(q, k_cache):   # a few queries after cached keys: as decodes, in place
+        if c_prefill and tq < min(lens[b], PREFILL_MIN_QUERIES) and c_decode_runs(q, k_cache):
+            # a few queries after cached keys: as decodes, in place
             out[rows] = c_tail_attention(q[rows], k_cache, v_cache, meta.block_tables[b], lens[b])
             continue
         if lens[b] == tq:  # nothing cached before: the new K/V is all of it
@@ -252,7 +244,7 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
         elif bf16_prefill and (amx := amx_attention(q[rows], kb, vb, out[rows])) is not None:
             if amx.data_ptr() != out[rows].data_ptr():           # on AMX tiles (after cached keys too)
                 out[rows] = amx
-        elif bf16_prefill and cpu_kind() not in PREFILL_KINDS:   # SDPA's products on bfloat16 copies
+        elif bf16_prefill and not c_prefill:                     # SDPA's products on bfloat16 copies
             out[rows] = prefill_attention(*(x.to(torch.bfloat16) for x in (q[rows], kb, vb)))
         else:
             out[rows] = prefill_attention(q[rows], kb, vb)
@@ -265,10 +257,11 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
 class CpuPagedAttention(PagedAttention):
     """Phase 2's backend (same cache write) with `cpu_paged_attention` for the attending; a step
     of decodes only is one call of `c_decode_attention` (phase 2's, whole, where it cannot run).
-    bf16_prefill: prefill chunks' products in bfloat16, where the engine's products are."""
+    c_prefill, bf16_prefill: `cpu_paged_attention`'s, chosen when the recipe builds the part."""
 
-    def __init__(self, cache, meta: AttentionMetadata, bf16_prefill: bool = False):
-        self.cache, self.meta, self.bf16_prefill = cache, meta, bf16_prefill   # (phase 2's, and one more)
+    def __init__(self, cache, meta: AttentionMetadata, c_prefill: bool = True, bf16_prefill: bool = False):
+        self.cache, self.meta = cache, meta                                  # (phase 2's)
+        self.c_prefill, self.bf16_prefill = c_prefill, bf16_prefill
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if not self.meta.prefill_rows:
@@ -278,7 +271,7 @@ class CpuPagedAttention(PagedAttention):
             return super().__call__(layer_idx, q, k, v)
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer_idx)
-        return cpu_paged_attention(q, k, v, k_cache, v_cache, self.meta, bf16_prefill=self.bf16_prefill)
+        return cpu_paged_attention(q, k, v, k_cache, v_cache, self.meta, self.c_prefill, self.bf16_prefill)
 
 
 def attention_row(attention) -> torch.Tensor | None:

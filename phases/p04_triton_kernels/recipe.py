@@ -10,10 +10,15 @@ Phase 4 reads the paged cache where it lies:
   on a CPU they run only in Triton's interpreter (`TRITON_INTERPRET=1` set before Triton is
   imported), for checking.
 - "auto" (default): the Triton kernels on CUDA; on a CPU, where Triton cannot compile,
-  `cpu_attention.py`: PyTorch's fused CPU attention for prefill chunks too (`CpuPagedAttention`).
+  `cpu_attention.py`: PyTorch's fused CPU attention for prefill chunks too, and tinyvllm's own C
+  kernels where the platform chose them (`CpuPagedAttention`).
 - "torch": phase 3's attention exactly, for comparison.
 
-Only the attention part changes; with `batch_invariant=True` it stays phase 3's fixed-order one.
+On a CPU the model gets the CPU's kernels too (`use_cpu_kernels`): every `Linear` a `CpuLinear`,
+whose products take the library or kernel that is fastest at their row count (cpu_linear.py:
+oneDNN's packed products, cpu_gemv.c, AMX tiles, bfloat16 from a few rows with dtype="auto"),
+and the norms and RoPE in C where the platform measured them (cpu_norm.py). With
+`batch_invariant=True` the model and the attention stay phase 3's fixed-order ones.
 """
 
 from __future__ import annotations
@@ -24,8 +29,12 @@ import torch
 
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p03_continuous_batching import RECIPE as PHASE3
+from tinyvllm import platform
+from tinyvllm.layers import Linear, RMSNorm
 
-from .cpu_attention import CpuPagedAttention, bf16_prefill_runs
+from .cpu_attention import CpuPagedAttention, prefill_paths
+from .cpu_linear import CpuLinear, use_bfloat16_products
+from .cpu_norm import CpuRMSNorm, CpuRotaryEmbedding
 from .triton_backend import TritonPagedAttention
 
 
@@ -60,6 +69,30 @@ def check_backend(setup: EngineSetup) -> None:
     attention_backend(setup)
 
 
+def use_cpu_kernels(model: torch.nn.Module, bf16_rows: int) -> torch.nn.Module:
+    """Give a CPU engine's model the CPU's kernels, in place: every `Linear` a `CpuLinear`
+    (products from `bf16_rows` rows in bfloat16; 0: never), and where the platform's rules say,
+    every `RMSNorm` a `CpuRMSNorm` (`c_norm_prompt`) and RoPE cpu_norm.c's (`c_rope`). Each keeps
+    its module's weights."""
+    rules = platform.current()
+    for name, m in list(model.named_modules()):
+        if type(m) is Linear:
+            model.set_submodule(name, CpuLinear.like(m))
+        elif type(m) is RMSNorm and rules.rule("c_norm_prompt"):
+            model.set_submodule(name, CpuRMSNorm.like(m))
+    if rules.rule("c_rope"):
+        model.model.rotary_emb = CpuRotaryEmbedding.like(model.model.rotary_emb)
+    use_bfloat16_products(model, bf16_rows)
+    return model
+
+
+def make_model(setup: EngineSetup, parts: Parts):
+    model = PHASE3.model(setup, parts)
+    if setup.device.type == "cpu" and not setup.config.batch_invariant:
+        use_cpu_kernels(model, setup.bf16_rows)
+    return model
+
+
 def make_attention(setup: EngineSetup, parts: Parts):
     backend = attention_backend(setup)
     if setup.config.batch_invariant or backend == "torch":
@@ -67,8 +100,10 @@ def make_attention(setup: EngineSetup, parts: Parts):
     if backend == "triton":
         return partial(TritonPagedAttention, parts.kv_cache)
     # prefill's attention in bfloat16 where the engine multiplies in bfloat16 and it was measured
-    return partial(CpuPagedAttention, parts.kv_cache, bf16_prefill=bool(setup.bf16_rows) and bf16_prefill_runs())
+    c_prefill, bf16_prefill = prefill_paths()
+    return partial(CpuPagedAttention, parts.kv_cache, c_prefill=c_prefill,
+                   bf16_prefill=bool(setup.bf16_rows) and bf16_prefill)
 
 
 RECIPE = PHASE3.extend(phase=4, engine_args={"attention_backend"}, checks=(check_backend,),
-                       attention=make_attention)
+                       model=make_model, attention=make_attention)

@@ -12,8 +12,9 @@ and multiplies in float32. The model's weights and arithmetic stay float32's; on
 the sums changes, as it does between any two float32 kernels. vLLM likewise runs a GGUF
 checkpoint from its quantized blocks.
 
-`keep_lossless(model)` is phase 5's default for a float32 model on an AVX2 CPU
-(`LOSSLESS_MAX_ROWS`); `quantization` ("int8", "int4") replaces the weights instead.
+`keep_lossless(model)` is phase 5's default for a float32 model on a CPU whose kind the platform
+measured it on (its `codes_max_rows` rule); `quantization` ("int8", "int4") replaces the weights
+instead.
 """
 
 from __future__ import annotations
@@ -21,29 +22,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from phases.p04_triton_kernels.cpu_linear import CpuLinear
+from tinyvllm import platform
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import AVX2_FLAGS, cpu_kind
-from tinyvllm.model import Linear
+from tinyvllm.hardware import AVX2_FLAGS
 
 from .cpu_int8 import HERE, I64, P
 
 SIGNATURES = {"lossless_find": [P] * 5 + [I64] * 3, "lossless_matmul": [P] * 5 + [I64] * 4}
 LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"],
                    AVX2_FLAGS, SIGNATURES, fallback="float32 layers keep their float32 products")
-
-# Up to how many rows a `LosslessLinear` reads its codes, per CPU kind. On an AVX2 AMD EPYC (Zen 4)
-# the default model's 211 products took 7.8 ms from their codes against 29.9 with cpu_gemv.c at
-# 1 row, 23.0 against oneDNN's 38.9 at 8, 33.9 against 45.6 at 12, 56.3 against 60.5 at 16 and
-# 105.2 against 75.4 at 24 (`python -m tinyvllm.entrypoints.bench.linear`,
-# docs/assets/bench/linear-codes-zen4.txt; two more runs: 16 rows a tie). On an AVX-512 Zen 4
-# EPYC (avx512_vnni): 7.0 against Linear's 21.4 at 1 row, 27.1 against 32.1 at 12, 42.0 against
-# 35.8 at 16 (linear-codes-zen4-avx512.txt; the engine at batch 1 83.9 against 33.7 tok/s, at 8 257.8
-# against 186.3: kind-rules-zen4-avx512.json). On the amx kind (a GPU machine's Xeon host pinned
-# to 2 cores) 18.4 against 27.4 at 1 row, 38.1 against 51.1 at 8, where oneDNN's bfloat16 products
-# (`BF16_PRODUCT_ROWS`, from 6 rows there since cpu_amx.c) take over: 37.1 against 49.3 at 12
-# (linear-codes-xeon-amx.txt; the engine at batch 1 31.8 -> 55.0 tok/s, at 8 147.2 -> 179.5:
-# kind-rules-xeon-amx.json).
-LOSSLESS_MAX_ROWS = {"avx2": 12, "avx512_vnni": 12, "amx": 8}
 
 
 def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
@@ -62,17 +50,17 @@ def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return None
 
 
-class LosslessLinear(Linear):
-    """A float32 `Linear` that also keeps its weight's exact codes (`lossless_codes`): up to
-    `max_rows` rows its product reads them (cpu_lossless.c), or fewer where bfloat16 products
-    start sooner (`Linear.own_rows`); from there on it is `Linear`'s (oneDNN's on the packed
-    float32 weight, or its bfloat16 copy)."""
+class LosslessLinear(CpuLinear):
+    """A float32 `CpuLinear` that also keeps its weight's exact codes (`lossless_codes`): up to
+    `max_rows` rows (the platform's `codes_max_rows`) its product reads them (cpu_lossless.c), or
+    fewer where bfloat16 products start sooner (`CpuLinear.own_rows`); from there on it is
+    `CpuLinear`'s (oneDNN's on the packed float32 weight, or its bfloat16 copy)."""
 
-    max_rows = LOSSLESS_MAX_ROWS.get(cpu_kind(), 0)
-
-    def __init__(self, linear: Linear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
+    def __init__(self, linear: CpuLinear, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
         super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
         self.weight, self.bias = linear.weight, linear.bias      # the same Parameters (a tied head stays tied)
+        self.bf16_rows = linear.bf16_rows
+        self.max_rows = platform.current().rule("codes_max_rows")
         self.bits = 4 if zero is not None else 8
         self.register_buffer("codes", codes)                    # (O, I/2) uint8 or (O, I) int8
         self.register_buffer("scale", scale)                    # (O, I/32) float32
@@ -90,14 +78,16 @@ class LosslessLinear(Linear):
 
 
 def lossless(linear: nn.Module) -> nn.Module:
-    """`linear` as a `LosslessLinear` where it is a float32 `Linear` with exact codes, else itself."""
-    codes = lossless_codes(linear.weight) if type(linear) is Linear and LosslessLinear.max_rows else None
+    """`linear` as a `LosslessLinear` where it is a float32 `CpuLinear` with exact codes, on a kind
+    whose platform reads them (`codes_max_rows`), else itself."""
+    wanted = type(linear) is CpuLinear and platform.current().rule("codes_max_rows")
+    codes = lossless_codes(linear.weight) if wanted else None
     return linear if codes is None else LosslessLinear(linear, *codes)
 
 
 def keep_lossless(model: nn.Module) -> None:
-    """Replace each float32 `Linear` of `model` whose weight has exact codes by a `LosslessLinear`,
-    in place."""
+    """Replace each float32 `CpuLinear` of `model` whose weight has exact codes by a
+    `LosslessLinear`, in place."""
     for name, m in list(model.named_modules()):
         if (new := lossless(m)) is not m:
             model.set_submodule(name, new)

@@ -37,25 +37,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinyvllm.hardware import cpu_kind
+from tinyvllm import platform
 
 from . import cpu_int8
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
-# CPU kind: the row count from which int4's `dequant_sgemm` beats `cpu_int4` in the default
-# model's layers (bench_kernels.py --rows 32 64 96 128 on an AVX2 AMD EPYC, a layer's products:
-# 9.4 against 10.2 ms at 64 rows, 16.0 against 20.2 at 128). Not measured on the other kinds, so
-# not chosen there. Nor for a layer of more than DEQUANT_MAX_WEIGHTS: the LM head, whose float32
-# copy would take 113 MB, and which `cpu_int4` multiplies faster at every row count measured.
-DEQUANT_FROM_ROWS, DEQUANT_MAX_WEIGHTS = {"avx2": 64}, 1 << 22
-# The CPU kinds where `cpu_int4` reads a group's scale and zero as 16-bit floats (Q4_1's, a copy
-# made at the first call; `cpu_int8.INT4_FNS`): on an AVX-512 Zen 4 EPYC a decode step's 121
-# products 4.37 against float32's 4.84 ms, 4.71 against 5.12, 5.07 against 5.29 (three processes,
-# each alternating the two 8 times), one request's tokens 139.5 against 120.6 and 139.5 against
-# 134.9 tok/s (lab note 5). AMD's first EPYC (avx2) is bound by instructions there and loses 9%;
-# the amx kind is not measured.
-INT4_F16_SCALES_KINDS = ("avx512_vnni",)
+# The LM head, whose float32 copy would take 113 MB, and which `cpu_int4` multiplies faster at every
+# row count measured, never takes `dequant_sgemm`: nor does any layer of more weights than this.
+DEQUANT_MAX_WEIGHTS = 1 << 22
 
 
 # ---------------------------------------------------------------------------------------------
@@ -165,7 +155,7 @@ class QuantizedLinear(nn.Module):
 
     KERNELS = {"int8": ("reference", "cpu_int8", "cpu_int8_vnni", "fbgemm_w8a8", "int8pack_mm"),
                "int4": ("reference", "cpu_int4", "int4pack_mm", "dequant_sgemm")}
-    bf16_rows = 0   # dequant_sgemm in bfloat16 from here (tinyvllm.model.use_bfloat16_products)
+    bf16_rows = 0   # dequant_sgemm in bfloat16 from here (phase 4's use_bfloat16_products)
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, method: str,
                  group_size: int = 128, kernel: str | None = None):
@@ -182,6 +172,8 @@ class QuantizedLinear(nn.Module):
                              f"{cpu_int8.VNNI_MAX_IN_FEATURES} input features (cpu_int8.py); use 'auto'")
         self.method, self.group_size, self.kernel = method, group_size, kernel
         (self.out_features, self.in_features), self.dtype = weight.shape, weight.dtype
+        rules = platform.current()   # where the kind's measurements moved the kernels' boundaries
+        self.dequant_rows, self.f16_scales = rules.rule("int4_dequant_from_rows"), rules.rule("int4_f16_scales")
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         w = weight.detach()
         if method == "int8":
@@ -261,7 +253,7 @@ class QuantizedLinear(nn.Module):
         layer but k/v, and lost at 16: quant-kernels-int4-zen4-avx512.txt; on the amx kind the
         same, k/v too: quant-kernels-int4-xeon-amx.txt)."""
         small = self.method == "int4" and self.out_features * self.in_features <= DEQUANT_MAX_WEIGHTS
-        many = max(self.bf16_rows, 32) if self.bf16_rows else DEQUANT_FROM_ROWS.get(cpu_kind())
+        many = max(self.bf16_rows, 32) if self.bf16_rows else self.dequant_rows
         return many if small and self.kernel == "auto" else None
 
     def extra_repr(self) -> str:
@@ -375,7 +367,7 @@ def _cpu_int4(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _dequant_sgemm(layer: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    # bfloat16 where dtype="auto" chose bfloat16 products (tinyvllm.model.BF16_PRODUCT_ROWS)
+    # bfloat16 where dtype="auto" chose bfloat16 products (the platform's bf16_products_from_rows)
     dtype = torch.bfloat16 if layer.bf16_rows else torch.float32
     w = cpu_int8.int4_dequant(layer.qweight, layer.scale, layer.zero, layer.group_size, dtype)
     return F.linear(x.to(dtype), w, None if layer.bias is None else layer.bias.to(dtype)).float()
@@ -406,6 +398,6 @@ KERNEL_FNS = {"cpu_int8": _cpu_int8, "cpu_int8_vnni": _cpu_int8_vnni, "fbgemm_w8
               "cpu_int4": _cpu_int4, "int4pack_mm": _int4pack_mm, "dequant_sgemm": _dequant_sgemm}
 PACKERS = {"fbgemm_w8a8": _pack_fbgemm, "int4pack_mm": _pack_int4,  # cpu_int4: the weight's caller
            "cpu_int4": lambda layer: cpu_int8.int4_matmul(layer.qweight, *layer.packed("scales"), layer.group_size),
-           "scales": lambda m: tuple(t.half() if cpu_kind() in INT4_F16_SCALES_KINDS else t for t in (m.scale, m.zero)),
+           "scales": lambda m: tuple(t.half() if m.f16_scales else t for t in (m.scale, m.zero)),
            "cpu_int8_vnni": lambda layer: cpu_int8.vnni_pack(layer.int8_rows()),
            "cpu_int8": QuantizedLinear.int8_rows}  # the rows of a layer stored for cpu_int8_vnni

@@ -66,8 +66,9 @@ from phases.p05_quantization import QuantizedLinear
 from phases.p05_quantization.lossless import LosslessLinear
 from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir
-from tinyvllm.hardware import AVX2_FLAGS, cpu_flags
-from tinyvllm.model import Linear, bfloat16_weights
+from phases.p04_triton_kernels.cpu_linear import CpuLinear, bfloat16_weights
+from tinyvllm import platform
+from tinyvllm.hardware import AVX2_FLAGS
 
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 from .fused import decode_forward, fused_model, layer_row
@@ -124,13 +125,13 @@ class OpaqueLinear(nn.Module):
 
 
 def make_opaque(model: nn.Module) -> int:
-    """Wrap every `QuantizedLinear` and `LosslessLinear` of `model`, and each `Linear` with a
+    """Wrap every `QuantizedLinear` and `LosslessLinear` of `model`, and each `CpuLinear` with a
     product of its own (cpu_gemv.c, bfloat16's `upcast_linear`), in an `OpaqueLinear`, in place,
     numbered in the model's order (`model.opaque_layers`: each one's product as a callable,
     `kernel_call` or the layer itself; the same numbers in every process); returns how many."""
     layers = []
     for name, m in list(model.named_modules()):
-        if type(m) in (QuantizedLinear, LosslessLinear) or type(m) is Linear and m.has_own_product():
+        if type(m) in (QuantizedLinear, LosslessLinear) or type(m) is CpuLinear and m.has_own_product():
             parent_name, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent_name), attr, OpaqueLinear(m, len(layers)))
             layers.append(m)
@@ -183,7 +184,7 @@ def compile_key(model: nn.Module) -> str:
     (inductor's loops are compiled for them), torch and Python, and the source of tinyvllm and
     its phases (a changed line compiles again; their tests are not part of it)."""
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    parts = [repr(getattr(model, "config", None)), sorted(cpu_flags()), torch.__version__,
+    parts = [repr(getattr(model, "config", None)), platform.current().kind, sorted(platform.current().flags), torch.__version__,
              sys.version, [(n, type(m).__name__, getattr(m, "bf16_rows", 0)) for n, m in model.named_modules()],
              [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors],
              [f.read_bytes() for root in SOURCES for f in sorted(root.rglob("*.py")) if not f.name.startswith("test_")]]

@@ -28,8 +28,9 @@ import torch
 
 from phases.p02_paged_kv import AttentionMetadata
 from phases.p04_triton_kernels.cpu_attention import attention_row
-from tinyvllm.cpu_step import CStep
+from tinyvllm import platform
 
+from .cpu_step import CStep
 from .fused import decode_forward, fused_model, layer_row
 
 
@@ -118,13 +119,16 @@ class DecodeRunner:
 
     A fused model (`fuse_projections`) runs `decode_forward`, the same numbers with fewer
     operator calls (float or quantized); any other (a layer it could not fuse) runs its own forward.
-    On a CPU, a step `CStep` serves (every product and the attention with a C kernel, up to the
-    rows they take) runs as one call of tinyvllm's cpu_step.c instead."""
+    On a CPU, the residual adds and norms are one C call each where the platform's `c_norm_decode`
+    rule says, and a step `CStep` serves (where `c_step` says, every product and the attention
+    with a C kernel, up to the rows they take) runs as one call of cpu_step.c instead."""
 
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, fixed_shapes: bool = False):
         self.model, self.buf, self.attention, self.fixed_shapes = model, buffers, attention, fixed_shapes
-        self.model_forward = partial(decode_forward, model) if fused_model(model) else model
-        c_step = CStep(model, layer_row) if buffers.input_ids.is_cpu else None   # the layers in one C call
+        on_cpu, rules = buffers.input_ids.is_cpu, platform.current()
+        c_norm = on_cpu and bool(rules.rule("c_norm_decode"))
+        self.model_forward = partial(decode_forward, model, c_norm=c_norm) if fused_model(model) else model
+        c_step = CStep(model, layer_row) if on_cpu and rules.rule("c_step") else None   # the layers in one C call
         self.c_step = c_step if c_step is not None and c_step.max_rows else None   # None: it serves no step
 
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:

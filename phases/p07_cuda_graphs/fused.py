@@ -7,7 +7,8 @@ vLLM's model files load the weights fused this way (`QKVParallelLinear`,
 `MergedColumnParallelLinear`). Each output column is still the same dot product of x with the
 same weight row; what changes is the number of operator calls per layer (5 products -> 2), each
 a few microseconds of dispatch on a CPU, a kernel launch on a GPU. Done once at engine start, on
-plain `tinyvllm.model.Linear` layers and on phase 5's quantized ones alike: int8 keeps a scale per
+float layers (`tinyvllm.layers.Linear`, phase 4's `CpuLinear`) and on phase 5's quantized ones
+alike: int8 keeps a scale per
 output row and int4 its groups within a row, so stacking the quantized rows (and their scales) is
 the quantization of the stacked float rows, exactly. There it pays most: each int8 call quantizes
 its activations and crosses into phase 5's C kernel, a fixed cost whatever the weight's size.
@@ -17,8 +18,12 @@ again.
 `decode_forward` is the model's forward written with fewer operators around those products
 (vLLM's fused residual add + RMSNorm, one rotation for q and k together), for the decode steps
 of a fused model; its outputs are the model's own, bit for bit, but where the fused add + RMSNorm
-is one C call (float32 on an AVX2 CPU: tinyvllm.model's `fused_add_rms_norm`), which sums the squares
-in its own order (float32 rounding apart).
+is one C call (phase 4's `fused_add_rms_norm`, where the platform's `c_norm_decode` rule says),
+which sums the squares in its own order (float32 rounding apart).
+
+A prompt's fused MLP can stay in bfloat16 between its two products (`gated_mlp`, where the
+platform's `bf16_mlp` rule says and both products are oneDNN's bfloat16 ones): half the bytes of
+float32's and no float32 copy of the widest activation.
 
 `layer_row` describes a layer's product for a caller in C: the kernel's address and the
 weight's pointers and sizes. tinyvllm's `CStep` (cpu_step.c) runs `decode_forward`'s layers in
@@ -30,10 +35,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from phases.p04_triton_kernels.cpu_amx import silu_and_mul
+from phases.p04_triton_kernels.cpu_linear import GEMV, CpuLinear, bf16_product, runs_bf16
+from phases.p04_triton_kernels.cpu_norm import fused_add_rms_norm
 from phases.p05_quantization import cpu_int8
 from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear, lossless
 from phases.p05_quantization.quant import QuantizedLinear
-from tinyvllm.model import GEMV, Linear, LlamaAttention, LlamaMLP, RMSNorm, apply_rotary, fused_add_rms_norm, gated_mlp
+from tinyvllm import platform
+from tinyvllm.layers import Linear, RMSNorm, SiluAndMul
+from tinyvllm.model import LlamaAttention, LlamaMLP
 
 
 def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
@@ -52,11 +62,12 @@ def _fuse_quantized(layers: list[QuantizedLinear]) -> QuantizedLinear | None:
 def _fuse(layers: list) -> torch.nn.Module | None:
     if all(type(m) is QuantizedLinear for m in layers):
         return _fuse_quantized(layers)
-    if any(type(m) not in (Linear, LosslessLinear) for m in layers):
+    float_types = {type(m) if type(m) is not LosslessLinear else CpuLinear for m in layers}
+    if len(float_types) > 1 or not float_types <= {Linear, CpuLinear}:
         return None
     w = torch.cat([m.weight.detach() for m in layers])
     bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
-    fused = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+    fused = float_types.pop()(w.shape[1], w.shape[0], bias=bias is not None, device="meta")   # Linear or CpuLinear
     fused.weight, fused.bias = (None if t is None else torch.nn.Parameter(t, requires_grad=False) for t in (w, bias))
     return lossless(fused) if all(type(m) is LosslessLinear for m in layers) else fused   # the codes found again
 
@@ -77,20 +88,35 @@ class FusedLlamaAttention(torch.nn.Module):
         q, k, v = q.reshape(n, h, d), k.reshape(n, kvh, d), v.reshape(n, kvh, d)   # (N, H, d), (N, KVH, d) x 2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        cos, sin, rotate = rope
+        q, k = rotate(q, k, cos, sin)
         out = attn(self.layer_idx, q, k, v)                              # (N, H, d)
         return self.o_proj(out.reshape(n, h * d))
 
 
+def gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tensor, act_fn: torch.nn.Module,
+              bf16: bool = False) -> torch.Tensor:
+    """down(silu(gate) * up), [gate, up] = gate_up(x). With `bf16` (the platform's `bf16_mlp`),
+    where both products are oneDNN's bfloat16 ones at x's rows (phase 4's `runs_bf16`: a
+    prompt's, with dtype="auto"), gate_up's output stays bfloat16 and cpu_amx.c's `silu_and_mul`
+    and down read it so (the SiLU's product rounded to bfloat16 as down's input is anyway). A
+    layer in a compiled step's wrapper (`.layer`) is looked into for that."""
+    inner_gate_up, inner_down = (getattr(m, "layer", m) for m in (gate_up, down))
+    if bf16 and runs_bf16(inner_gate_up, x) and runs_bf16(inner_down, x):
+        return bf16_product(inner_down, silu_and_mul(bf16_product(inner_gate_up, x, torch.bfloat16)))
+    return down(act_fn(gate_up(x)))
+
+
 class FusedLlamaMLP(torch.nn.Module):
-    """`LlamaMLP` with gate and up from one product."""
+    """`LlamaMLP` with gate and up from one product (and its activation vLLM's `SiluAndMul`)."""
 
     def __init__(self, unfused: LlamaMLP, gate_up_proj: torch.nn.Module):
         super().__init__()
-        self.gate_up_proj, self.down_proj = gate_up_proj, unfused.down_proj
+        self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, unfused.down_proj, SiluAndMul()
+        self.bf16 = bool(platform.current().rule("bf16_mlp"))   # a prompt's MLP in bfloat16
 
     def forward(self, x):
-        return gated_mlp(self.gate_up_proj, self.down_proj, x)
+        return gated_mlp(self.gate_up_proj, self.down_proj, x, self.act_fn, self.bf16)
 
 
 def fuse_projections(model: torch.nn.Module) -> int:
@@ -128,21 +154,22 @@ def rms_norm(x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, c_norm: bool = False):
     """vLLM's fused residual add + RMSNorm: residual <- x + residual, returns (norm(residual),
-    residual). In float32 on an AVX2 CPU one C call, `fused_add_rms_norm` (x overwritten)."""
-    if (fused := fused_add_rms_norm(x, residual, norm)) is not None:
+    residual). With `c_norm`, in float32 on a CPU one C call, `fused_add_rms_norm` (x overwritten)."""
+    if c_norm and (fused := fused_add_rms_norm(x, residual, norm)) is not None:
         return fused
     residual = x if residual is None else x + residual
     return rms_norm(residual, norm), residual
 
 
 def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                   attn) -> torch.Tensor:
+                   attn, c_norm: bool = False) -> torch.Tensor:
     """`model.forward` for a fused model, with fewer operators: the same hidden states (N, D).
 
     What it saves per layer, against `LlamaDecoderLayer` and the fused modules above:
-    - the residual add and the next RMSNorm as `add_rms_norm` (one call or two instead of nine);
+    - the residual add and the next RMSNorm as `add_rms_norm` (one call or two instead of nine;
+      one C call each with `c_norm`);
     - Qwen3's per-head norms of q and k as one `F.rms_norm` call each;
     - RoPE once on q and k together (they sit side by side in qkv_proj's output), with
       `rotate_half(x) * sin` written as `roll(x, d/2) * [-sin, sin]`: the same products,
@@ -154,7 +181,7 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
     cos, sin = m.rotary_emb(positions, x.dtype)                       # (N, 1, d) each
     n, half = x.shape[0], cos.shape[-1] // 2
     sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)      # [-sin, sin], once a step
-    h, residual = add_rms_norm(x, None, m.layers[0].input_layernorm)
+    h, residual = add_rms_norm(x, None, m.layers[0].input_layernorm, c_norm)
     for i, layer in enumerate(m.layers):
         a = layer.self_attn
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
@@ -165,9 +192,11 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
         qk = qk * cos + qk.roll(half, dims=-1) * sin                  # RoPE on q and k at once
         out = attn(a.layer_idx, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv:])   # (N, H, d)
         h, residual = add_rms_norm(a.o_proj(out.reshape(n, hq * d)), residual,
-                                   layer.post_attention_layernorm)
+                                   layer.post_attention_layernorm, c_norm)
         nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
-        h, residual = add_rms_norm(gated_mlp(layer.mlp.gate_up_proj, layer.mlp.down_proj, h), residual, nxt)
+        mlp = layer.mlp
+        h, residual = add_rms_norm(gated_mlp(mlp.gate_up_proj, mlp.down_proj, h, mlp.act_fn, mlp.bf16), residual, nxt,
+                                   c_norm)
     return h
 
 
@@ -179,7 +208,7 @@ def layer_row(m: torch.nn.Module) -> list[int]:
     kernel serves (`dequant_sgemm`, or PyTorch's float32 product); zeros where its kernel is none
     of phase 5's C ones over a weight as it is stored (cpu_ops.cpp calls the layer from Python)."""
     kernel = m.choose_kernel(1) if type(m) is QuantizedLinear else None
-    if type(m) is Linear and m.gemv_max_rows():   # float32 (tinyvllm.model): cpu_gemv.c
+    if type(m) is CpuLinear and m.gemv_max_rows():   # float32 (phase 4's): cpu_gemv.c
         fn, kind, tensors = GEMV.address("f32_matmul"), 32, (m.weight, None, None)
         group, many = 1, m.gemv_max_rows() + 1
     elif type(m) is LosslessLinear and m.max_rows and LOSSLESS.available():   # float32 from its codes

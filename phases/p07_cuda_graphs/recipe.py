@@ -24,14 +24,12 @@ batch. `enforce_eager=True` leaves every part as phase 6 has it.
 
 from __future__ import annotations
 
-import os
-
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.block_allocator import cdiv
+from phases.p04_triton_kernels.cpu_linear import use_bfloat16_products
 from phases.p05_quantization import QuantizedPagedAttention
 from phases.p06_speculative_decoding import RECIPE as PHASE6
-
-from tinyvllm.model import use_bfloat16_products
+from tinyvllm import platform
 
 from .compiled import CompiledDecodeRunner, make_opaque
 from .decode_runner import CudaGraphDecodeRunner, DecodeRunner, StaticDecodeBuffers, default_capture_sizes
@@ -51,15 +49,12 @@ def capture_sizes(setup: EngineSetup) -> list[int]:
 
 def compile_when(setup: EngineSetup) -> str | None:
     """When this engine compiles its decode step: "start" (compilation_mode=1), "background" (the
-    default on a CPU), or None (eager: compilation_mode=0, a GPU, enforce_eager, several ranks).
-    $TINYVLLM_COMPILATION_MODE (0 or 1), when set, stands for an unset compilation_mode."""
-    c, env = setup.config, os.environ.get("TINYVLLM_COMPILATION_MODE", "")
-    if c.compilation_mode is None and env not in ("", "0", "1"):
-        raise ValueError(f"TINYVLLM_COMPILATION_MODE must be 0 or 1 (or unset), got {env!r}")
-    mode = c.compilation_mode if c.compilation_mode is not None else int(env) if env else None
-    if mode == 0 or c.enforce_eager or setup.device.type != "cpu" or c.tensor_parallel_size > 1:
+    platform's default on a CPU), or None (eager: compilation_mode=0, a GPU, enforce_eager, several
+    ranks). $TINYVLLM_COMPILATION_MODE (0 or 1), when set, stands for an unset compilation_mode."""
+    c = setup.config
+    if c.compilation_mode == 0 or c.enforce_eager or setup.device.type != "cpu" or c.tensor_parallel_size > 1:
         return None
-    return "background" if mode is None else "start"
+    return "start" if c.compilation_mode == 1 else platform.compile_default(setup.device.type)
 
 
 def compile_request(setup: EngineSetup, parts: Parts) -> dict:

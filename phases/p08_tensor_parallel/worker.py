@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from tinyvllm.config import EngineConfig
-from tinyvllm.weights import resolve_device
+from tinyvllm.platform import resolve_device
 
 from .parallel import (LOOPBACK, TOKEN_ENV, available_cores, host_ip, loads_signed, open_store, rank_device,
                        shared_token, signed_ready, take_token)

@@ -93,7 +93,7 @@ def share_gpu(engine_args: dict, n: int) -> list[dict]:
     engine of a ladder would take it all. Unless the command sized the pool itself, engine i of
     n gets gpu_memory_utilization * (i + 1) / n: each finds its elders' share in use and takes an
     equal share of the same fraction."""
-    from tinyvllm.weights import resolve_device
+    from tinyvllm.platform import resolve_device
 
     sized = {"kv_cache_memory", "num_kv_blocks"} & {k for k, v in engine_args.items() if v is not None}
     if n == 1 or sized or resolve_device(engine_args.get("device") or "auto").type != "cuda":

@@ -178,7 +178,7 @@ def run_kernels_command(args: argparse.Namespace, argv: list[str]) -> int:
 
     from tinyvllm.config import ModelConfig
     from tinyvllm.download import resolve_model
-    from tinyvllm.weights import resolve_device, resolve_dtype
+    from tinyvllm.platform import resolve_device, resolve_dtype
 
     if args.repeat < 1 or min(args.batch_sizes + args.context_lens + args.prefill_len) < 1:
         raise ValueError("--repeat, --batch-sizes, --context-lens and --prefill-len must be >= 1")

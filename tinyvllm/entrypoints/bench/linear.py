@@ -1,9 +1,10 @@
-"""How fast the model's matrix products run at decode-sized batches, each way `Linear` can take
-on a CPU: `F.linear` (MKL), the product written the other way round, (W @ x^T)^T, oneDNN with a
-packed weight, the same in bfloat16 on a bfloat16 copy of it (float32 in and out: what
-`BF16_PRODUCT_ROWS` turns on), on the amx kind tinyvllm's AMX kernel for those (cpu_amx.c), tinyvllm's own AVX2 loop (cpu_gemv.c), the weight read from its
-exact 4- or 8-bit codes where it has them (phase 5's cpu_lossless.c: "codes"), and the model's own
-`Linear`, which picks one of these by rows, CPU vendor and kind.
+"""How fast the model's matrix products run at decode-sized batches, each way phase 4's `CpuLinear`
+can take on a CPU: `F.linear` (MKL), the product written the other way round, (W @ x^T)^T, oneDNN
+with a packed weight, the same in bfloat16 on a bfloat16 copy of it (float32 in and out: what the
+platform's `bf16_products_from_rows` turns on), on the amx kind tinyvllm's AMX kernel for those
+(cpu_amx.c), tinyvllm's own AVX2 loop (cpu_gemv.c), the weight read from its exact 4- or 8-bit
+codes where it has them (phase 5's cpu_lossless.c: "codes"), and `CpuLinear` itself, which picks
+one of these by rows, CPU vendor and kind (the rules of `tinyvllm.platform`).
 
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear                  # the default model, CPU
     .venv/bin/python -m tinyvllm.entrypoints.bench.linear --rows 1 2 12 16 64 --repeat 7
@@ -12,7 +13,7 @@ exact 4- or 8-bit codes where it has them (phase 5's cpu_lossless.c: "codes"), a
 For each row count it multiplies a batch of that many rows through every weight matrix of the
 model once, as one decode step does, and prints the best time of `--repeat` passes for each
 way. The weights are the model's own, so they do not fit the CPU's caches: the time is what a
-real step pays. `tinyvllm.model.Linear` quotes this command's numbers.
+real step pays. The platform's product rules name this command's reports.
 """
 
 from __future__ import annotations
@@ -65,14 +66,15 @@ def main(argv: list[str] | None = None) -> None:
     if min(args.rows) < 1 or args.repeat < 1:
         parser.error("--rows and --repeat must be >= 1")
 
+    from phases.p04_triton_kernels import GEMV, CpuLinear, amx_fits, amx_matmul, gemv, onednn_bf16, use_cpu_kernels
     from tinyvllm.download import resolve_model
     from tinyvllm.hardware import cpu_vendor
-    from tinyvllm.model import GEMV, Linear, amx_matmul, amx_rows, gemv, onednn_bf16
     from tinyvllm.weights import load_model
 
     dtype = getattr(torch, args.dtype)
-    model = load_model(resolve_model(args.model), dtype, torch.device("cpu"))
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    model = use_cpu_kernels(load_model(resolve_model(args.model), dtype, torch.device("cpu")), bf16_rows=0)
+    linears = [m for m in model.modules() if isinstance(m, CpuLinear)]
+    Linear = linears[0]   # every layer's rules are the platform's
     params = sum(m.weight.numel() for m in linears)
 
     def transposed(m, x):
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                           "none", [], "")
         if dtype == torch.float32:
             ways["oneDNN bf16"] = lambda m, x: onednn_bf16(x, m.weight, m.bias)
-    if dtype == torch.float32 and all(amx_rows(m.weight) for m in linears):
+    if dtype == torch.float32 and all(amx_fits(m.weight) for m in linears):
         ways["AMX bf16"] = lambda m, x: amx_matmul(x, m.weight, m.bias)   # cpu_amx.c, at any rows
     if GEMV.available() and dtype == torch.float32:
         ways["cpu_gemv"] = lambda m, x: gemv(x, m.weight, m.bias)

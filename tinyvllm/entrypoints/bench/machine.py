@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from tinyvllm.hardware import (cpu_family_model, cpu_kind, cpu_microarchitecture, cpu_vendor, cpuinfo,
-                               reported_flags)
+from tinyvllm import platform as tinyvllm_platform
+from tinyvllm.hardware import cpu_family_model, cpu_microarchitecture, cpu_vendor, cpuinfo, reported_flags
 
 from .timing import best, times
 
@@ -38,10 +38,13 @@ def cpu_model() -> str:
 
 
 def machine_info(device: torch.device) -> dict:
-    """What the JSON report says about the machine."""
+    """What the JSON report says about the machine: the CPU kind tinyvllm acts as, with the flags
+    that kind may use (`tinyvllm.platform`; $TINYVLLM_CPU_KIND, where set, decides both)."""
+    acting = tinyvllm_platform.current()
     info = dict(cpu=cpu_model(), cpu_capability=torch.backends.cpu.get_cpu_capability(),
                 cpu_vendor=cpu_vendor(), cpu_family_model=cpu_family_model(),
-                cpu_microarchitecture=cpu_microarchitecture(), cpu_kind=cpu_kind(), cpu_flags=reported_flags(),
+                cpu_microarchitecture=cpu_microarchitecture(), cpu_kind=acting.kind,
+                cpu_flags=reported_flags(acting.flags),
                 cores=os.cpu_count(), torch_threads=torch.get_num_threads(),
                 torch=torch.__version__, python=platform.python_version(),
                 platform=platform.platform(), device=str(device))

@@ -4,7 +4,7 @@ An eager decode step on a CPU spends a third of its time between the kernels: ea
 PyTorch operator calls and 211 ctypes calls of `decode_forward` at batch 1 on the default model
 costs microseconds in the interpreter. A CUDA graph removes that on a GPU and torch.compile
 does on a CPU, once its graphs are made (a minute of compiling, seconds to read back).
-cpu_step.c removes it at once: it is phase 7's `decode_forward` (fused q/k/v and gate/up
+cpu_step.c removes it at once: it is `decode_forward` (fused.py: fused q/k/v and gate/up
 projections, the residual add fused with RMSNorm, Qwen3's per-head norms, one RoPE for q and k)
 written as a C loop over the layers, the way llama.cpp runs a model, calling the kernels the
 eager step calls by their addresses.
@@ -23,23 +23,15 @@ from typing import Callable
 
 import torch
 
+from phases.p04_triton_kernels.cpu_norm import NORM
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import AVX2_FLAGS, cpu_kind
-from tinyvllm.model import NORM
+from tinyvllm.hardware import AVX2_FLAGS
 
 P = ctypes.c_void_p
 STEP = CKernel(Path(__file__).with_name("cpu_step.c"), ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared",
                "-fPIC"], AVX2_FLAGS, {"decode_layers": [P, ctypes.c_int64, P, P, P, P, ctypes.c_float]},
                fallback="decode steps run in PyTorch")
 FIELDS = 10   # a product's row: its kernel (0: none in C), kind, four pointers, out, in, group, rows it serves to
-# The CPU kinds where `CStep` serves: measured on an AVX2 Zen 4 EPYC (lab note 7: a batch-1 step
-# 18.8 -> 12.1 ms eager, 12.5 -> 11.5 against the compiled graph) and on an AVX-512 one
-# (avx512_vnni: batch 1 81.0 -> 133.8 tok/s eager, batch 8 287.2 -> 306.8;
-# `python -m phases.p07_cuda_graphs.tools.kind_rules`, docs/assets/bench/kind-rules-zen4-avx512.json),
-# and on the amx kind (a GPU machine's Xeon host pinned to 2 cores: batch 1 61.0 -> 91.9 tok/s
-# eager, batch 8 216.4 -> 240.5, kind-rules-xeon-amx.json; the amx kind's rules without cpu_gemv.c,
-# on a second such machine, batch 1 30.2 -> 86.6 with all of them, kind-rules-xeon-amx-nogemv.json).
-CSTEP_KINDS = ("avx2", "avx512_vnni", "amx")
 
 
 class CStep:
@@ -48,15 +40,15 @@ class CStep:
     `step(input_ids, positions, attention)`, attention a step's row (phase 4's `attention_row`),
     gives the final norm's output (N, D), or None where it does not serve. It serves up to
     `max_rows` rows, the fewest any product's kernel takes; none (0) where a product has no C
-    kernel, the model is not float32 or has norms of different eps, or the CPU is not of a kind
-    in `CSTEP_KINDS`; and none from the first step whose attention is not phase 4's C kernel."""
+    kernel or the model is not float32 or has norms of different eps; and none from the first
+    step whose attention is not phase 4's C kernel. Where it is built at all is the platform's
+    `c_step` rule (the decode runner asks)."""
 
     def __init__(self, model: torch.nn.Module, row_of: Callable[[torch.nn.Module], list[int]]):
         self.model, m, self.max_rows = model, model.model, 0
         layers = m.layers
         if not all(hasattr(la.self_attn, "qkv_proj") and hasattr(la.mlp, "gate_up_proj") for la in layers) \
-                or m.embed_tokens.weight.dtype != torch.float32 or cpu_kind() not in CSTEP_KINDS \
-                or not STEP.available():   # its C is float32's; measured where CSTEP_KINDS says
+                or m.embed_tokens.weight.dtype != torch.float32 or not STEP.available():   # its C is float32's
             return
         nexts = [la.input_layernorm for la in layers[1:]] + [m.norm]      # the norm after each layer
         qk_norms = [() if getattr(la.self_attn, "q_norm", None) is None else (la.self_attn.q_norm, la.self_attn.k_norm)
