@@ -152,6 +152,18 @@ def pytest_sessionfinish(session):
         run.cancel()          # an interrupted session does not start the rest
 
 
+@pytest.fixture
+def platform_rules():
+    """`platform_rules(name=value, ...)`: for the rest of the test the platform answers these rules
+    (`tinyvllm.platform`) so; a part reads its rules when it is built, so build it after."""
+    from contextlib import ExitStack
+
+    from tinyvllm import platform
+
+    with ExitStack() as stack:
+        yield lambda **values: stack.enter_context(platform.using(platform.current().with_rules(**values)))
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from tinyvllm.download import ensure_default_model

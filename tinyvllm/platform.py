@@ -250,6 +250,15 @@ def platform_as(kind: str) -> Platform:
     return Platform(kind, flags_as(kind), cpu_vendor(), _x86())
 
 
+def rules_of(kind: str) -> Platform:
+    """A platform that answers every rule as `kind`, on any machine, and may use no CPU flag: for
+    reading what a kind chooses (a test of a rule), never for building an engine (no C kernel
+    would load under it)."""
+    if kind not in KINDS:
+        raise ValueError(f"no such CPU kind {kind!r}: the kinds are {', '.join(KINDS)}")
+    return Platform(kind, frozenset(), cpu_vendor(), _x86())
+
+
 _CURRENT: list[Platform] = []   # the platform in use: read from the machine once (and `using`'s)
 
 

@@ -228,25 +228,26 @@ def test_token_budget_and_chunks():
     assert [(x, n) for x, n in out.scheduled] == [(a, 1), (b, 8)]
 
 
-def test_the_default_budget_follows_the_device_and_the_cpu_kind(monkeypatch):
-    """512 tokens a step on a CPU, 2048 on a GPU; on a CPU kind BF16_MAX_NUM_BATCHED_TOKENS names,
-    that many where the prompts multiply in bfloat16 (dtype="auto"); an asked budget wins, and
-    without chunking a whole sequence fits."""
+def test_the_default_budget_follows_the_device_and_the_cpu_kind():
+    """512 tokens a step on a CPU, 2048 on a GPU; on a CPU kind whose platform rule
+    (`bf16_max_num_batched_tokens`) names a budget, that many where the prompts multiply in
+    bfloat16 (dtype="auto"); an asked budget wins, and without chunking a whole sequence fits."""
     from types import SimpleNamespace
 
     from phases.p03_continuous_batching import recipe
+    from tinyvllm import platform
 
     def budget(device="cpu", bf16_rows=0, asked=None, chunked=True):
         config = SimpleNamespace(max_num_batched_tokens=asked, enable_chunked_prefill=chunked)
         return recipe.max_num_batched_tokens(SimpleNamespace(config=config, device=torch.device(device),
                                                              bf16_rows=bf16_rows, max_model_len=4096))
 
-    for kind in ("amx", "avx2"):
-        monkeypatch.setattr(recipe, "cpu_kind", lambda: kind)
-        want = recipe.BF16_MAX_NUM_BATCHED_TOKENS.get(kind, 512)
-        assert (budget(), budget(bf16_rows=6), budget("cuda"), budget(bf16_rows=6, asked=64)) == (512, want, 2048, 64)
-        assert budget(bf16_rows=6, chunked=False) == 4096
-    assert recipe.BF16_MAX_NUM_BATCHED_TOKENS["amx"] == 2048
+    for kind in platform.KINDS:
+        with platform.using(platform.rules_of(kind)):
+            want = getattr(platform.RULES["bf16_max_num_batched_tokens"], kind) or 512
+            assert (budget(), budget(bf16_rows=6), budget("cuda"), budget(bf16_rows=6, asked=64)) == (512, want, 2048, 64)
+            assert budget(bf16_rows=6, chunked=False) == 4096
+    assert platform.RULES["bf16_max_num_batched_tokens"].amx == 2048
 
 
 def test_no_chunking_waits_for_room():

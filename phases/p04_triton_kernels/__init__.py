@@ -6,7 +6,7 @@ Triton interprets or compiles is decided then); the CPU path in `cpu_attention` 
 """
 
 from .cpu_amx import amx_attention, amx_fits, amx_matmul, silu_and_mul
-from .cpu_attention import CpuPagedAttention, cpu_paged_attention, prefill_attention
+from .cpu_attention import CpuPagedAttention, cpu_paged_attention, prefill_attention, prefill_paths
 from .cpu_linear import (GEMV, CpuLinear, bf16_product, gemv, onednn_bf16, onednn_matmul, runs_bf16,
                          use_bfloat16_products)
 from .cpu_norm import CpuRMSNorm, CpuRotaryEmbedding, fused_add_rms_norm
@@ -32,6 +32,7 @@ __all__ = [
            "onednn_bf16",
            "onednn_matmul",
            "prefill_attention",
+           "prefill_paths",
            "resolve_attention_backend",
            "runs_bf16",
            "silu_and_mul",

@@ -141,7 +141,7 @@ def c_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                         bf16: bool = False) -> torch.Tensor:
     """`prefill_attention` in one call of cpu_attention.c, written into out: q, out (Tq, H, d);
     k, v (Tk, KVH, d), Tk >= Tq, the queries the last Tq of the keys (see c_prefill_runs).
-    bf16: its products in bfloat16 (where `bf16_prefill_runs`; d a multiple of 32)."""
+    bf16: its products in bfloat16 (where `prefill_paths` says; d a multiple of 32)."""
     (tq, h, d), (tk, kvh) = q.shape, k.shape[:2]
     size = kvh * -(-tk // PREFILL_KEYS) * PREFILL_KEYS * d
     if bf16:   # the keys' and the values' bfloat16 pairs, tile by tile

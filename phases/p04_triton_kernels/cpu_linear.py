@@ -84,13 +84,25 @@ def onednn_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y if bias is None else y.add_(bias)
 
 
+def amx_rows_for(weight: torch.Tensor, rows: int) -> int:
+    """`rows` (the platform's `amx_product_max_rows`) where cpu_amx.c takes this weight
+    (`amx_fits`), else 0; kept on the weight, asked again when its memory, dtype or shape change."""
+    if not rows:
+        return 0
+    key, cached = (weight.data_ptr(), weight.dtype, tuple(weight.shape)), getattr(weight, "_amx_ok", None)
+    if cached is None or cached[0] != key:
+        cached = weight._amx_ok = (key, amx_fits(weight))
+    return rows if cached[1] else 0
+
+
 def onednn_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   bf16_rows: int = 0, amx_rows: int = 0) -> torch.Tensor:
     """x (N, I) @ weight (O, I)^T + bias in oneDNN on the packed weight; a float32 x of at least
     `bf16_rows` rows (0: never) in bfloat16, on the weight's packed bfloat16 copy, the output
-    float32 (the bias added in float32); up to `amx_rows` rows, that product is cpu_amx.c's."""
+    float32 (the bias added in float32); up to `amx_rows` rows (where cpu_amx.c takes the weight),
+    that product is cpu_amx.c's."""
     if 0 < bf16_rows <= x.shape[0] and x.dtype == torch.float32:
-        return (amx_matmul if x.shape[0] <= amx_rows else onednn_bf16)(x, weight, bias)
+        return (amx_matmul if x.shape[0] <= amx_rows_for(weight, amx_rows) else onednn_bf16)(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, onednn_packed(weight), bias, "none", [], "")
 
 
@@ -151,8 +163,8 @@ class CpuLinear(Linear):
         """oneDNN's product on the packed weight (`onednn_matmul`); in a graph being traced, the
         same call as an operator the compiler leaves alone."""
         if torch.compiler.is_compiling():
-            return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias, self.bf16_rows, self.amx_max_rows())
-        return onednn_matmul(x, self.weight, self.bias, self.bf16_rows, self.amx_max_rows())
+            return torch.ops.tinyvllm.onednn_linear(x, self.weight, self.bias, self.bf16_rows, self.amx_rows)
+        return onednn_matmul(x, self.weight, self.bias, self.bf16_rows, self.amx_rows)
 
     def own_rows(self, rows: int) -> int:
         """Up to how many rows a product of a subclass's own that serves up to `rows` runs, before
@@ -171,15 +183,8 @@ class CpuLinear(Linear):
         return self.gemv_rows if cached[1] else 0
 
     def amx_max_rows(self) -> int:
-        """Up to how many rows a bfloat16 product on this weight runs on cpu_amx.c (0: not here),
-        kept on the weight as `gemv_max_rows` is."""
-        if not self.amx_rows:
-            return 0
-        w = self.weight
-        key, cached = (w.data_ptr(), w.dtype, tuple(w.shape)), getattr(w, "_amx_ok", None)
-        if cached is None or cached[0] != key:
-            cached = w._amx_ok = (key, amx_fits(w))
-        return self.amx_rows if cached[1] else 0
+        """Up to how many rows a bfloat16 product on this weight runs on cpu_amx.c (0: not here)."""
+        return amx_rows_for(self.weight, self.amx_rows)
 
     def has_own_product(self) -> bool:
         """Whether `forward` runs a product of its own on this weight (cpu_gemv.c in float32,

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from phases.p04_triton_kernels.cpu_attention import bf16_prefill_runs
+from phases.p04_triton_kernels.cpu_attention import prefill_paths
 from tinyvllm.entrypoints.bench.kernels import run_kernels
 from tinyvllm.entrypoints.bench.machine import MachineLimits
 from tinyvllm.entrypoints.cli import main
@@ -29,7 +29,7 @@ def test_rows_bytes_and_ratios():
         mine = {r["kernel"]: r for r in rows if (r["case"], r["batch"], r["context"]) == case}
         # the prefills also through SDPA, where the CPU path may take cpu_attention.c, and through
         # its bfloat16 products where they run
-        prefill_only = {"sdpa"} | ({"cpu_bf16"} if bf16_prefill_runs() else set())
+        prefill_only = {"sdpa"} | ({"cpu_bf16"} if prefill_paths()[1] else set())
         assert set(mine) == {"phase3", "cpu", "triton"} | (prefill_only if case[0] != "decode" else set())
         b, ctx = case[1], case[2]
         qlen = {"decode": 1, "prefill": ctx, "chunk": 512}[case[0]]

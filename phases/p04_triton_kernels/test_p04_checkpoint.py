@@ -28,7 +28,6 @@ from phases.p04_triton_kernels import (
     prefill_attention,
 )
 from phases.p04_triton_kernels.cpu_attention import (
-    FETCH_AHEAD_KINDS,
     KERNELS,
     c_decode_attention,
     c_decode_runs,
@@ -40,9 +39,8 @@ from phases.p04_triton_kernels.tools.kernel_cases import (
     engine_tokens,
     make_batch,
 )
-from tinyvllm import LLM, SamplingParams
+from tinyvllm import LLM, SamplingParams, platform
 from tinyvllm.ckernel import CKernel
-from tinyvllm.hardware import cpu_kind
 
 
 @pytest.mark.parametrize("batch", [MIXED, DECODES, [("bs+3", "bs+3")], [("2*bs+9", 8)], [("3*bs+9", 20)],
@@ -55,8 +53,6 @@ def test_cpu_path_equals_phase3_attention(monkeypatch, batch, bs, d, group, kvh,
     """The prefill chunks through cpu_attention.c's kernels (where they run: a few queries after
     cached keys as decode rows, split into segments after a long context) and through
     `prefill_attention` (SDPA): both phase 3's attention."""
-    if prefill == "sdpa":
-        monkeypatch.setattr(cpu_attention, "PREFILL_KINDS", ())
     meta, k_cache, v_cache, g = make_batch(batch, bs, kvh, d, torch.float32, "cpu")
     n = len(meta.slot_mapping)
     q = torch.randn(n, group * kvh, d, generator=g)
@@ -64,7 +60,7 @@ def test_cpu_path_equals_phase3_attention(monkeypatch, batch, bs, d, group, kvh,
     k_cache.view(-1, kvh, d)[meta.slot_mapping] = k   # the step's write, as the backend does first
     v_cache.view(-1, kvh, d)[meta.slot_mapping] = v
     ref = paged_attention(q, k_cache, v_cache, meta)
-    out = cpu_paged_attention(q, k, v, k_cache, v_cache, meta)
+    out = cpu_paged_attention(q, k, v, k_cache, v_cache, meta, c_prefill=prefill == "c")
     # float32, one fused kernel against another order of the same sums: a few ulps
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
@@ -150,7 +146,7 @@ def c_bf16_way(q, k, v, bf16=True):
     return c_prefill_attention(q, k, v, torch.empty_like(q), bf16=bf16)
 
 
-def sdpa_bf16_way(q, k, v, bf16=True):   # what cpu_paged_attention runs on a kind outside PREFILL_KINDS
+def sdpa_bf16_way(q, k, v, bf16=True):   # what cpu_paged_attention runs where the prefill is not the C kernel's
     return prefill_attention(*(x.bfloat16() if bf16 else x for x in (q, k, v))).float()
 
 
@@ -181,20 +177,23 @@ def test_the_bf16_prefill_kernel_errs_as_bfloat16_operands_do(way, tq, tk, h, kv
                                         (2000, 2000, 9, 3), (20, 42, 9, 3), (1, 77, 9, 3), (50, 130, 6, 2), (512, 2000, 9, 3)])
 @pytest.mark.parametrize("spread", [1.0, 300.0])
 def test_a_prompt_s_attention_on_amx_tiles_errs_as_bfloat16_operands_do(t, tk, h, kvh, spread):
-    """tinyvllm.model's `amx_attention` (cpu_amx.c, the amx kind, heads of 64): a prompt with
-    nothing cached or a chunk after cached keys (its queries the last of the keys, the diagonal
-    anywhere in a block of 64), any length (padded to 64 keys inside), grouped heads; against
-    float64, finite with scores hundreds apart and its error within twice what rounding q, k, v to
-    bfloat16 costs (it rounds each block's probabilities too, as the other bfloat16 kernels do)."""
-    from tinyvllm.model import amx_attention
+    """`amx_attention` (cpu_amx.c, the amx kind, heads of 64): a prompt with nothing cached or a
+    chunk after cached keys (its queries the last of the keys, the diagonal anywhere in a block of
+    64), any length (padded to 64 keys inside), grouped heads; against float64, finite with scores
+    hundreds apart and its error within twice what rounding q, k, v to bfloat16 costs (it rounds
+    each block's probabilities too, as the other bfloat16 kernels do). On a kind without AMX tiles
+    it does not run: None, for its caller to take SDPA."""
+    from phases.p04_triton_kernels.cpu_amx import amx_attention, amx_lib
 
     g = torch.Generator().manual_seed(tk * h + t)
     kv = torch.randn(tk, h + 2 * kvh, 64, generator=g)
     kv[:, :h] *= spread
     q, k, v = kv[tk - t:, :h], kv[:, h:h + kvh], kv[:, h + kvh:]
     out = amx_attention(q, k, v)
-    if out is None:
-        pytest.skip("cpu_amx.c runs on the amx kind (AMX tiles, AVX512-BF16)")
+    if not platform.current().has({"amx_tile", "amx_bf16"}):
+        assert out is None and amx_lib() is None
+        return
+    assert out is not None, "an AMX kind with a compiler builds cpu_amx.c"
     ref = float64_attention(q, k, v)
     assert out.shape == q.shape and out.dtype == torch.float32 and torch.isfinite(out).all()
     error = (out.double() - ref).abs().max()
@@ -230,7 +229,7 @@ def _compiler_is_gcc() -> bool:
 def test_an_older_compiler_builds_the_file_without_the_bf16_kernel(tmp_path):
     """A compiler older than AVX512-BF16 (GCC before 10, told so here by defining __GNUC__ 9) still
     builds every other kernel of cpu_attention.c, and the library says the bfloat16 one is not in
-    it: bf16_prefill_runs() reads that flag before it ever calls it."""
+    it: prefill_paths() reads that flag before it ever calls it."""
     old = CKernel(KERNELS.source, [*KERNELS.flags, "-U__GNUC__", "-D__GNUC__=9"], KERNELS.needs,
                   KERNELS.signatures, fallback="-")
     lib = ctypes.CDLL(str(old.build(tmp_path)))
@@ -240,72 +239,73 @@ def test_an_older_compiler_builds_the_file_without_the_bf16_kernel(tmp_path):
 
 
 def test_prefill_attention_is_bf16_where_the_products_are(tiny_model_dir, make_llm, monkeypatch):
-    """The recipe hands CpuPagedAttention bf16_prefill where the engine multiplies in bfloat16
-    (setup.bf16_rows: dtype="auto" on a kind that does) and the bfloat16 kernel runs; never with
-    dtype="float32"; and cpu_paged_attention passes it to the C prefill kernel, or on a kind whose
-    prefill is not the C kernel's runs a prompt (a chunk after cached keys too) on cpu_amx.c's
-    tiles (`amx_attention`) where that runs, else hands SDPA bfloat16 copies."""
+    """The recipe hands CpuPagedAttention the platform's prefill paths: bf16_prefill where the
+    engine multiplies in bfloat16 (setup.bf16_rows: dtype="auto" on a kind that does) and the
+    bfloat16 kernel runs, never with dtype="float32"; and cpu_paged_attention passes it to the C
+    prefill kernel, or where the prefill is not the C kernel's runs a prompt (a chunk after cached
+    keys too) on cpu_amx.c's tiles (`amx_attention`) where that runs, else hands SDPA bfloat16
+    copies."""
     f32 = make_llm(tiny_model_dir, 4, dtype="float32").llm_engine
     auto = make_llm(tiny_model_dir, 4).llm_engine
     meta = _one_step_meta(auto)
-    assert f32.parts.attention(meta).bf16_prefill is False
-    assert auto.parts.attention(meta).bf16_prefill is (bool(auto.setup.bf16_rows) and cpu_attention.bf16_prefill_runs())
+    c_prefill, bf16 = cpu_attention.prefill_paths()
+    assert f32.parts.attention(meta).bf16_prefill is False and f32.parts.attention(meta).c_prefill is c_prefill
+    assert auto.parts.attention(meta).bf16_prefill is (bool(auto.setup.bf16_rows) and bf16)
+    assert c_prefill == bool(platform.current().rule("c_prefill"))
     if not KERNELS.available():
         return
     seen = []
     monkeypatch.setattr(cpu_attention, "c_prefill_attention", lambda q, k, v, out, bf16: seen.append(bf16))
     meta, k_cache, v_cache, g = make_batch([(20, 20), (20, 20)], 16, 2, 64, torch.float32, "cpu")
     q, k = torch.randn(40, 6, 64, generator=g), torch.randn(40, 2, 64, generator=g)
-    monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "avx2")
-    for flag in (False, True):
-        cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=flag)
+    for flag in (False, True):   # where the prefill is the C kernel's
+        cpu_paged_attention(q, k, k, k_cache, v_cache, meta, c_prefill=True, bf16_prefill=flag)
     assert seen == [False, False, True, True]
     sdpa, amx = [], []
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda q, k, v: sdpa.append(q.dtype) or q)
     monkeypatch.setattr(cpu_attention, "amx_attention", lambda q, k, v, out: amx.append(len(q)))   # None: not here
-    monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "amx")
-    for flag in (False, True):
-        cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=flag)
+    for flag in (False, True):   # where it is not
+        cpu_paged_attention(q, k, k, k_cache, v_cache, meta, c_prefill=False, bf16_prefill=flag)
     assert seen == [False, False, True, True] and sdpa == [torch.float32] * 2 + [torch.bfloat16] * 2
     assert amx == [20, 20]                   # whole prompts in bfloat16 ask cpu_amx.c first
     monkeypatch.setattr(cpu_attention, "amx_attention", lambda q, k, v, out: amx.append(len(q)) or q.clone())
     sdpa.clear()
-    cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=True)
+    cpu_paged_attention(q, k, k, k_cache, v_cache, meta, c_prefill=False, bf16_prefill=True)
     assert sdpa == [] and amx == [20] * 4
-    from tinyvllm.model import amx_attention
+    from phases.p04_triton_kernels.cpu_amx import amx_attention
     if amx_attention(q[:20], k[:20], k[:20]) is not None:   # the real one writes each prompt's rows in place
         monkeypatch.setattr(cpu_attention, "amx_attention", amx_attention)
-        out = cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=True)
+        out = cpu_paged_attention(q, k, k, k_cache, v_cache, meta, c_prefill=False, bf16_prefill=True)
         assert torch.equal(out, torch.cat([amx_attention(q[r], k[r], k[r]) for r in (slice(0, 20), slice(20, 40))]))
         meta, k_cache, v_cache, g = make_batch([(20, 20), (50, 20)], 16, 2, 64, torch.float32, "cpu")
-        out = cpu_paged_attention(q, k, k, k_cache, v_cache, meta, bf16_prefill=True)   # 30 keys cached, then 20
+        out = cpu_paged_attention(q, k, k, k_cache, v_cache, meta, c_prefill=False, bf16_prefill=True)   # 30 cached
         cached_k, cached_v = (c[meta.block_tables[1, :4]].flatten(0, 1)[:50] for c in (k_cache, v_cache))
         assert torch.equal(out[20:], amx_attention(q[20:], cached_k, cached_v)) and sdpa == []
 
 
 def test_prefill_chunks_take_the_c_kernel_only_where_it_was_measured(monkeypatch):
-    """cpu_paged_attention's prefill rows, on a CPU kind in PREFILL_KINDS and in float32: a chunk of
-    PREFILL_MIN_QUERIES queries or more through cpu_attention.c's prefill kernel, fewer after cached
-    keys (8 of 40) through its decode kernel, a row per query; `prefill_attention` (SDPA) for a short
-    prompt with nothing cached, in bfloat16, and on any other kind."""
+    """cpu_paged_attention's prefill rows, where the platform's `c_prefill` rule names the kind
+    and in float32: a chunk of PREFILL_MIN_QUERIES queries or more through cpu_attention.c's
+    prefill kernel, fewer after cached keys (8 of 40) through its decode kernel, a row per query;
+    `prefill_attention` (SDPA) for a short prompt with nothing cached, in bfloat16, and where the
+    rule does not name the kind (c_prefill=None asks the platform)."""
     calls = []
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda q, k, v: calls.append("sdpa") or q.clone())
     monkeypatch.setattr(cpu_attention, "c_prefill_attention", lambda q, k, v, out, bf16: calls.append("c"))
     monkeypatch.setattr(cpu_attention, "c_tail_attention", lambda q, *a: calls.append("tail") or q.clone())
-    monkeypatch.setattr(cpu_attention, "cpu_kind", lambda: "avx2")
     c, tail = ("c", "tail") if KERNELS.available() else ("sdpa", "sdpa")
-    for dtype, kinds, (total, queries), expected in [
-            (torch.float32, ("avx2",), (20, 20), c), (torch.float32, ("avx2",), (40, 16), c),
-            (torch.float32, ("avx2",), (40, 8), tail), (torch.float32, ("avx2",), (8, 8), "sdpa"),
-            (torch.bfloat16, ("avx2",), (20, 20), "sdpa"), (torch.bfloat16, ("avx2",), (40, 8), "sdpa"),
-            (torch.float32, (), (20, 20), "sdpa"), (torch.float32, (), (40, 8), "sdpa")]:
-        monkeypatch.setattr(cpu_attention, "PREFILL_KINDS", kinds)
+    for dtype, rule, (total, queries), expected in [
+            (torch.float32, True, (20, 20), c), (torch.float32, True, (40, 16), c),
+            (torch.float32, True, (40, 8), tail), (torch.float32, True, (8, 8), "sdpa"),
+            (torch.bfloat16, True, (20, 20), "sdpa"), (torch.bfloat16, True, (40, 8), "sdpa"),
+            (torch.float32, False, (20, 20), "sdpa"), (torch.float32, False, (40, 8), "sdpa")]:
         meta, k_cache, v_cache, g = make_batch([(total, queries)], 16, 2, 64, dtype, "cpu")
         q = torch.randn(queries, 6, 64, generator=g).to(dtype)
         k = torch.randn(queries, 2, 64, generator=g).to(dtype)
         calls.clear()
-        cpu_paged_attention(q, k, k, k_cache, v_cache, meta)
-        assert calls == [expected], (dtype, kinds, total, queries)
+        with platform.using(platform.current().with_rules(c_prefill=rule)):
+            cpu_paged_attention(q, k, k, k_cache, v_cache, meta)
+        assert calls == [expected], (dtype, rule, total, queries)
 
 
 @pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
@@ -379,19 +379,20 @@ def test_c_decode_splits_long_sequences_the_same_at_any_batch(bs):
 
 @pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 def test_c_decode_fetching_ahead_changes_no_number(monkeypatch):
-    """FETCH_AHEAD (the next block's lines asked of memory while one is read, on the kinds in
-    FETCH_AHEAD_KINDS) only changes when memory is read: the kernel built the other way gives the
-    same outputs bit for bit, over sequences of one token, a part block, whole blocks and several
-    segments."""
-    fetching = f"-DFETCH_AHEAD={int(cpu_kind() in FETCH_AHEAD_KINDS)}"
-    assert fetching in KERNELS.flags
-    flags = [f for f in KERNELS.flags if f != fetching] + [f"-DFETCH_AHEAD={int(fetching[-1] == '0')}"]
-    flipped = CKernel(KERNELS.source, flags, KERNELS.needs, KERNELS.signatures)
+    """FETCH_AHEAD (the next block's lines asked of memory while one is read, where the platform's
+    `decode_fetch_ahead` rule says) only changes when memory is read: the kernel built the other
+    way gives the same outputs bit for bit, over sequences of one token, a part block, whole blocks
+    and several segments."""
+    assert KERNELS.defines == {"FETCH_AHEAD": "decode_fetch_ahead"}
+    flipped = CKernel(KERNELS.source, KERNELS.flags, KERNELS.needs, KERNELS.signatures, defines=KERNELS.defines)
+    other = not platform.current().rule("decode_fetch_ahead")
     meta, k_cache, v_cache, g = make_batch([(1, 1), (23, 1), (64, 1), (1100, 1)], 16, 3, 64, torch.float32, "cpu")
     q = torch.randn(4, 9, 64, generator=g)
     out = c_decode_attention(q, k_cache, v_cache, meta)
-    monkeypatch.setattr(KERNELS, "lib", flipped.load())
-    assert KERNELS.lib is not None
+    with platform.using(platform.current().with_rules(decode_fetch_ahead=other)):
+        lib = flipped.load()                                  # built with the other FETCH_AHEAD
+    assert lib is not None and lib._name != KERNELS.load()._name
+    monkeypatch.setattr(KERNELS, "lib", lib)
     assert torch.equal(c_decode_attention(q, k_cache, v_cache, meta), out)
 
 

@@ -23,8 +23,8 @@ from phases.p05_quantization.kv_quant import (KV_CACHE_DTYPES, QuantizedKVCache,
 from phases.p05_quantization.quant import (QuantizedLinear, dequantize_int4, dequantize_int8,
                                            pack_int4, quantize_int4, quantize_int8, unpack_int4)
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.hardware import cpu_kind
-from tinyvllm.model import Linear
+from phases.p04_triton_kernels import CpuLinear
+from tinyvllm import platform
 from tinyvllm.testing import on_codes, resident_bytes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -110,7 +110,7 @@ def test_each_cpu_kernel_matches_the_reference(method, kernel, rows):
 
 
 NO_VNNI = (f"cpu_int8_vnni needs AVX512-VNNI (avx512_vnni, avx512bw and avx512vl in /proc/cpuinfo) and a C "
-           f"compiler; this CPU is of the kind {cpu_kind()!r}")
+           f"compiler; this CPU is of the kind {platform.current().kind!r}")
 cpu_int8_here = pytest.mark.skipif(not cpu_int8.available(), reason="cpu_int8 needs an AVX2 CPU and a C compiler")
 vnni_here = pytest.mark.skipif(not cpu_int8.vnni_available(), reason=NO_VNNI)
 
@@ -133,25 +133,24 @@ def test_cpu_int8_odd_shapes_and_long_rows(out_features, in_features):
 
 @cpu_int8_here
 @pytest.mark.parametrize("out_features,in_features,group", [(7, 64, 32), (5, 96, 32), (13, 2176, 128)])
-def test_cpu_int4_reads_16_bit_scales_on_the_kinds_named(monkeypatch, out_features, in_features, group):
-    """Where `INT4_F16_SCALES_KINDS` names this CPU's kind, `cpu_int4` (and the C layer table)
-    reads a 16-bit copy of the scales and zeros (int4_matmul_f16): on scales that 16 bits hold
-    exactly, the very numbers of the float32 entry point; elsewhere the float32 ones."""
-    from phases.p05_quantization import quant
+def test_cpu_int4_reads_16_bit_scales_on_the_kinds_named(out_features, in_features, group):
+    """Where the platform's `int4_f16_scales` rule says, `cpu_int4` (and the C layer table) reads
+    a 16-bit copy of the scales and zeros (int4_matmul_f16): on scales that 16 bits hold exactly,
+    the very numbers of the float32 entry point; elsewhere the float32 ones."""
     from phases.p07_cuda_graphs.fused import layer_row
 
     torch.manual_seed(in_features)
     w, x = torch.randn(out_features, in_features) * 0.05, torch.randn(3, in_features)
     out, rows = {}, {}
-    for kinds in ((), (cpu_kind(),)):
-        monkeypatch.setattr(quant, "INT4_F16_SCALES_KINDS", kinds)
-        layer = QuantizedLinear(w, None, "int4", group, kernel="cpu_int4")
+    for f16 in (False, True):
+        with platform.using(platform.current().with_rules(int4_f16_scales=f16)):
+            layer = QuantizedLinear(w, None, "int4", group, kernel="cpu_int4")
         layer.scale, layer.zero = layer.scale.half().float(), layer.zero.half().float()
-        out[kinds], rows[kinds] = layer(x), layer_row(layer)
-        assert layer.packed("scales")[0].dtype == (torch.float16 if kinds else torch.float32)
-    assert torch.equal(out[()], out[(cpu_kind(),)])
-    assert rows[()][0] == cpu_int8.AVX2.address("int4_matmul") != rows[(cpu_kind(),)][0]
-    assert rows[(cpu_kind(),)][0] == cpu_int8.AVX2.address("int4_matmul_f16")
+        out[f16], rows[f16] = layer(x), layer_row(layer)
+        assert layer.packed("scales")[0].dtype == (torch.float16 if f16 else torch.float32)
+    assert torch.equal(out[False], out[True])
+    assert rows[False][0] == cpu_int8.AVX2.address("int4_matmul") != rows[True][0]
+    assert rows[True][0] == cpu_int8.AVX2.address("int4_matmul_f16")
 
 
 @cpu_int8_here
@@ -228,7 +227,7 @@ def test_the_kernel_chosen_follows_the_cpu_kind_and_a_failed_build_falls_back(mo
     layer = QuantizedLinear(torch.randn(8, 32), None, "int8")
     int4 = QuantizedLinear(torch.randn(8, 32), None, "int4", 32)
     fallback = "fbgemm_w8a8" if fbgemm_available() else "int8pack_mm"   # at one row
-    kind = cpu_kind()
+    kind = platform.current().kind
     if kind in ("avx512_vnni", "amx") and cpu_int8.vnni_available():
         assert layer.choose_kernel(1) == layer.choose_kernel(512) == "cpu_int8_vnni"
     elif kind in ("avx2", "avx512_vnni", "amx") and cpu_int8.available():
@@ -236,8 +235,7 @@ def test_the_kernel_chosen_follows_the_cpu_kind_and_a_failed_build_falls_back(mo
     else:
         assert layer.choose_kernel(1) == fallback
     if cpu_int8.available():
-        from phases.p05_quantization.quant import DEQUANT_FROM_ROWS
-        many = DEQUANT_FROM_ROWS.get(kind)   # 64 on avx2; never on a kind not measured
+        many = platform.current().rule("int4_dequant_from_rows")   # 64 on avx2; never on a kind not measured
         assert int4.choose_kernel(1) == int4.choose_kernel((many or 64) - 1) == "cpu_int4"
         assert int4.choose_kernel(many or 64) == ("dequant_sgemm" if many else "cpu_int4")
     monkeypatch.setenv("CC", "false")    # a compiler that always fails
@@ -531,7 +529,7 @@ def test_kernel_call_gives_forward_s_result(method, kernel):
 
 
 @cpu_int8_here
-def test_many_rows_switch_to_dequant_sgemm_also_in_kernel_call(monkeypatch):
+def test_many_rows_switch_to_dequant_sgemm_also_in_kernel_call(monkeypatch, platform_rules):
     """From `dequant_from_rows()` rows on, "auto" (and the callable phase 7's graph runs) takes
     `dequant_sgemm`; below, the integer loop, and so does a layer larger than
     `DEQUANT_MAX_WEIGHTS` at any row count. The two round x differently, so the results tell
@@ -539,7 +537,7 @@ def test_many_rows_switch_to_dequant_sgemm_also_in_kernel_call(monkeypatch):
     from phases.p05_quantization import quant
 
     torch.manual_seed(6)
-    monkeypatch.setitem(quant.DEQUANT_FROM_ROWS, cpu_kind(), 4)
+    platform_rules(int4_dequant_from_rows=4)
     layer = QuantizedLinear(torch.randn(24, 64) * 0.05, None, "int4", 32)
     call = layer.kernel_call()
     few, many = torch.randn(3, 64), torch.randn(4, 64)
@@ -594,12 +592,10 @@ def test_int4_dequant_in_float32_and_bfloat16(out_features, in_features, group):
 
 
 @cpu_int8_here
-def test_batch_invariant_keeps_the_integer_loop_at_every_row_count(tiny_model_dir, monkeypatch):
+def test_batch_invariant_keeps_the_integer_loop_at_every_row_count(tiny_model_dir, platform_rules):
     """batch_invariant=True with int4: a prompt long enough for `dequant_sgemm` (here from 8 rows)
     still gets, as a prefill, the bits its tokens got as decodes."""
-    from phases.p05_quantization import quant
-
-    monkeypatch.setitem(quant.DEQUANT_FROM_ROWS, cpu_kind(), 8)
+    platform_rules(int4_dequant_from_rows=8)
     llm = LLM(str(tiny_model_dir), phase=5, quantization="int4", batch_invariant=True)
     kernels = {n: m.kernel for n, m in llm.llm_engine.model.named_modules() if isinstance(m, QuantizedLinear)}
     head = "cpu_int8_vnni" if cpu_int8.vnni_available() else "cpu_int8"            # the head: 8 bits
@@ -615,8 +611,8 @@ def test_batch_invariant_keeps_the_integer_loop_at_every_row_count(tiny_model_di
 
 # -- a float32 checkpoint whose weights lie on codes (lossless.py) ------------------------------
 
-def _linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    layer = Linear(w.shape[1], w.shape[0], bias=bias is not None).requires_grad_(False)
+def _linear(w: torch.Tensor, bias: torch.Tensor | None = None) -> CpuLinear:
+    layer = CpuLinear(w.shape[1], w.shape[0], bias=bias is not None).requires_grad_(False)
     layer.weight.data = w
     if bias is not None:
         layer.bias.data = bias
@@ -628,11 +624,11 @@ needs_lossless = pytest.mark.skipif(not LOSSLESS.available(), reason="cpu_lossle
 
 @needs_lossless
 @pytest.mark.parametrize("bits", [4, 8])
-def test_lossless_codes_give_back_every_weight_bit_for_bit(bits, monkeypatch):
+def test_lossless_codes_give_back_every_weight_bit_for_bit(bits, platform_rules):
     """The codes found rebuild every weight exactly: through the kernel, x one-hot rows give back
     the weight's columns bit for bit. A weight one float step off its grid, or random weights,
     have none."""
-    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    platform_rules(codes_max_rows=8)
     w = on_codes(_weights(0, 40, 96, True), bits)
     codes, scale, zero = lossless_codes(w)
     assert (zero is not None) == (bits == 4) and codes.numel() == w.numel() * bits // 8 and scale.shape == (40, 3)
@@ -646,11 +642,11 @@ def test_lossless_codes_give_back_every_weight_bit_for_bit(bits, monkeypatch):
 
 
 @needs_lossless
-def test_lossless_codes_round_once_as_a_fused_multiply_add(monkeypatch):
+def test_lossless_codes_round_once_as_a_fused_multiply_add(platform_rules):
     """4-bit weights are `q * s + m` rounded once (a GGUF reader's, whose q * s is exact): with
     scales of 24 significant bits, where rounding q * s first would move some weights, the codes
     are found and the kernel's one multiply-add gives every weight back bit for bit."""
-    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    platform_rules(codes_max_rows=8)
     g = torch.Generator().manual_seed(3)
     q = torch.randint(0, 16, (24, 64), generator=g).double()
     q[:, ::32], q[:, 1::32] = 0, 15                                   # each block spans 0..15
@@ -667,10 +663,10 @@ def test_lossless_codes_round_once_as_a_fused_multiply_add(monkeypatch):
 
 @needs_lossless
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9])
-def test_lossless_linear_is_the_float32_product_read_from_its_codes(rows, monkeypatch):
+def test_lossless_linear_is_the_float32_product_read_from_its_codes(rows, platform_rules):
     """Up to max_rows rows the product reads the codes (changing them changes it), from there on
     the float weight; either way it is the float32 product up to the order of its sums."""
-    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    platform_rules(codes_max_rows=8)
     w = on_codes(_weights(1, 70, 160, True), 4)           # 70 output rows: not a multiple of 4
     plain = _linear(w, torch.randn(70))
     layer = lossless(plain)
@@ -684,15 +680,15 @@ def test_lossless_linear_is_the_float32_product_read_from_its_codes(rows, monkey
 
 
 @needs_lossless
-def test_lossless_codes_stop_where_bfloat16_products_start(monkeypatch):
+def test_lossless_codes_stop_where_bfloat16_products_start(platform_rules):
     """With dtype="auto"'s bfloat16 products from `bf16_rows` rows, the codes serve up to one row
     fewer (`Linear.own_rows`), below `max_rows` too: from there on the layer's product is the
     bfloat16 one its float32 weight gives."""
-    from tinyvllm.model import onednn_available, onednn_matmul
+    from phases.p04_triton_kernels import onednn_matmul
 
-    if not onednn_available():
-        pytest.skip("bfloat16 products run in oneDNN, which this PyTorch build lacks")
-    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    if not platform.current().onednn:
+        pytest.skip("bfloat16 products run in oneDNN, which this kind does not use")
+    platform_rules(codes_max_rows=8)
     layer = lossless(_linear(on_codes(_weights(1, 70, 160, True), 4), torch.randn(70)))
     layer.bf16_rows = 5
     assert layer.own_rows(layer.max_rows) == 4
@@ -702,15 +698,15 @@ def test_lossless_codes_stop_where_bfloat16_products_start(monkeypatch):
 
 
 @needs_lossless
-def test_engine_reads_a_checkpoint_on_codes_from_them_with_float32_s_tokens(tiny_codes_dir, monkeypatch):
-    """Without `quantization`, on the kinds LOSSLESS_MAX_ROWS names, every layer of a checkpoint
+def test_engine_reads_a_checkpoint_on_codes_from_them_with_float32_s_tokens(tiny_codes_dir, platform_rules):
+    """Without `quantization`, where the platform's `codes_max_rows` rule says, every layer of a checkpoint
     on codes becomes a LosslessLinear (the head on 8 bits); its logits are the float32 engine's up
     to rounding, its greedy tokens the same. `quantization` replaces the weights instead."""
-    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    platform_rules(codes_max_rows=8)
     llm = LLM(str(tiny_codes_dir), phase=5)
     bits = {name: m.bits for name, m in llm.llm_engine.model.named_modules() if type(m) is LosslessLinear}
     assert len(bits) == 7 * 2 + 1 and bits.pop("lm_head") == 8 and set(bits.values()) == {4}
-    monkeypatch.setattr(LosslessLinear, "max_rows", 0)
+    platform_rules(codes_max_rows=0)
     float32 = LLM(str(tiny_codes_dir), phase=5)
     assert not any(type(m) is LosslessLinear for m in float32.llm_engine.model.modules())
     out, ref = (e.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1))

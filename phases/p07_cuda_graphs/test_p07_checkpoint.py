@@ -254,8 +254,8 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir, kv_cache_
 def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quantization):
     import copy
 
+    import phases.p04_triton_kernels.cpu_norm as cpu_norm
     import phases.p07_cuda_graphs.fused as fused_module
-    import tinyvllm.model as model_module
 
     from phases.p07_cuda_graphs.fused import (
         FusedLlamaAttention,
@@ -297,12 +297,15 @@ def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quan
             assert torch.equal(expected, fused(ids, pos, NoCache()))
             # the leaner decode forward (add + RMSNorm fused, one RoPE for q and k): float32's
             # rounding apart with cpu_norm.c's norm (its own order of the squares' sum), the same
-            # bits with PyTorch's in both (RMSNorm runs cpu_norm.c too where it can)
-            torch.testing.assert_close(decode_forward(fused, ids, pos, NoCache()), expected, rtol=tol, atol=tol)
+            # bits with PyTorch's in both (the model's RMSNorm runs cpu_norm.c too where the
+            # platform's c_norm_prompt rule says)
+            for c_norm in (False, True):
+                torch.testing.assert_close(decode_forward(fused, ids, pos, NoCache(), c_norm), expected, rtol=tol,
+                                           atol=tol)
             with monkeypatch.context() as m:
                 m.setattr(fused_module, "fused_add_rms_norm", lambda *args: None)
-                m.setattr(model_module, "fused_add_rms_norm", lambda *args: None)
-                assert torch.equal(model(ids, pos, NoCache()), decode_forward(fused, ids, pos, NoCache()))
+                m.setattr(cpu_norm, "fused_add_rms_norm", lambda *args: None)
+                assert torch.equal(model(ids, pos, NoCache()), decode_forward(fused, ids, pos, NoCache(), True))
 
 
 def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, monkeypatch):
@@ -312,27 +315,29 @@ def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, m
     made; the same inside the compiled step's OpaqueLinear; rows below `bf16_rows` are
     float32's."""
     import phases.p07_cuda_graphs.fused as fused_module
+    from phases.p04_triton_kernels import silu_and_mul, use_bfloat16_products
     from phases.p07_cuda_graphs.compiled import OpaqueLinear
-    from tinyvllm import model as model_module
+    from tinyvllm import platform
 
-    if not model_module.Linear.use_onednn:
-        pytest.skip("no oneDNN on this CPU")
-    monkeypatch.setattr(model_module, "amx_rows", lambda w: 0)
-    monkeypatch.setattr(model_module, "BF16_MLP_HERE", True)      # (BF16_MLP_KINDS: the amx kind)
+    if not platform.current().onednn:
+        pytest.skip("no oneDNN on this kind: its products stay float32")
     model = LLM(str(tiny_model_dir), phase=7, dtype="float32", enforce_eager=True).llm_engine.model
     fused_module.fuse_projections(model)
     mlp = model.model.layers[0].mlp
-    assert type(mlp) is fused_module.FusedLlamaMLP
+    assert type(mlp) is fused_module.FusedLlamaMLP and mlp.bf16 == bool(platform.current().rule("bf16_mlp"))
+    mlp.bf16 = True                                           # as on a kind whose bf16_mlp rule is on
+    for m in (mlp.gate_up_proj, mlp.down_proj):
+        m.amx_rows = 0                                        # oneDNN's products at every row count
     x = torch.randn(24, mlp.gate_up_proj.in_features, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         f32 = mlp(x)
-        model_module.use_bfloat16_products(model, 16)
-        asked, real = [], model_module.bf16_product
-        monkeypatch.setattr(model_module, "bf16_product", lambda m, h, *a: asked.append((h.dtype, *a)) or real(m, h, *a))
+        use_bfloat16_products(model, 16)
+        asked, real = [], fused_module.bf16_product
+        monkeypatch.setattr(fused_module, "bf16_product", lambda m, h, *a: asked.append((h.dtype, *a)) or real(m, h, *a))
         y = mlp(x)
         assert asked == [(torch.float32, torch.bfloat16), (torch.bfloat16,)] and y.dtype == torch.float32
         assert (y - f32).norm() < 2 ** -6 * f32.norm()          # bfloat16 keeps 8 bits
-        assert torch.equal(y, real(mlp.down_proj, model_module.silu_and_mul(real(mlp.gate_up_proj, x, torch.bfloat16))))
+        assert torch.equal(y, real(mlp.down_proj, silu_and_mul(real(mlp.gate_up_proj, x, torch.bfloat16))))
         mlp.gate_up_proj, mlp.down_proj = OpaqueLinear(mlp.gate_up_proj, 0), OpaqueLinear(mlp.down_proj, 1)
         assert torch.equal(mlp(x), y)
         asked.clear()

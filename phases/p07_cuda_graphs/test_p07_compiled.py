@@ -30,9 +30,8 @@ from phases.p05_quantization import QuantizedLinear
 from phases.p07_cuda_graphs import compiled
 from phases.p07_cuda_graphs.compiled import CompiledDecodeRunner
 from phases.p07_cuda_graphs.decode_runner import DecodeRunner
-from tinyvllm import LLM, SamplingParams
-from tinyvllm.cpu_step import CStep
-from tinyvllm.hardware import cpu_kind
+from phases.p07_cuda_graphs.cpu_step import CStep
+from tinyvllm import LLM, SamplingParams, platform
 
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -123,7 +122,7 @@ def test_a_compiled_step_never_enters_python(make_llm, tiny_model_dir, quantizat
     # layers whose kernel is not one of phase 5's C ones the C++ kernel hands to Python (int8 on
     # an AVX512-VNNI CPU: cpu_int8_vnni); on an AVX2 one every layer of both formats is served
     in_python = int((runner.native_layers[:, 0] == 0).sum())
-    assert in_python == 0 or cpu_kind() != "avx2"
+    assert in_python == 0 or platform.current().kind != "avx2"
     # cpu_int8_vnni rounds x to int8 (W8A8): a last-bit difference in the graph's norm can move
     # one of them by a step, as in test_fused_projections_are_bit_identical
     tol, kv_tol = (1e-3, 1e-3) if in_python else (1e-4, 1e-5)
@@ -177,13 +176,13 @@ def test_the_cpp_bfloat16_product_is_the_layers_own():
     added with the second, bit for bit what the layer gives from Python (Tensor.bfloat16, ties to
     even; .float(); add_): sizes that leave a tail past the 16 and 8 values a loop takes, and
     an x with ties, a NaN, infinities and values too small for bfloat16."""
-    from tinyvllm.model import Linear, bfloat16_weights, onednn_available
+    from phases.p04_triton_kernels.cpu_linear import CpuLinear, bfloat16_weights
 
     needs_native()
-    if not onednn_available():
-        pytest.skip("bfloat16 products run in oneDNN, which this PyTorch build lacks")
+    if not platform.current().onednn:
+        pytest.skip("bfloat16 products run in oneDNN, which this kind does not use")
     torch.manual_seed(0)
-    layer = Linear(72, 100)
+    layer = CpuLinear(72, 100)
     torch.nn.init.normal_(layer.weight, std=0.1)
     torch.nn.init.normal_(layer.bias)
     layer.gemv_rows, layer.bf16_rows = 1, 4      # the C++ kernel serves a layer with a row of its own
@@ -220,14 +219,14 @@ def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_mod
 
 @pytest.mark.parametrize("batch_invariant,dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
 def test_layers_are_opaque_where_a_product_of_their_own_serves_them(make_llm, tiny_model_dir, batch_invariant, dtype):
-    """`make_opaque` wraps each float32 `Linear` that runs tinyvllm's own product (cpu_gemv.c:
-    on the kinds GEMV_MAX_ROWS names), as cpu_ops.cpp calls it, and each bfloat16 one where `upcast_linear`
-    serves its many rows (the avx2 kind: cpu_ops.cpp calls it from Python, its row all zeros),
-    and never a subclass with a product of its own (phase 3's `BatchInvariantLinear` keeps its
-    bits)."""
+    """`make_opaque` wraps each float32 `CpuLinear` that runs tinyvllm's own product (cpu_gemv.c:
+    where the platform's `gemv_max_rows` says), as cpu_ops.cpp calls it, and each bfloat16 one where
+    `upcast_linear` serves its many rows (`bf16_upcast_from_rows`: cpu_ops.cpp calls it from
+    Python, its row all zeros), and never a subclass with a product of its own (phase 3's
+    `BatchInvariantLinear` keeps its bits)."""
     import copy
 
-    from tinyvllm.model import BF16_UPCAST_ROWS, GEMV, GEMV_MAX_ROWS, Linear
+    from phases.p04_triton_kernels.cpu_linear import GEMV, CpuLinear
 
     if batch_invariant:
         from phases.p03_continuous_batching.batch_invariant import KERNELS
@@ -235,28 +234,29 @@ def test_layers_are_opaque_where_a_product_of_their_own_serves_them(make_llm, ti
             pytest.skip("batch_invariant=True needs AVX2 and a C compiler")
     llm = make_llm(tiny_model_dir, 7, batch_invariant=batch_invariant, dtype=dtype, compilation_mode=0)
     model = copy.deepcopy(llm.llm_engine.model)
-    plain = [m for m in model.modules() if type(m) is Linear]
-    served = not batch_invariant and (GEMV.available() and cpu_kind() in GEMV_MAX_ROWS if dtype == "float32"
-                                      else cpu_kind() in BF16_UPCAST_ROWS)
+    rules = platform.current()
+    plain = [m for m in model.modules() if type(m) is CpuLinear]
+    served = not batch_invariant and (GEMV.available() and rules.rule("gemv_max_rows") > 0 if dtype == "float32"
+                                      else rules.rule("bf16_upcast_from_rows") > 0)
     assert bool(plain) != batch_invariant
     assert compiled.make_opaque(model) == (len(plain) if served else 0)
     rows = model.native_layers
     assert len(rows) == len(model.opaque_layers)
     if dtype == "float32":
-        assert (rows[:, 1] == 32).all() and (rows[:, -1] == GEMV_MAX_ROWS.get(cpu_kind(), 0) + 1).all()
+        assert (rows[:, 1] == 32).all() and (rows[:, -1] == rules.rule("gemv_max_rows") + 1).all()
     else:
         assert (rows == 0).all()
 
 
-def test_compiled_step_reads_a_checkpoint_on_codes_from_them(tiny_codes_dir, monkeypatch):
+def test_compiled_step_reads_a_checkpoint_on_codes_from_them(tiny_codes_dir, platform_rules):
     """Phase 5's `LosslessLinear` layers fused (the codes of the stacked q/k/v and gate/up rows
     found again) and opaque: the layer table sends cpu_ops.cpp to cpu_lossless.c (kind 1, the
     codes' bits in the group field), and the compiled step gives the eager step's tokens."""
-    from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear
+    from phases.p05_quantization.lossless import LOSSLESS
 
     if not LOSSLESS.available():
         pytest.skip("cpu_lossless.c needs AVX2 and a C compiler")
-    monkeypatch.setattr(LosslessLinear, "max_rows", 8)
+    platform_rules(codes_max_rows=8)
     llm = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, compilation_mode=1)
     rows = llm.llm_engine.model.native_layers
     assert len(rows) == 2 * 4 + 1 and (rows[:, 1] == 1).all() and sorted(rows[:, 8].tolist()) == [4] * 8 + [8]
@@ -265,20 +265,19 @@ def test_compiled_step_reads_a_checkpoint_on_codes_from_them(tiny_codes_dir, mon
 
 
 @pytest.mark.parametrize("quantization", [None, "int4"])
-def test_a_compiled_step_multiplies_many_rows_in_bfloat16_from_cpp(tiny_codes_dir, monkeypatch, quantization):
-    """Where dtype="auto" multiplies many rows in bfloat16 (`Linear.bf16_rows`), cpu_ops.cpp runs
+def test_a_compiled_step_multiplies_many_rows_in_bfloat16_from_cpp(tiny_codes_dir, monkeypatch, platform_rules,
+                                                                   quantization):
+    """Where dtype="auto" multiplies many rows in bfloat16 (`CpuLinear.bf16_rows`), cpu_ops.cpp runs
     those rows too, on the packed bfloat16 weights `make_opaque` keeps with the layer table: a
     bucket past the codes' rows never enters Python, and the compiled step gives the eager step's
     tokens. int4 layers keep no such weight: their many rows are `dequant_sgemm`'s, in Python."""
-    from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear
-    from tinyvllm.hardware import cpu_kind
-    from tinyvllm.model import BF16_PRODUCT_ROWS, onednn_available
+    from phases.p05_quantization.lossless import LOSSLESS
 
     needs_native()
-    if not (LOSSLESS.available() and onednn_available()):
+    if not (LOSSLESS.available() and platform.current().onednn):
         pytest.skip("cpu_lossless.c needs AVX2 and a C compiler; bfloat16 products, oneDNN")
-    monkeypatch.setattr(LosslessLinear, "max_rows", 8)       # codes up to 8 rows, but bfloat16 from 5:
-    monkeypatch.setitem(BF16_PRODUCT_ROWS, cpu_kind(), 5)    # the codes (and cpu_step.c) up to 4
+    # codes up to 8 rows, but bfloat16 from 5: the codes (and cpu_step.c) up to 4
+    platform_rules(codes_max_rows=8, bf16_products_from_rows=5)
     monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
     llm = LLM(str(tiny_codes_dir), phase=7, max_num_seqs=8, compilation_mode=1, quantization=quantization)
     runner = llm.llm_engine.runner.decode_runner
@@ -363,19 +362,18 @@ def test_compile_time_tool_reports_start_and_parts(tiny_model_dir, tmp_path, cap
 
 def test_bf16_rows_tool_builds_a_float32_engine_and_ones_of_bfloat16_products(tiny_model_dir, tmp_path,
                                                                               monkeypatch):
-    """The measurement behind `BF16_PRODUCT_ROWS`: each engine after the first runs its products
-    in bfloat16 from one of --rows rows (whatever this CPU's kind), the first never, and the
-    process's own rules are as they were after."""
+    """The measurement behind the platform's `bf16_products_from_rows`: each engine after the first
+    runs its products in bfloat16 from one of --rows rows (whatever this CPU's kind), the first
+    never, and the process's own platform is as it was after."""
     from phases.p07_cuda_graphs.tools import bf16_rows
-    from tinyvllm import model
 
-    if not model.onednn_available():
-        pytest.skip("bfloat16 products run in oneDNN, which this PyTorch build lacks")
+    if not platform.current().onednn:
+        pytest.skip("bfloat16 products run in oneDNN, which this kind does not use")
     monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")   # the suite's float32 setting would turn both off
-    before, out = dict(model.BF16_PRODUCT_ROWS), tmp_path / "bf16.json"
+    before, out = platform.current(), tmp_path / "bf16.json"
     report = bf16_rows.main(["--model", str(tiny_model_dir), "--rows", "2", "5", "--rounds", "1", "--requests", "3",
                              "--prompt-len", "40", "--json", str(out)])
-    assert [r["bf16_rows"] for r in report["rows"]] == [0, 2, 5] and model.BF16_PRODUCT_ROWS == before
+    assert [r["bf16_rows"] for r in report["rows"]] == [0, 2, 5] and platform.current() is before
     for row in report["rows"]:
         assert len(row["tok_s"]) == 1 and row["median_tok_s"] > 0 and row["median_ttft_ms"] > 0
     assert report["rows"][0]["same_requests"] == 3 and out.exists()
@@ -538,16 +536,13 @@ def test_run_length_tool_interleaves_the_ways_and_takes_medians(tiny_model_dir):
 
 def test_kind_rules_tool_adds_the_rules_in_turn_and_restores_them(tiny_model_dir, tmp_path):
     """`tools/kind_rules`: a row per set of rules and batch, each set the one before plus a rule,
-    the same greedy tokens in every set; the process's own rules are back after it."""
-    import tinyvllm.cpu_step as cpu_step
-    import tinyvllm.model as model
-    from phases.p05_quantization.lossless import LosslessLinear
+    the same greedy tokens in every set; the process's own platform is back after it."""
     from phases.p07_cuda_graphs.tools import kind_rules
 
-    before = (model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE, cpu_step.CSTEP_KINDS)
+    before = platform.current()
     report = kind_rules.main(["--model", str(tiny_model_dir), "--batch", "1", "2", "--rounds", "1",
                               "--json", str(tmp_path / "rules.json")])
     assert [(r["batch"], r["rules"]) for r in report["rows"]] == [(b, n) for b in (1, 2) for n in kind_rules.NAMES]
     assert all(r["same_tokens"] and r["median_tok_s"] > 0 for r in report["rows"])
-    assert (model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE, cpu_step.CSTEP_KINDS) == before
+    assert platform.current() is before
     assert json.loads((tmp_path / "rules.json").read_text())["rows"] == report["rows"]

@@ -8,7 +8,7 @@
 - greedy tokens equal phase 6's (enforce_eager=True) at batch 1 and across buckets;
 - it serves only where every product and the attention have C kernels: bfloat16 and an int8 KV
   cache take `decode_forward`, as do more rows than the products' kernels take; and only on the
-  CPU kinds where it was measured (`CSTEP_KINDS`);
+  CPU kinds where it was measured (the platform's `c_step` rule);
 - with the compiled step on, the rows it serves never make a compile due, and run it even when
   the graphs are ready.
 """
@@ -19,10 +19,9 @@ import pytest
 import torch
 
 from phases.p07_cuda_graphs import compiled
+from phases.p07_cuda_graphs.cpu_step import STEP, CStep
 from phases.p07_cuda_graphs.fused import layer_row
-from tinyvllm import LLM, SamplingParams
-from tinyvllm.cpu_step import CStep
-from tinyvllm.hardware import cpu_kind
+from tinyvllm import LLM, SamplingParams, platform
 
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -34,11 +33,12 @@ def tokens(llm, prompts, params=GREEDY):
 
 def serving(llm, rows: int = 1) -> CStep:
     """The engine's cpu_step.c, skipping where it serves no step of `rows` here."""
-    c_step = llm.llm_engine.runner.decode_runner.c_step
+    c_step, rules = llm.llm_engine.runner.decode_runner.c_step, platform.current()
     if c_step is None or not c_step.serves(rows):
-        assert cpu_kind() != "avx2", "on an AVX2 CPU every product of these models has a C kernel"
+        assert not (rules.kind == "avx2" and rules.rule("c_step") and STEP.available()), \
+            "on an AVX2 CPU every product of these models has a C kernel"
         pytest.skip(f"cpu_step.c serves {rows} rows of this model where each product has a C kernel for them "
-                    f"(CSTEP_KINDS, GEMV_MAX_ROWS; this CPU's kind: {cpu_kind()!r})")
+                    f"(the rules c_step, gemv_max_rows, codes_max_rows; this kind: {rules.kind!r})")
     return c_step
 
 
@@ -99,24 +99,24 @@ def test_cpu_step_serves_only_c_kernels(make_llm, tiny_model_dir):
     assert not int8_kv.llm_engine.runner.decode_runner.c_step.serves(1)
 
 
-def test_cpu_step_serves_only_where_it_was_measured(tiny_model_dir, monkeypatch):
-    """A CPU kind not in CSTEP_KINDS (here: as if this one were not named there) keeps the
-    step it had: decode_forward, or the compiled graph."""
-    import tinyvllm.cpu_step as cpu_step
-
-    monkeypatch.setattr(cpu_step, "CSTEP_KINDS", tuple(k for k in cpu_step.CSTEP_KINDS if k != cpu_kind()))
+def test_cpu_step_serves_only_where_it_was_measured(tiny_model_dir, platform_rules):
+    """A CPU kind whose `c_step` rule is off (here: as if this one's were) keeps the step it had:
+    decode_forward, or the compiled graph; with it on, int4 weights' steps are cpu_step.c's
+    wherever it builds."""
+    platform_rules(c_step=False)
     llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, quantization="int4", compilation_mode=0)
     assert not llm.llm_engine.runner.decode_runner.c_step
-    monkeypatch.setattr(cpu_step, "CSTEP_KINDS", ("avx2",))
-    monkeypatch.setattr(cpu_step, "cpu_kind", lambda: "avx2")
-    assert CStep(llm.llm_engine.model, layer_row).serves(1) == cpu_step.STEP.supported()
+    platform_rules(c_step=True)
+    on = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, quantization="int4", compilation_mode=0)
+    c_step = on.llm_engine.runner.decode_runner.c_step
+    assert bool(c_step and c_step.serves(1)) == (STEP.supported() and CStep(on.llm_engine.model, layer_row).serves(1))
 
 
 def test_rows_cpu_step_serves_never_make_a_compile_due(tiny_codes_dir, monkeypatch, tmp_path):
     """With the compiled step on, a step cpu_step.c serves is not an eager step of the compile
     rule (the graphs would not serve it: compiling for it only costs), and it runs cpu_step.c
     even once the graphs are ready (faster at its rows: lab note 7). (A model on codes: cpu_step.c
-    serves its 5 rows on every kind in CSTEP_KINDS.)"""
+    serves its 5 rows on every kind whose `c_step` rule is on.)"""
     tiny_model_dir = tiny_codes_dir
     monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
     monkeypatch.setenv("TINYVLLM_CACHE", str(tmp_path))

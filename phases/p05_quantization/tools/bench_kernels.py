@@ -4,11 +4,11 @@
         [--kernels cpu_int4 dequant_sgemm]
     python -m phases.p05_quantization.tools.bench_kernels --step int4 [--rows 1] [--group-size 32]
     python -m phases.p05_quantization.tools.bench_kernels --bf16-rows 13   # as dtype="auto" where
-        # BF16_PRODUCT_ROWS names the kind: float32 from 13 rows, dequant_sgemm at any, in bfloat16
+        # the platform's bf16_products_from_rows says: float32 from 13 rows, dequant_sgemm at any, in bfloat16
 
 For each weight shape of SmolLM2-135M (q/o 576x576, k/v 192x576, gate/up 1536x576, down 576x1536,
 LM head 49152x576) and each row count, the best-of-`repeat` time of: float32 through
-tinyvllm's `Linear` (MKL or oneDNN, by rows and CPU vendor), and each `QuantizedLinear` kernel
+phase 4's `CpuLinear` (MKL or oneDNN, by rows and CPU vendor), and each `QuantizedLinear` kernel
 that can run on this CPU. Each kernel's largest error against the reference path (dequantize,
 then matmul) is printed beside it.
 
@@ -25,9 +25,10 @@ import argparse
 
 import torch
 
+from phases.p04_triton_kernels import CpuLinear
+from tinyvllm import platform
 from tinyvllm.entrypoints.bench.timing import best, times
-from tinyvllm.hardware import cpu_kind, cpu_vendor
-from tinyvllm.model import Linear
+from tinyvllm.hardware import cpu_vendor
 
 from .. import cpu_int8
 from ..quant import QuantizedLinear
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
         return RUNS_HERE.get(k, lambda: True)() and (a.kernels is None or k in a.kernels)
 
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {cpu_vendor()} CPU of the kind {cpu_kind()} (capability "
+    print(f"torch {torch.__version__}, {cpu_vendor()} CPU of the kind {platform.current().kind} (capability "
           f"{torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads; ms, best of {a.repeat}")
     if a.step:
         for n in a.rows:
@@ -81,7 +82,7 @@ def main(argv=None) -> None:
     for name in a.shapes:
         o, i = SHAPES[name]
         w = torch.randn(o, i) * 0.02
-        lin = Linear(i, o, bias=False).requires_grad_(False)
+        lin = CpuLinear(i, o, bias=False).requires_grad_(False)
         lin.weight.copy_(w)
         layers = {f"{m}:{k}": QuantizedLinear(w, None, m, a.group_size, kernel=k)
                   for m, ks in QuantizedLinear.KERNELS.items() for k in ks if wanted(k)}

@@ -1,14 +1,15 @@
 """Whether bfloat16 products pay in a float32 engine on this CPU, and from how many rows: the
-measurement a session on a new kind of CPU runs before it names the kind in `BF16_PRODUCT_ROWS`
-(tinyvllm/model.py; `python -m tinyvllm.entrypoints.bench.linear` times the products alone).
+measurement a session on a new kind of CPU runs before it sets the kind's row of the platform's
+`bf16_products_from_rows` rule (tinyvllm/platform.py; `python -m tinyvllm.entrypoints.bench.linear`
+times the products alone).
 
     python -m phases.p07_cuda_graphs.tools.bf16_rows [--model DIR] [--rows 13 [7 ...]] [--rounds 2]
         [--requests 48] [--prompt-len 2000] [--json FILE]
 
 Eager engines (`compilation_mode=0`, `dtype="auto"`, on the CPU, no prefix cache, so each
 round prefills its prompts again) built in this process: one with float32 products, and for
-each of `--rows` one whose products run in bfloat16 from that many rows on, as if this CPU's kind
-were named in `BF16_PRODUCT_ROWS` with that number. A round runs each in turn, after a round not
+each of `--rows` one whose products run in bfloat16 from that many rows on, as if the rule said
+that number on this CPU's kind. A round runs each in turn, after a round not
 kept: `--requests` requests offline (seeded random prompts of 20 to 59 tokens, 16 to 191 new
 tokens, greedy, ignoring end-of-sequence), then one prompt of `--prompt-len` tokens to its first
 token. Prints each engine's output tok/s and first-token ms per round, the medians, and how many
@@ -22,24 +23,15 @@ import random
 import statistics
 import time
 
-import tinyvllm.model as model
-from tinyvllm import LLM, SamplingParams
-from tinyvllm.hardware import cpu_kind
+from tinyvllm import LLM, SamplingParams, platform
 
 from .report import write_report
 
 
 def build(model_dir: str | None, rows: int) -> LLM:
     """An eager engine whose float32 products run in bfloat16 from `rows` rows (0: never)."""
-    kind, was = cpu_kind(), dict(model.BF16_PRODUCT_ROWS)
-    model.BF16_PRODUCT_ROWS.pop(kind, None)
-    if rows:
-        model.BF16_PRODUCT_ROWS[kind] = rows
-    try:
+    with platform.using(platform.current().with_rules(bf16_products_from_rows=rows)):
         return LLM(model_dir, compilation_mode=0, enable_prefix_caching=False, device="cpu")
-    finally:
-        model.BF16_PRODUCT_ROWS.clear()
-        model.BF16_PRODUCT_ROWS.update(was)
 
 
 def main(argv=None) -> dict:
@@ -87,7 +79,7 @@ def main(argv=None) -> dict:
         print(f"{name:24s} tok/s {row['tok_s']} median {row['median_tok_s']}  first token of {args.prompt_len} "
               f"ms {row['ttft_ms']} median {row['median_ttft_ms']}  requests with float32's tokens "
               f"{row['same_requests']}/{len(prompts)}")
-    return write_report("bf16_rows", argv, {"kind": cpu_kind(), "output_tokens": out_tokens, "rows": rows}, args.json)
+    return write_report("bf16_rows", argv, {"kind": platform.current().kind, "output_tokens": out_tokens, "rows": rows}, args.json)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
-"""The four per-kind rules of a float32 decode step on this CPU, added one at a time: cpu_gemv.c
-up to `--gemv-rows` rows (`GEMV_MAX_ROWS`), phase 5's lossless codes up to `--codes-rows`
-(`LOSSLESS_MAX_ROWS`), the fused residual add + RMSNorm (`FUSED_NORM_KINDS`) and cpu_step.c
-(`CSTEP_KINDS`, serving where every product has a C kernel). What a session on a new kind of CPU
-runs before it names the kind in them.
+"""The four platform rules of a float32 decode step on this CPU, added one at a time: cpu_gemv.c
+up to `--gemv-rows` rows (`gemv_max_rows`), phase 5's lossless codes up to `--codes-rows`
+(`codes_max_rows`), the fused residual add + RMSNorm (`c_norm_decode`) and cpu_step.c (`c_step`,
+serving where every product has a C kernel). What a session on a new kind of CPU runs before it
+sets the kind's row of these rules (tinyvllm/platform.py).
 
     python -m phases.p07_cuda_graphs.tools.kind_rules [--model DIR] [--batch 1 8] [--rounds 3]
         [--gemv-rows 1] [--codes-rows 12] [--json FILE]
@@ -11,7 +11,8 @@ The default model has codes (cpu_gemv.c then serves no layer); a float32 one wit
 (`python -m tinyvllm.testing random-like`) shows cpu_gemv.c.
 
 One eager `LLM()` (compilation_mode=0) per set of rules, built in this process with the rules of
-its set on whatever this CPU's kind is; a round runs each engine once, in turn, on `batch`
+its set on whatever this CPU's kind is (`tinyvllm.platform.using`: an engine reads its rules when
+it is built); a round runs each engine once, in turn, on `batch`
 prompts of 32 tokens for 128 new tokens (greedy), after a round not kept. Prints each set's
 output tok/s per round, the median, and whether its tokens are the first set's.
 """
@@ -22,27 +23,16 @@ import argparse
 import statistics
 import time
 
-import tinyvllm.cpu_step as cpu_step
-import tinyvllm.model as model
-from phases.p05_quantization.lossless import LosslessLinear
-from tinyvllm import LLM, SamplingParams
+from tinyvllm import LLM, SamplingParams, platform
 
 from .report import write_report
 
 NAMES = ("none", "gemv", "gemv, codes", "gemv, codes, norm", "gemv, codes, norm, cpu_step")
 
 
-def use(rules: tuple) -> tuple:
-    """Turn the rules on or off in this process, as if this CPU's kind were named in them:
-    (gemv rows, codes rows, fused norm, cpu_step kinds, or True for this CPU's). Returns the
-    rules as they were."""
-    from tinyvllm.hardware import cpu_kind
-
-    was = (model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE, cpu_step.CSTEP_KINDS)
-    model.Linear.gemv_rows, LosslessLinear.max_rows, model.FUSED_NORM_HERE = rules[:3]
-    kinds = rules[3]   # asked when an engine is built
-    cpu_step.CSTEP_KINDS = ((cpu_kind(),) if kinds else ()) if isinstance(kinds, bool) else kinds
-    return was
+def rules_of(rules: tuple) -> dict:
+    """The platform rules of a set: (gemv rows, codes rows, fused norm, cpu_step)."""
+    return dict(zip(("gemv_max_rows", "codes_max_rows", "c_norm_decode", "c_step"), rules))
 
 
 def main(argv=None) -> dict:
@@ -57,14 +47,11 @@ def main(argv=None) -> dict:
     # the i-th set: the first i rules on, in NAMES' order
     sets = {name: (args.gemv_rows if i > 0 else 0, args.codes_rows if i > 1 else 0, i > 2, i > 3)
             for i, name in enumerate(NAMES)}
-    engines, was = {}, use(sets["none"])
-    try:
-        for name, rules in sets.items():
-            use(rules)
+    engines = {}
+    for name, rules in sets.items():
+        with platform.using(platform.current().with_rules(**rules_of(rules))):
             engines[name] = LLM(args.model, compilation_mode=0, device="cpu")
-        rows = [row for batch in args.batch for row in measure(engines, sets, batch, args.rounds)]
-    finally:
-        use(was)   # this process's own rules again
+    rows = [row for batch in args.batch for row in measure(engines, sets, batch, args.rounds)]
     return write_report("kind_rules", argv, {"rows": rows}, args.json)
 
 
@@ -74,8 +61,7 @@ def measure(engines: dict, sets: dict, batch: int, rounds: int) -> list[dict]:
     prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(batch)]
     tok_s, tokens = {name: [] for name in sets}, {}
     for r in range(rounds + 1):
-        for name, rules in sets.items():
-            use(rules)
+        for name in sets:
             start = time.perf_counter()
             outs = engines[name].generate(prompts, params, use_tqdm=False)
             if r:

@@ -77,15 +77,14 @@ def _kernels(device: torch.device) -> tuple[dict, str | None]:
     int32 metadata) is made once, outside the timing, as the engine makes it once for all layers.
     Also why Triton is left out (None: it is in)."""
     from phases.p02_paged_kv import paged_attention
-    from phases.p04_triton_kernels import TritonPagedAttention, cpu_paged_attention
-    from phases.p04_triton_kernels.cpu_attention import bf16_prefill_runs
+    from phases.p04_triton_kernels import TritonPagedAttention, cpu_paged_attention, prefill_paths
 
     makers = {"phase3": lambda meta: lambda q, k, v, kc, vc: paged_attention(q, kc, vc, meta),
               "cpu": lambda meta: lambda q, k, v, kc, vc: cpu_paged_attention(q, k, v, kc, vc, meta)}
     if device.type != "cuda":
         makers["sdpa"] = lambda meta: lambda q, k, v, kc, vc: cpu_paged_attention(q, k, v, kc, vc, meta,
                                                                                  c_prefill=False)
-        if bf16_prefill_runs():
+        if prefill_paths()[1]:   # where a prompt's attention may multiply in bfloat16
             makers["cpu_bf16"] = lambda meta: lambda q, k, v, kc, vc: cpu_paged_attention(q, k, v, kc, vc, meta,
                                                                                          bf16_prefill=True)
         return makers, ("Triton compiles for CUDA GPUs only; on a CPU it runs in its interpreter "
@@ -107,7 +106,7 @@ def run_kernels(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, de
                 block_size: int = 16, batch_sizes=DEFAULT_BATCH_SIZES, context_lens=DEFAULT_CONTEXT_LENS,
                 prefill_lens=DEFAULT_PREFILL_LENS, repeat: int = 5, limits=None) -> dict:
     """Time every kernel on every case; returns the report (rows, limits, machine)."""
-    from phases.p03_continuous_batching.recipe import DEFAULT_MAX_NUM_BATCHED_TOKENS
+    from tinyvllm.platform import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     from .machine import _best_time, machine_info, measure_limits
 
