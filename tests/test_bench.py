@@ -628,15 +628,15 @@ def test_engines_of_a_ladder_share_the_gpu(monkeypatch):
     # use: without shares the first engine of a ladder takes it all and the second has none
     import torch
 
-    import tinyvllm.weights
+    import tinyvllm.platform
     from tinyvllm.entrypoints.bench.harness import share_gpu
 
-    monkeypatch.setattr(tinyvllm.weights, "resolve_device", lambda d: torch.device("cuda"))
+    monkeypatch.setattr(tinyvllm.platform, "resolve_device", lambda d: torch.device("cuda"))
     shares = share_gpu({"max_num_seqs": 8}, 4)
     assert [s["gpu_memory_utilization"] for s in shares] == pytest.approx([0.225, 0.45, 0.675, 0.9])
     assert all(s["max_num_seqs"] == 8 for s in shares)
     assert [s["gpu_memory_utilization"] for s in share_gpu({"gpu_memory_utilization": 0.5}, 2)] == [0.25, 0.5]
     sized = {"kv_cache_memory": 2**30}
     assert share_gpu(sized, 3) == [sized] * 3  # the command sized the pool: left alone
-    monkeypatch.setattr(tinyvllm.weights, "resolve_device", lambda d: torch.device("cpu"))
+    monkeypatch.setattr(tinyvllm.platform, "resolve_device", lambda d: torch.device("cpu"))
     assert share_gpu({}, 3) == [{}] * 3

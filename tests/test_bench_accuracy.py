@@ -68,15 +68,14 @@ def test_accuracy_report_puts_bfloat16_beside_float32(tiny_model_dir):
     assert "bfloat16" in format_accuracy(report)
 
 
-def test_accuracy_names_bfloat16_products_beside_float32(tiny_model_dir, monkeypatch):
+def test_accuracy_names_bfloat16_products_beside_float32(tiny_model_dir, monkeypatch, platform_rules):
     """dtype="auto" with bfloat16 products (forced here for this CPU's kind) is its own row,
     "float32+bf16 products", measured against float32's."""
-    from tinyvllm.hardware import cpu_kind
-    from tinyvllm.model import BF16_PRODUCT_ROWS, onednn_available
+    from tinyvllm import platform
 
-    if not onednn_available():
-        pytest.skip("bfloat16 products run in oneDNN, which this CPU's PyTorch lacks")
-    monkeypatch.setitem(BF16_PRODUCT_ROWS, cpu_kind(), 13)
+    if not platform.current().onednn:
+        pytest.skip("bfloat16 products run in oneDNN, which this kind does not use")
+    platform_rules(bf16_products_from_rows=13)
     monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
     report = run_accuracy(str(tiny_model_dir), quantizations=(None,), kv_cache_dtypes=("auto",), window=24,
                           max_text_tokens=48, kl_tokens=24, num_chat=1, chat_tokens=4, phase=7,
@@ -87,16 +86,15 @@ def test_accuracy_names_bfloat16_products_beside_float32(tiny_model_dir, monkeyp
 
 @pytest.mark.slow
 def test_bfloat16_products_keep_the_default_model_s_tokens(default_model_dir, monkeypatch):
-    """Where dtype="auto" multiplies many rows in bfloat16 (`bf16_product_rows`), the default
-    model's perplexity on the shipped text moves by under 1% and its greedy answers' tokens stay
-    float32's top-1 choice at least 95% of the time (the whole text: +0.01%, 100%; lab note 7)."""
-    import torch
-
-    from tinyvllm.weights import bf16_product_rows
+    """Where dtype="auto" multiplies many rows in bfloat16 (the platform's `bf16_product_rows`),
+    the default model's perplexity on the shipped text moves by under 1% and its greedy answers'
+    tokens stay float32's top-1 choice at least 95% of the time (the whole text: +0.01%, 100%; lab
+    note 7)."""
+    from tinyvllm import platform
 
     monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
-    if not bf16_product_rows("auto", torch.device("cpu")):
-        pytest.skip("dtype='auto' keeps float32 products on this CPU's kind (BF16_PRODUCT_ROWS)")
+    if not platform.current().bf16_product_rows("auto", "cpu"):
+        pytest.skip("dtype='auto' keeps float32 products on this CPU's kind (bf16_products_from_rows)")
     report = run_accuracy(str(default_model_dir), quantizations=(None,), kv_cache_dtypes=("auto",), window=256,
                           max_text_tokens=512, kl_tokens=256, num_chat=2, chat_tokens=24, phase=7,
                           dtypes=("float32", "auto"))

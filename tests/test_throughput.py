@@ -256,12 +256,12 @@ def test_on_a_gpu_the_checkpoints_own_claim_is_judged_and_shown(monkeypatch):
     """A GPU's host is also a kind of CPU; its KindClaim speaks of that CPU, not the GPU: the
     message quotes the checkpoint's own claim_source (where GPU runs are recorded) and asserts
     gpu_min_gain."""
-    from tinyvllm.hardware import cpu_kind
+    from tinyvllm.platform import current
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     cp = replace(declared_checkpoints(2)[0], claimed_gain=2.0, min_gain=1.5, gpu_min_gain=0.6,
-                 claim_source="measured on a GPU", per_cpu_kind={cpu_kind(): KindClaim(3.0, 2.0, "this CPU's kind")})
+                 claim_source="measured on a GPU", per_cpu_kind={current().kind: KindClaim(3.0, 2.0, "this CPU's kind")})
     verdict = judge(cp, 2, [1.0], [1.0])
     assert verdict.passed and "measured on a GPU" in verdict.message and "this CPU's kind" not in verdict.message
     assert "must be >= 0.60x on a GPU" in verdict.message
@@ -270,17 +270,17 @@ def test_on_a_gpu_the_checkpoints_own_claim_is_judged_and_shown(monkeypatch):
 def test_a_checkpoint_asserts_the_claim_of_this_cpu_kind():
     """Where a gain differs between kinds of CPU, the claim for this machine's kind is the one
     judged, and the message names the kind."""
-    from tinyvllm.hardware import cpu_kind
+    from tinyvllm.platform import current
     from tinyvllm.testing import KindClaim
 
     cp = declared_checkpoints(2)[0]
     here = replace(cp, claimed_gain=1.5, min_gain=1.0,
-                   per_cpu_kind={cpu_kind(): KindClaim(3.0, 2.0, "measured on this kind")})
+                   per_cpu_kind={current().kind: KindClaim(3.0, 2.0, "measured on this kind")})
     elsewhere = replace(here, per_cpu_kind={"no-such-kind": KindClaim(3.0, 2.0, "another kind")})
     if on_gpu(cp):
         pytest.skip("on a GPU the checkpoint's gpu_min_gain is judged, not a CPU kind's")
     assert not judge(here, 2, [150.0], [100.0]).passed          # 1.5x < this kind's 2.0x
     assert judge(elsewhere, 2, [150.0], [100.0]).passed         # 1.5x >= the default 1.0x
-    assert f"kind {cpu_kind()}" in judge(here, 2, [150.0], [100.0]).message
+    assert f"kind {current().kind}" in judge(here, 2, [150.0], [100.0]).message
     with pytest.raises(ValueError, match=r"min_gain \(avx2\)"):
         replace(cp, per_cpu_kind={"avx2": KindClaim(1.0, 1.5, "x")})

@@ -182,21 +182,18 @@ def test_loading_does_not_import_the_compiler(tiny_model_dir):
 
 
 def test_bf16_product_rows_only_for_auto_on_one_cpu_rank(monkeypatch):
-    """dtype="auto" on a CPU with one rank takes `BF16_PRODUCT_ROWS`' rows for this CPU's kind;
-    an explicit dtype, a GPU, several ranks (each rank's partial sum would be rounded) or
-    $TINYVLLM_BF16_PRODUCTS=0 none; another value of it is refused by name."""
-    from tinyvllm.hardware import cpu_kind
-    from tinyvllm.model import BF16_PRODUCT_ROWS, onednn_available
-    from tinyvllm.weights import bf16_product_rows
+    """dtype="auto" on a CPU with one rank takes the platform's `bf16_products_from_rows` for its
+    kind where oneDNN runs; an explicit dtype, a GPU, several ranks (each rank's partial sum would
+    be rounded) or $TINYVLLM_BF16_PRODUCTS=0 none; another value of it is refused by name."""
+    from tinyvllm import platform
 
-    cpu = torch.device("cpu")
-    monkeypatch.setitem(BF16_PRODUCT_ROWS, cpu_kind(), 13)
+    p = platform.current().with_rules(bf16_products_from_rows=13)
     monkeypatch.delenv("TINYVLLM_BF16_PRODUCTS")
-    assert bf16_product_rows("auto", cpu) == (13 if onednn_available() else 0)
-    assert bf16_product_rows("float32", cpu) == bf16_product_rows("bfloat16", cpu) == 0
-    assert bf16_product_rows("auto", torch.device("cuda")) == bf16_product_rows("auto", cpu, 2) == 0
+    assert p.bf16_product_rows("auto", "cpu") == (13 if p.onednn else 0)
+    assert p.bf16_product_rows("float32", "cpu") == p.bf16_product_rows("bfloat16", "cpu") == 0
+    assert p.bf16_product_rows("auto", "cuda") == p.bf16_product_rows("auto", "cpu", 2) == 0
     monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "0")
-    assert bf16_product_rows("auto", cpu) == 0
+    assert p.bf16_product_rows("auto", "cpu") == 0
     monkeypatch.setenv("TINYVLLM_BF16_PRODUCTS", "on")
     with pytest.raises(ValueError, match="TINYVLLM_BF16_PRODUCTS"):
-        bf16_product_rows("auto", cpu)
+        p.bf16_product_rows("auto", "cpu")

@@ -64,20 +64,22 @@ class CKernel:
         return out
 
     def load(self) -> ctypes.CDLL | None:
-        """The compiled library, or None where it cannot run or be built here (warned once)."""
+        """The compiled library, or None where it cannot run or be built here (warned once). Where
+        the kind the platform acts as cannot run it, None, asked again each time (a test or a tool
+        may act as another kind)."""
+        if not self.supported():
+            return None
         if not self.tried:
             self.tried = True
-            if self.supported():
-                try:
-                    lib = ctypes.CDLL(str(self.build()))
-                    for name, argtypes in self.signatures.items():
-                        getattr(lib, name).argtypes = argtypes
-                        getattr(lib, name).restype = None
-                    self.lib = lib
-                except (OSError, subprocess.CalledProcessError) as e:
-                    detail = getattr(e, "stderr", "") or e
-                    warnings.warn(f"tinyvllm: could not build {self.source.name} ({detail}); "
-                                  f"{self.fallback}")
+            try:
+                lib = ctypes.CDLL(str(self.build()))
+                for name, argtypes in self.signatures.items():
+                    getattr(lib, name).argtypes = argtypes
+                    getattr(lib, name).restype = None
+                self.lib = lib
+            except (OSError, subprocess.CalledProcessError) as e:
+                detail = getattr(e, "stderr", "") or e
+                warnings.warn(f"tinyvllm: could not build {self.source.name} ({detail}); {self.fallback}")
         return self.lib
 
     def environment(self) -> dict[str, str]:
