@@ -24,7 +24,7 @@ import json
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from tinyvllm.entrypoints.server.app import APIError, error_body
+from tinyvllm.entrypoints.server.serving_engine import APIError, error_body
 
 
 async def send_error(send, e: APIError) -> None:
