@@ -10,7 +10,9 @@
   inside functions too;
 - there is one engine: phase 1's `Engine` and its `step`, written once; every phase is a recipe
   of parts (`RECIPE`), and one decode step of the newest single-process phase reads as a short
-  path through them (scripts/trace_step.py).
+  path through them (scripts/trace_step.py);
+- every part each phase builds has what the engine asks of it (the Protocols of
+  phases/p01_naive_attention/parts.py; these tests build the engines).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import phase_params
 
 REPO = Path(__file__).resolve().parents[1]
 FRONT_DOOR = ("tinyvllm.entrypoints",)
@@ -148,6 +151,57 @@ def test_the_parts_table_of_the_architecture_page_is_the_code_s():
     assert table == parts_table(), "regenerate docs/architecture.md's table with `python -m phases.parts`"
     assert provider(7, "runner") == 7 and provider(3, "scheduler") == 3 and provider(8, "model_loader") == 8
     assert all(provider(1, part) in (None, 1) for part in PARTS)
+
+
+# every phase's parts as it builds them by default, and the parts phase 6 builds only for drafts
+PARTS_CASES = [pytest.param(p.values[0], {}, id=p.id, marks=p.marks) for p in phase_params()] + [
+    pytest.param(6, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, id="phase6-ngram",
+                 marks=pytest.mark.phase06),
+    pytest.param(6, {"speculative_config": {"method": "draft_model", "model": "TINY", "num_speculative_tokens": 2}},
+                 id="phase6-draft-model", marks=pytest.mark.phase06),
+]
+
+
+@pytest.mark.parametrize("phase, engine_args", PARTS_CASES)
+def test_every_part_has_what_the_engine_asks_of_it(phase, engine_args, tiny_model_dir):
+    """Each part a phase builds is an instance of its Protocol (phases/p01_naive_attention/parts.py):
+    a part that lost a method the engine loop or another part calls fails here, when it is built."""
+    import phases
+    from phases.p01_naive_attention import parts as p1
+
+    interfaces = {"scheduler": p1.SchedulerInterface, "allocator": p1.BlockAllocatorInterface,
+                  "attention": p1.AttentionInterface, "runner": p1.ModelRunnerInterface,
+                  "sampler": p1.SamplerInterface, "proposer": p1.ProposerInterface}
+    spec = engine_args.get("speculative_config")
+    if spec and spec.get("model") == "TINY":
+        engine_args = {"speculative_config": dict(spec, model=str(tiny_model_dir))}
+    if "num_kv_blocks" in phases.get_recipe(phase).engine_args:
+        engine_args = dict(engine_args, num_kv_blocks=32)
+    engine = phases.make_engine(phase, tiny_model_dir, **engine_args)
+    try:
+        for name, interface in interfaces.items():
+            part = getattr(engine.parts, name)
+            if part is None:
+                continue
+            missing = [m for m in [*vars(interface), *interface.__annotations__]
+                       if not m.startswith("_") and not hasattr(part, m)]
+            assert isinstance(part, interface), \
+                f"phase {phase}'s {name} ({type(part).__name__}) is no {interface.__name__}: it lacks {missing}"
+        if spec:
+            assert engine.parts.proposer is not None
+    finally:
+        engine.shutdown()
+
+
+def test_a_part_that_lost_a_method_is_no_longer_one():
+    """The check above catches a missing method; and phase 8's executor is a runner."""
+    from phases.p01_naive_attention import FifoScheduler
+    from phases.p01_naive_attention.parts import ModelRunnerInterface, SchedulerInterface
+    from phases.p08_tensor_parallel import TensorParallelExecutor
+
+    assert isinstance(FifoScheduler(), SchedulerInterface)
+    assert not isinstance(type("NoFinish", (FifoScheduler,), {"finish": None})(), SchedulerInterface)
+    assert issubclass(TensorParallelExecutor, ModelRunnerInterface)   # with several ranks, the runner part
 
 
 def _classes_and_functions(path: Path) -> tuple[list[ast.ClassDef], list[tuple[str, str]]]:
