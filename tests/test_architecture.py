@@ -142,13 +142,13 @@ def test_no_import_cycles():
 
 def test_the_parts_table_of_the_architecture_page_is_the_code_s():
     """docs/architecture.md's table of which phase provides which part is `python -m
-    phases.parts`'s output, so it cannot drift from the recipes."""
-    from phases.parts import PARTS, parts_table, provider
+    phases.parts_table`'s output, so it cannot drift from the recipes."""
+    from phases.parts_table import PARTS, parts_table, provider
 
     page = (REPO / "docs" / "architecture.md").read_text()
     start = page.index("<!-- parts-table")
     table = page[page.index("\n", start) + 1: page.index("<!-- /parts-table -->")].strip()
-    assert table == parts_table(), "regenerate docs/architecture.md's table with `python -m phases.parts`"
+    assert table == parts_table(), "regenerate docs/architecture.md's table with `python -m phases.parts_table`"
     assert provider(7, "runner") == 7 and provider(3, "scheduler") == 3 and provider(8, "model_loader") == 8
     assert all(provider(1, part) in (None, 1) for part in PARTS)
 
