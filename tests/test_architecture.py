@@ -1,8 +1,9 @@
-"""The layers import in one direction, read from the source (no module is imported here):
+"""The layers import in one direction, read from the source (and, for the foundation, at run time):
 
     front door (tinyvllm.entrypoints: LLM, the CLI, the server, the bench) -> phases -> foundation (tinyvllm.*)
 
-- the foundation never imports `phases` nor the front door;
+- the foundation never imports `phases` nor the front door (and, run in a fresh process,
+  importing it leaves no phase imported);
 - phase N imports only phases before it, never the front door (its measurement tools, in
   `phases/pNN_*/tools/`, may use the bench's helpers), and never a private name (one that starts
   with "_") of another phase;
@@ -91,6 +92,25 @@ def test_the_foundation_never_imports_phases_or_the_front_door(name):
     for module, _ in _imports(name, MODULES[name]):
         assert not _is(module, ("phases",)), f"{name} (foundation) imports {module}"
         assert not _front_door(module), f"{name} (foundation) imports {module} (front door)"
+
+
+def test_importing_the_foundation_imports_no_phase():
+    """The same direction at run time, where the package's own __init__ counts too: `tinyvllm`
+    imports `LLM` (the front door, which imports the phases) only when it is first asked for."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import tinyvllm, tinyvllm.model, tinyvllm.sampler, tinyvllm.weights, tinyvllm.config\n"
+            "print(sorted(m for m in sys.modules if m == 'phases' or m.startswith('phases.')))\n"
+            "from tinyvllm import LLM\n"
+            "print(LLM.__module__, 'phases' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TINYVLLM_WORKSPACE"}  # a learner's copies: see __init__
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0] == "[]", f"importing the foundation imported {out[0]}"
+    assert out[1] == "tinyvllm.entrypoints.llm True"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if _phase_of(n) is not None))
