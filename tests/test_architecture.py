@@ -1,8 +1,9 @@
-"""The layers import in one direction, read from the source (no module is imported here):
+"""The layers import in one direction, read from the source (and, for the foundation, at run time):
 
     front door (tinyvllm.entrypoints: LLM, the CLI, the server, the bench) -> phases -> foundation (tinyvllm.*)
 
-- the foundation never imports `phases` nor the front door;
+- the foundation never imports `phases` nor the front door (and, run in a fresh process,
+  importing it leaves no phase imported);
 - phase N imports only phases before it, never the front door (its measurement tools, in
   `phases/pNN_*/tools/`, may use the bench's helpers), and never a private name (one that starts
   with "_") of another phase;
@@ -10,7 +11,9 @@
   inside functions too;
 - there is one engine: phase 1's `Engine` and its `step`, written once; every phase is a recipe
   of parts (`RECIPE`), and one decode step of the newest single-process phase reads as a short
-  path through them (scripts/trace_step.py).
+  path through them (scripts/trace_step.py);
+- every part each phase builds has what the engine asks of it (the Protocols of
+  phases/p01_naive_attention/parts.py; these tests build the engines).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import phase_params
 
 REPO = Path(__file__).resolve().parents[1]
 FRONT_DOOR = ("tinyvllm.entrypoints",)
@@ -90,6 +94,25 @@ def test_the_foundation_never_imports_phases_or_the_front_door(name):
         assert not _front_door(module), f"{name} (foundation) imports {module} (front door)"
 
 
+def test_importing_the_foundation_imports_no_phase():
+    """The same direction at run time, where the package's own __init__ counts too: `tinyvllm`
+    imports `LLM` (the front door, which imports the phases) only when it is first asked for."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import tinyvllm, tinyvllm.model, tinyvllm.sampler, tinyvllm.weights, tinyvllm.config\n"
+            "print(sorted(m for m in sys.modules if m == 'phases' or m.startswith('phases.')))\n"
+            "from tinyvllm import LLM\n"
+            "print(LLM.__module__, 'phases' in sys.modules)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TINYVLLM_WORKSPACE"}  # a learner's copies: see __init__
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[0] == "[]", f"importing the foundation imported {out[0]}"
+    assert out[1] == "tinyvllm.entrypoints.llm True"
+
+
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if _phase_of(n) is not None))
 def test_a_phase_imports_only_earlier_phases_and_no_private_name(name):
     phase = _phase_of(name)
@@ -139,15 +162,66 @@ def test_no_import_cycles():
 
 def test_the_parts_table_of_the_architecture_page_is_the_code_s():
     """docs/architecture.md's table of which phase provides which part is `python -m
-    phases.parts`'s output, so it cannot drift from the recipes."""
-    from phases.parts import PARTS, parts_table, provider
+    phases.parts_table`'s output, so it cannot drift from the recipes."""
+    from phases.parts_table import PARTS, parts_table, provider
 
     page = (REPO / "docs" / "architecture.md").read_text()
     start = page.index("<!-- parts-table")
     table = page[page.index("\n", start) + 1: page.index("<!-- /parts-table -->")].strip()
-    assert table == parts_table(), "regenerate docs/architecture.md's table with `python -m phases.parts`"
+    assert table == parts_table(), "regenerate docs/architecture.md's table with `python -m phases.parts_table`"
     assert provider(7, "runner") == 7 and provider(3, "scheduler") == 3 and provider(8, "model_loader") == 8
     assert all(provider(1, part) in (None, 1) for part in PARTS)
+
+
+# every phase's parts as it builds them by default, and the parts phase 6 builds only for drafts
+PARTS_CASES = [pytest.param(p.values[0], {}, id=p.id, marks=p.marks) for p in phase_params()] + [
+    pytest.param(6, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, id="phase6-ngram",
+                 marks=pytest.mark.phase06),
+    pytest.param(6, {"speculative_config": {"method": "draft_model", "model": "TINY", "num_speculative_tokens": 2}},
+                 id="phase6-draft-model", marks=pytest.mark.phase06),
+]
+
+
+@pytest.mark.parametrize("phase, engine_args", PARTS_CASES)
+def test_every_part_has_what_the_engine_asks_of_it(phase, engine_args, tiny_model_dir):
+    """Each part a phase builds is an instance of its Protocol (phases/p01_naive_attention/parts.py):
+    a part that lost a method the engine loop or another part calls fails here, when it is built."""
+    import phases
+    from phases.p01_naive_attention import parts as p1
+
+    interfaces = {"scheduler": p1.SchedulerInterface, "allocator": p1.BlockAllocatorInterface,
+                  "attention": p1.AttentionInterface, "runner": p1.ModelRunnerInterface,
+                  "sampler": p1.SamplerInterface, "proposer": p1.ProposerInterface}
+    spec = engine_args.get("speculative_config")
+    if spec and spec.get("model") == "TINY":
+        engine_args = {"speculative_config": dict(spec, model=str(tiny_model_dir))}
+    if "num_kv_blocks" in phases.get_recipe(phase).engine_args:
+        engine_args = dict(engine_args, num_kv_blocks=32)
+    engine = phases.make_engine(phase, tiny_model_dir, **engine_args)
+    try:
+        for name, interface in interfaces.items():
+            part = getattr(engine.parts, name)
+            if part is None:
+                continue
+            missing = [m for m in [*vars(interface), *interface.__annotations__]
+                       if not m.startswith("_") and not hasattr(part, m)]
+            assert isinstance(part, interface), \
+                f"phase {phase}'s {name} ({type(part).__name__}) is no {interface.__name__}: it lacks {missing}"
+        if spec:
+            assert engine.parts.proposer is not None
+    finally:
+        engine.shutdown()
+
+
+def test_a_part_that_lost_a_method_is_no_longer_one():
+    """The check above catches a missing method; and phase 8's executor is a runner."""
+    from phases.p01_naive_attention import FifoScheduler
+    from phases.p01_naive_attention.parts import ModelRunnerInterface, SchedulerInterface
+    from phases.p08_tensor_parallel import TensorParallelExecutor
+
+    assert isinstance(FifoScheduler(), SchedulerInterface)
+    assert not isinstance(type("NoFinish", (FifoScheduler,), {"finish": None})(), SchedulerInterface)
+    assert issubclass(TensorParallelExecutor, ModelRunnerInterface)   # with several ranks, the runner part
 
 
 def _classes_and_functions(path: Path) -> tuple[list[ast.ClassDef], list[tuple[str, str]]]:
@@ -192,24 +266,27 @@ def test_one_decode_step_reads_as_a_short_path():
 
 
 def _code_lines(path: Path) -> int:
-    """Lines of code: not blank, not a comment, not a docstring."""
+    """Lines of code: not blank, not a comment, not a docstring, not an import (so a part moved to
+    a module of its own costs nothing)."""
     text = path.read_text()
-    docstrings: set[int] = set()
+    skipped: set[int] = set()
     for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            skipped |= set(range(node.lineno, node.end_lineno + 1))
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
             if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
                     and isinstance(first.value.value, str):
-                docstrings |= set(range(first.lineno, first.end_lineno + 1))
+                skipped |= set(range(first.lineno, first.end_lineno + 1))
     return sum(1 for i, line in enumerate(text.splitlines(), start=1)
-               if line.strip() and not line.strip().startswith("#") and i not in docstrings)
+               if line.strip() and not line.strip().startswith("#") and i not in skipped)
 
 
 def test_a_recipe_file_is_short_and_a_phase_s_code_within_budget():
     """A phase's recipe.py says which parts it replaces (under 250 lines, as phase 1's engine.py,
     the loop); the phase's engine code (tools, tests, the throughput checkpoints that
-    tests/test_throughput.py runs, and C excluded; lines of code, not comments or docstrings)
-    stays within 600."""
+    tests/test_throughput.py runs, and C excluded; lines of code, not comments, docstrings or
+    imports) stays within 600."""
     for folder in sorted((REPO / "phases").glob("p0*")):
         for short in ("recipe.py", "engine.py"):
             path = folder / short

@@ -77,7 +77,7 @@ def test_quantization_keeps_the_biases_and_the_norms_float(tiny_qwen3_dir, quant
     and the logits stay those of the float model with the rounded weights."""
     from phases.p01_naive_attention import NaiveAttention
     from phases.p05_quantization.quant import QuantizedLinear
-    from phases.p05_quantization.recipe import linear_layers
+    from phases.p05_quantization.quantize_layers import linear_layers
 
     llm = LLM(str(tiny_qwen3_dir), phase=5, quantization=quantization, quantization_group_size=32,
               num_kv_blocks=64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from enum import IntEnum
 
 import torch
 
@@ -18,6 +19,23 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 _seq_ids = itertools.count()
+
+
+class SequenceStatus(IntEnum):
+    """Where a sequence is in its life, for a scheduler with waiting and running queues. An
+    IntEnum: hot checks are integer compares."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def finished(reason: str) -> "SequenceStatus":
+        return {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH,
+                "abort": SequenceStatus.FINISHED_ABORTED}[reason]
 
 
 class Sequence:
@@ -49,6 +67,9 @@ class Sequence:
         # cache, and which cache blocks hold them.
         self.num_computed_tokens = 0
         self.block_table = None
+        # where it is in its life (SequenceStatus), kept by a scheduler with waiting and running
+        # queues; None where the scheduler keeps no track of it
+        self.status: SequenceStatus | None = None
         # with params.structured_outputs: the grammar's parser state (a GrammarMatcher, set by
         # the engine): which tokens may come next
         self.grammar = None

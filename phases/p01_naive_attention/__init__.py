@@ -4,9 +4,12 @@ the whole sequence at every step."""
 from .attention import NaiveAttention, causal_attention
 from .engine import Engine
 from .model_runner import RecomputeRunner, prompt_logits
-from .parts import EngineSetup, Parts, Recipe
+from .parts import (AttentionInterface, BlockAllocatorInterface, EngineSetup, ModelRunnerInterface, Parts,
+                    ProposerInterface, Recipe, SamplerInterface, SchedulerInterface)
 from .recipe import RECIPE
 from .scheduler import FifoScheduler, mark_scheduled
 
-__all__ = ["Engine", "EngineSetup", "FifoScheduler", "NaiveAttention", "Parts", "RECIPE", "Recipe",
-           "RecomputeRunner", "causal_attention", "mark_scheduled", "prompt_logits"]
+__all__ = ["AttentionInterface", "BlockAllocatorInterface", "Engine", "EngineSetup", "FifoScheduler",
+           "ModelRunnerInterface", "NaiveAttention", "Parts", "ProposerInterface", "RECIPE", "Recipe",
+           "RecomputeRunner", "SamplerInterface", "SchedulerInterface", "causal_attention", "mark_scheduled",
+           "prompt_logits"]

@@ -17,6 +17,10 @@
         proposer    guesses draft tokens, where a phase speculates
         scheduler   schedule() -> the plan of a step; update(plan, sampled) -> the requests move on
 
+What the engine asks of each part is a `Protocol` (`SchedulerInterface`, `ModelRunnerInterface`,
+...): the methods the engine loop and the other parts call on it, and nothing else. A part is any
+object that has them; it inherits from nothing.
+
 A phase's recipe is the recipe of the phase before with the factories it replaces
 (`Recipe.extend`). A switch (`enforce_eager`, `quantization`, `speculative_config`, ...) is read
 by a factory once, when it builds its part: a part never tests a flag another part decided.
@@ -27,14 +31,19 @@ own KV pool never allocates the one before it.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from tinyvllm.config import EngineConfig, ModelConfig
 from tinyvllm.download import resolve_model
+from tinyvllm.model import AttentionBackend
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sequence import Sequence
+from tinyvllm.step import ModelRunnerOutput, SamplerOutput, SchedulerOutput
 from tinyvllm.tokenizer import Tokenizer
 from tinyvllm import platform
 
@@ -89,20 +98,109 @@ def eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> fr
     return frozenset(ids)
 
 
+# -- what the engine asks of each part --------------------------------------------------------------
+# Each Protocol lists what the engine loop (engine.py) and the other parts call on that part, so a
+# part that lost one of them is found when its engine is built (tests/test_architecture.py), not
+# at the step that needs it. vLLM's `SchedulerInterface` (vllm/v1/core/sched/interface.py) does
+# the same for its scheduler. Beside these, a part may keep counters (`stats()`, `reset_stats()`:
+# `Engine.get_stats`) or hold something outside the process (`close()`: `Parts.close`); the
+# engine looks for those with getattr.
+
+
+@runtime_checkable
+class SchedulerInterface(Protocol):
+    """Who runs each step, and what happens to the requests after it (phase 1's `FifoScheduler`,
+    and each later phase's scheduler)."""
+
+    def add(self, seq: Sequence) -> None: ...
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None: ...  # ValueError: it never fits
+    def schedule(self) -> SchedulerOutput: ...
+    def update(self, plan: SchedulerOutput, sampled: SamplerOutput) -> None: ...
+    def finish(self, seq: Sequence) -> None: ...     # it leaves (finished or aborted) and frees its blocks
+
+    @property
+    def running(self) -> Collection[Sequence]: ...   # for `Engine.snapshot`
+
+    @property
+    def waiting(self) -> Collection[Sequence]: ...
+
+
+@runtime_checkable
+class BlockAllocatorInterface(Protocol):
+    """The KV cache's manager, where a phase keeps a pool of blocks: hands them out to the
+    sequences' block tables (`table`), as vLLM's `KVCacheManager` and `BlockPool` do. An allocator
+    with a prefix cache has lookups besides, which only its own scheduler calls."""
+
+    num_blocks: int
+    block_size: int                                  # tokens per block
+    ref_counts: list[int]                            # sequences holding each block
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    @property
+    def num_used_blocks(self) -> int: ...
+
+    def blocks_needed(self, num_tokens: int) -> int: ...
+    def allocate(self, table: Any, num_tokens: int) -> None: ...
+    def append_slot(self, table: Any) -> int: ...
+    def release_block(self, block_id: int) -> None: ...   # one reference fewer (a rollback)
+    def free(self, table: Any) -> None: ...
+
+
+@runtime_checkable
+class AttentionInterface(Protocol):
+    """Called once a step with the step's attention metadata (how its flat tokens map to
+    sequences and cache slots); returns the `tinyvllm.model.AttentionBackend` the model calls in
+    every layer, `(layer_idx, q, k, v) -> out`. Typically `functools.partial(SomeBackend, kv_cache)`."""
+
+    def __call__(self, meta: Any) -> AttentionBackend: ...
+
+
+@runtime_checkable
+class ModelRunnerInterface(Protocol):
+    """The plan as tensors, the model over them, the logits rows to sample (phase 1's
+    `RecomputeRunner`, and each later phase's runner).
+
+    There is no executor part: with several ranks, phase 8's runner is `TensorParallelExecutor`,
+    which keeps this interface and runs the runner of the phase before with the worker ranks
+    beside it (what vLLM's executor does between the engine and its workers)."""
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@runtime_checkable
+class SamplerInterface(Protocol):
+    """The tokens, from the runner's logits rows (`tinyvllm.sampler.Sampler`, or one that also
+    verifies draft tokens)."""
+
+    def sample(self, out: ModelRunnerOutput) -> SamplerOutput: ...
+
+
+@runtime_checkable
+class ProposerInterface(Protocol):
+    """Guesses draft tokens for the scheduler, where a phase speculates. Proposers of different
+    kinds take different arguments (a sequence's tokens; every sequence that wants drafts), and
+    the scheduler that asks knows which it holds. One with a KV cache of its own also has
+    `sync(running)` and `forget(seq)`, which the scheduler calls where they exist."""
+
+    def propose(self, *args: Any) -> Any: ...
+
+
 @dataclass
 class Parts:
     """The parts of one engine (see the module docstring); None where a phase has no such part."""
 
     phase: int
-    model_loader: Callable | None = None
+    model_loader: Callable[[EngineSetup], torch.nn.Module] | None = None
     model: torch.nn.Module | None = None
     kv_cache: object = None
-    allocator: object = None
-    attention: Callable | None = None
-    sampler: object = None
-    runner: object = None
-    proposer: object = None
-    scheduler: object = None
+    allocator: BlockAllocatorInterface | None = None
+    attention: AttentionInterface | None = None
+    sampler: SamplerInterface | None = None
+    runner: ModelRunnerInterface | None = None
+    proposer: ProposerInterface | None = None
+    scheduler: SchedulerInterface | None = None
 
     def close(self) -> None:
         """Let go of what a part holds outside this process (worker processes, say)."""

@@ -21,31 +21,14 @@ tokens, keys the blocks that are now full (prefix caching), and frees the finish
 from __future__ import annotations
 
 from collections import deque
-from enum import IntEnum
 
 from phases.p01_naive_attention import mark_scheduled
 from phases.p02_paged_kv import BlockAllocator, KVUsage, check_fits_pool
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.sequence import Sequence
+from tinyvllm.sequence import Sequence, SequenceStatus
 from tinyvllm.step import SamplerOutput, SchedulerOutput, append_sampled
 
 from .prefix_cache import PrefixBlockTable, PrefixCachingBlockAllocator
-
-
-class SequenceStatus(IntEnum):
-    """Where a sequence is in its life. An IntEnum: hot checks are integer compares."""
-
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
-
-    @staticmethod
-    def finished(reason: str) -> "SequenceStatus":
-        return {"stop": SequenceStatus.FINISHED_STOPPED, "length": SequenceStatus.FINISHED_LENGTH,
-                "abort": SequenceStatus.FINISHED_ABORTED}[reason]
 
 
 class Scheduler:

@@ -2,7 +2,8 @@
 
 from .kv_quant import QuantizedKVCache, QuantizedPagedAttention
 from .quant import QuantizedLinear
-from .recipe import RECIPE, linear_layers, quantize_model
+from .quantize_layers import linear_layers, quantize_model
+from .recipe import RECIPE
 
 __all__ = ["RECIPE", "QuantizedKVCache", "QuantizedLinear", "QuantizedPagedAttention", "linear_layers",
            "quantize_model"]

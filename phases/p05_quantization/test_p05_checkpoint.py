@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from phases.p05_quantization import cpu_int8
 from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear, lossless, lossless_codes
-from phases.p05_quantization.recipe import HEAD_METHOD, linear_layers, quantize_model
+from phases.p05_quantization.quantize_layers import HEAD_METHOD, linear_layers, quantize_model
 from phases.p05_quantization.kv_quant import (KV_CACHE_DTYPES, QuantizedKVCache, dequantize_kv,
                                               quantize_kv, quantized_bytes_per_block)
 from phases.p05_quantization.quant import (QuantizedLinear, dequantize_int4, dequantize_int8,
@@ -461,7 +461,7 @@ def test_fbgemm_two_parts_keep_precision_beside_an_outlier_channel(bias):
 def test_int4_group_size_defaults_to_128_where_it_fits_else_32(tiny_model_dir):
     from torch import nn
 
-    from phases.p05_quantization.recipe import default_group_size
+    from phases.p05_quantization.quantize_layers import default_group_size
 
     # the default model: hidden 576 = 4.5 x 128, MLP 1536: 128 does not divide 576, so 32 (the
     # most accurate offered; 64 would also divide, and loses 32% of perplexity on that model)

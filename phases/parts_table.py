@@ -7,7 +7,7 @@ factories it replaces; `parts_table()` finds, for every registered phase, the ph
 defines each factory, so the table in docs/architecture.md cannot drift from the code
 (tests/test_architecture.py compares them).
 
-    python -m phases.parts      # print the table
+    python -m phases.parts_table      # print the table
 """
 
 from __future__ import annotations
