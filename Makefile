@@ -1,5 +1,5 @@
 # The two commands of the README. Each does its own setup (scripts/setup.sh), reused after.
-.PHONY: setup demo test test-fast learn learn-check
+.PHONY: setup demo test test-fast test-kinds learn learn-check
 
 PY := .venv/bin/python
 
@@ -18,6 +18,15 @@ test: setup
 ## server or Triton interpreter
 test-fast: setup
 	@$(PY) -m pytest -m "not slow and not throughput and not notebooks and not docs and not server and not interpreter"
+
+## test-kinds: the tests of every path the platform chooses by CPU kind (marker `kinds`), once for each
+## kind this CPU can act as (TINYVLLM_CPU_KIND: amx contains avx512_vnni contains avx2; "other" has
+## no hand-written kernels), so one machine checks every kind's paths
+test-kinds: setup
+	@for kind in $$($(PY) -m tinyvllm.platform --acting-kinds); do \
+	  echo "== TINYVLLM_CPU_KIND=$$kind: the kind-keyed tests"; \
+	  TINYVLLM_CPU_KIND=$$kind $(PY) -m pytest -q -m "kinds and not slow" -p no:cacheprovider || exit 1; \
+	done
 
 ## learn: copy phase PHASE into workspace/ with its key functions left to write (tinyvllm learn start)
 learn: setup

@@ -17,7 +17,7 @@ import phases
 # part: what it does (the order a recipe builds them in)
 PARTS: dict[str, str] = {
     "model_loader": "reads the checkpoint: all of it, or a rank's share",
-    "model": "the network that runs (quantized, fused)",
+    "model": "the network that runs (its CPU kernels, quantized, fused)",
     "kv_cache": "the pool of K/V blocks",
     "allocator": "hands out the pool's blocks",
     "attention": "the attention of one step, over the cache",

@@ -67,7 +67,13 @@ def _imports(name: str, path: Path) -> list[tuple[str, list[str]]]:
         if isinstance(node, ast.Import):
             found += [(a.name, []) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found.append((_from_module(node, package), [a.name for a in node.names]))
+            module = _from_module(node, package)
+            # `from tinyvllm import platform` imports the module tinyvllm.platform
+            submodules = [a.name for a in node.names if f"{module}.{a.name}" in MODULES]
+            found += [(f"{module}.{a}", []) for a in submodules]
+            names = [a.name for a in node.names if a.name not in submodules]
+            if names or not submodules:
+                found.append((module, names))
     return found
 
 
@@ -282,11 +288,17 @@ def _code_lines(path: Path) -> int:
                if line.strip() and not line.strip().startswith("#") and i not in skipped)
 
 
+# Lines of engine code a phase may hold: a few hundred, what a learner reads in a sitting. Phase 4
+# teaches kernels for two kinds of device (Triton's on a GPU; on a CPU, C kernels for attention,
+# the products, the norms and AMX tiles), so it holds two sets of parts.
+CODE_BUDGET = {"p04_triton_kernels": 800}
+
+
 def test_a_recipe_file_is_short_and_a_phase_s_code_within_budget():
     """A phase's recipe.py says which parts it replaces (under 250 lines, as phase 1's engine.py,
     the loop); the phase's engine code (tools, tests, the throughput checkpoints that
     tests/test_throughput.py runs, and C excluded; lines of code, not comments, docstrings or
-    imports) stays within 600."""
+    imports) stays within 600 (`CODE_BUDGET` for a phase that says why it needs more)."""
     for folder in sorted((REPO / "phases").glob("p0*")):
         for short in ("recipe.py", "engine.py"):
             path = folder / short
@@ -295,7 +307,7 @@ def test_a_recipe_file_is_short_and_a_phase_s_code_within_budget():
         assert (folder / "recipe.py").exists(), f"{folder.name} has no recipe.py"
         code = sum(_code_lines(p) for p in folder.glob("*.py")
                    if not p.name.startswith("test_") and p.name != "throughput.py")
-        assert code <= 600, f"phases.{folder.name}: {code} lines of engine code"
+        assert code <= CODE_BUDGET.get(folder.name, 600), f"phases.{folder.name}: {code} lines of engine code"
 
 
 def test_every_c_kernel_ships_as_package_data():

@@ -17,7 +17,8 @@ makes the platform act as any kind this CPU can execute (amx contains avx512_vnn
 kernel (`Platform.has`) and answering every rule as that kind. `make test-kinds` runs the
 kind-keyed tests once per kind this machine can act as (`acting_kinds`).
 
-    python -m tinyvllm.platform        # this machine's kind, the kinds it can act as, every rule
+    python -m tinyvllm.platform                    # this machine's kind, the kinds it can act as, every rule
+    python -m tinyvllm.platform --acting-kinds     # just the kinds it can act as
 """
 
 from __future__ import annotations
@@ -282,4 +283,9 @@ def using(platform: Platform):
 
 
 if __name__ == "__main__":
-    print(current().describe())
+    import sys
+
+    if sys.argv[1:] == ["--acting-kinds"]:   # make test-kinds: one name a line
+        print("\n".join(acting_kinds()))
+    else:
+        print(current().describe())

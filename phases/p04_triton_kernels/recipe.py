@@ -15,9 +15,9 @@ Phase 4 reads the paged cache where it lies:
 - "torch": phase 3's attention exactly, for comparison.
 
 On a CPU the model gets the CPU's kernels too (`use_cpu_kernels`): every `Linear` a `CpuLinear`,
-whose products take the library or kernel that is fastest at their row count (cpu_linear.py:
+whose products take the library or kernel that is fastest at their row count (cpu_layers.py:
 oneDNN's packed products, cpu_gemv.c, AMX tiles, bfloat16 from a few rows with dtype="auto"),
-and the norms and RoPE in C where the platform measured them (cpu_norm.py). With
+and the norms and RoPE in C where the platform measured them (cpu_layers.py, cpu_norm.c). With
 `batch_invariant=True` the model and the attention stay phase 3's fixed-order ones.
 """
 
@@ -33,8 +33,7 @@ from tinyvllm import platform
 from tinyvllm.layers import Linear, RMSNorm
 
 from .cpu_attention import CpuPagedAttention, prefill_paths
-from .cpu_linear import CpuLinear, use_bfloat16_products
-from .cpu_norm import CpuRMSNorm, CpuRotaryEmbedding
+from .cpu_layers import CpuLinear, CpuRMSNorm, CpuRotaryEmbedding, use_bfloat16_products
 from .triton_backend import TritonPagedAttention
 
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from phases.p04_triton_kernels import cpu_linear
+from phases.p04_triton_kernels import cpu_layers
 from phases.p04_triton_kernels.cpu_amx import amx_fits, amx_lib, amx_matmul, silu_and_mul
-from phases.p04_triton_kernels.cpu_linear import GEMV, CpuLinear, bf16_product, gemv, onednn_matmul, upcast_linear
-from phases.p04_triton_kernels.cpu_norm import NORM, CpuRMSNorm, CpuRotaryEmbedding, fused_add_rms_norm, rope
+from phases.p04_triton_kernels.cpu_layers import (NORM, GEMV, CpuLinear, CpuRMSNorm, CpuRotaryEmbedding, bf16_product,
+                                                  fused_add_rms_norm, gemv, onednn_matmul, rope, upcast_linear)
 from tinyvllm import LLM, platform
 from tinyvllm.layers import Linear, RMSNorm, RotaryEmbedding, rotate_half
 
@@ -71,7 +71,7 @@ def test_bfloat16_linear_runs_many_rows_in_float32_on_the_kinds_it_was_measured(
     torch.testing.assert_close(got.float(), exact, rtol=2 ** -8, atol=1e-6)
     assert layer.upcast_rows == platform.current().rule("bf16_upcast_from_rows")
     calls = []
-    monkeypatch.setattr(cpu_linear, "upcast_linear", lambda *a: calls.append(len(a[0])) or exact[: len(a[0])].bfloat16())
+    monkeypatch.setattr(cpu_layers, "upcast_linear", lambda *a: calls.append(len(a[0])) or exact[: len(a[0])].bfloat16())
     layer.upcast_rows, layer.bf16_onednn = 24, False   # (bf16_onednn: its own test)
     with torch.inference_mode():
         for rows in (1, 23, 24, 40):
@@ -91,8 +91,8 @@ def test_bfloat16_linear_runs_in_onednn_where_bfloat16_is_native(monkeypatch):
     rules = platform.current()
     assert layer.bf16_onednn == bool(rules.onednn and rules.rule("bf16_onednn"))
     calls = []
-    pack = cpu_linear.onednn_packed
-    monkeypatch.setattr(cpu_linear, "onednn_packed", lambda w: calls.append(w.dtype) or pack(w))
+    pack = cpu_layers.onednn_packed
+    monkeypatch.setattr(cpu_layers, "onednn_packed", lambda w: calls.append(w.dtype) or pack(w))
     with torch.inference_mode():
         for rows in (1, 5, 40):
             x = torch.randn(rows, 48, dtype=torch.bfloat16)
@@ -122,7 +122,7 @@ def test_linear_gemv_equals_f_linear_and_serves_its_rows(shape, monkeypatch):
                                        rtol=1e-5, atol=1e-5)
     assert layer.gemv_max_rows() == platform.current().rule("gemv_max_rows")
     layer.gemv_rows, calls = 8, []
-    monkeypatch.setattr(cpu_linear, "gemv", lambda *a: calls.append(len(a[0])) or F.linear(*a))
+    monkeypatch.setattr(cpu_layers, "gemv", lambda *a: calls.append(len(a[0])) or F.linear(*a))
     for rows in (1, 8, 9, 64):
         layer(torch.randn(rows, shape[1]))
     assert calls == [1, 8]
@@ -269,9 +269,9 @@ def test_bfloat16_products_take_the_amx_kernel_up_to_its_rows(monkeypatch):
     bf16_rows."""
     needs_onednn()
     calls = []
-    monkeypatch.setattr(cpu_linear, "amx_fits", lambda w: True)
-    monkeypatch.setattr(cpu_linear, "amx_matmul", lambda x, w, b: calls.append(("amx", len(x))) or x.new_zeros(len(x), 16))
-    monkeypatch.setattr(cpu_linear, "onednn_bf16", lambda x, w, b: calls.append(("onednn", len(x))) or x.new_zeros(len(x), 16))
+    monkeypatch.setattr(cpu_layers, "amx_fits", lambda w: True)
+    monkeypatch.setattr(cpu_layers, "amx_matmul", lambda x, w, b: calls.append(("amx", len(x))) or x.new_zeros(len(x), 16))
+    monkeypatch.setattr(cpu_layers, "onednn_bf16", lambda x, w, b: calls.append(("onednn", len(x))) or x.new_zeros(len(x), 16))
     for n in (8, 9, 64, 65):
         assert onednn_matmul(torch.randn(n, 32), torch.randn(16, 32), None, bf16_rows=9, amx_rows=64).shape == (n, 16)
     assert calls == [("amx", 9), ("amx", 64), ("onednn", 65)]
@@ -285,7 +285,7 @@ def test_bf16_product_leaves_a_prompt_s_product_in_bfloat16(monkeypatch):
     torch.manual_seed(0)
     layer = CpuLinear(64, 48, bias=False).requires_grad_(False)
     layer.amx_rows = 8
-    monkeypatch.setattr(cpu_linear, "amx_fits", lambda w: True)
+    monkeypatch.setattr(cpu_layers, "amx_fits", lambda w: True)
     x = torch.randn(9, 64)
     assert bf16_product(layer, x) is None                       # bf16_rows 0: float32 products
     layer.bf16_rows = 4

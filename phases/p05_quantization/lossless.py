@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from phases.p04_triton_kernels.cpu_linear import CpuLinear
+from phases.p04_triton_kernels.cpu_layers import CpuLinear
 from tinyvllm import platform
 from tinyvllm.ckernel import CKernel
 from tinyvllm.hardware import AVX2_FLAGS

@@ -31,7 +31,7 @@ from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.kv_cache import num_kv_blocks
 from phases.p04_triton_kernels import RECIPE as PHASE4
 from phases.p04_triton_kernels import attention_backend, cpu_paged_attention
-from phases.p04_triton_kernels.cpu_linear import use_bfloat16_products
+from phases.p04_triton_kernels.cpu_layers import use_bfloat16_products
 
 from .kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantized_bytes_per_block
 from .lossless import keep_lossless

@@ -66,7 +66,7 @@ from phases.p05_quantization import QuantizedLinear
 from phases.p05_quantization.lossless import LosslessLinear
 from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir
-from phases.p04_triton_kernels.cpu_linear import CpuLinear, bfloat16_weights
+from phases.p04_triton_kernels.cpu_layers import CpuLinear, bfloat16_weights
 from tinyvllm import platform
 from tinyvllm.hardware import AVX2_FLAGS
 

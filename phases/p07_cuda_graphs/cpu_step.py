@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from phases.p04_triton_kernels.cpu_norm import NORM
+from phases.p04_triton_kernels.cpu_layers import NORM
 from tinyvllm.ckernel import CKernel
 from tinyvllm.hardware import AVX2_FLAGS
 

@@ -21,9 +21,9 @@ of a fused model; its outputs are the model's own, bit for bit, but where the fu
 is one C call (phase 4's `fused_add_rms_norm`, where the platform's `c_norm_decode` rule says),
 which sums the squares in its own order (float32 rounding apart).
 
-A prompt's fused MLP can stay in bfloat16 between its two products (`gated_mlp`, where the
-platform's `bf16_mlp` rule says and both products are oneDNN's bfloat16 ones): half the bytes of
-float32's and no float32 copy of the widest activation.
+A prompt's fused MLP can stay in bfloat16 between its two products (phase 4's `bf16_mlp`, where
+the platform's `bf16_mlp` rule says and both products are oneDNN's bfloat16 ones): half the bytes
+of float32's and no float32 copy of the widest activation.
 
 `layer_row` describes a layer's product for a caller in C: the kernel's address and the
 weight's pointers and sizes. tinyvllm's `CStep` (cpu_step.c) runs `decode_forward`'s layers in
@@ -35,9 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from phases.p04_triton_kernels.cpu_amx import silu_and_mul
-from phases.p04_triton_kernels.cpu_linear import GEMV, CpuLinear, bf16_product, runs_bf16
-from phases.p04_triton_kernels.cpu_norm import fused_add_rms_norm
+from phases.p04_triton_kernels.cpu_layers import GEMV, CpuLinear, bf16_mlp, fused_add_rms_norm
 from phases.p05_quantization import cpu_int8
 from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear, lossless
 from phases.p05_quantization.quant import QuantizedLinear
@@ -94,29 +92,18 @@ class FusedLlamaAttention(torch.nn.Module):
         return self.o_proj(out.reshape(n, h * d))
 
 
-def gated_mlp(gate_up: torch.nn.Module, down: torch.nn.Module, x: torch.Tensor, act_fn: torch.nn.Module,
-              bf16: bool = False) -> torch.Tensor:
-    """down(silu(gate) * up), [gate, up] = gate_up(x). With `bf16` (the platform's `bf16_mlp`),
-    where both products are oneDNN's bfloat16 ones at x's rows (phase 4's `runs_bf16`: a
-    prompt's, with dtype="auto"), gate_up's output stays bfloat16 and cpu_amx.c's `silu_and_mul`
-    and down read it so (the SiLU's product rounded to bfloat16 as down's input is anyway). A
-    layer in a compiled step's wrapper (`.layer`) is looked into for that."""
-    inner_gate_up, inner_down = (getattr(m, "layer", m) for m in (gate_up, down))
-    if bf16 and runs_bf16(inner_gate_up, x) and runs_bf16(inner_down, x):
-        return bf16_product(inner_down, silu_and_mul(bf16_product(inner_gate_up, x, torch.bfloat16)))
-    return down(act_fn(gate_up(x)))
-
-
 class FusedLlamaMLP(torch.nn.Module):
     """`LlamaMLP` with gate and up from one product (and its activation vLLM's `SiluAndMul`)."""
 
     def __init__(self, unfused: LlamaMLP, gate_up_proj: torch.nn.Module):
         super().__init__()
         self.gate_up_proj, self.down_proj, self.act_fn = gate_up_proj, unfused.down_proj, SiluAndMul()
-        self.bf16 = bool(platform.current().rule("bf16_mlp"))   # a prompt's MLP in bfloat16
+        self.bf16 = bool(platform.current().rule("bf16_mlp"))   # a prompt's MLP in bfloat16 (phase 4's bf16_mlp)
 
     def forward(self, x):
-        return gated_mlp(self.gate_up_proj, self.down_proj, x, self.act_fn, self.bf16)
+        if self.bf16 and (y := bf16_mlp(self.gate_up_proj, self.down_proj, x)) is not None:
+            return y
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 def fuse_projections(model: torch.nn.Module) -> int:
@@ -174,11 +161,12 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
     - RoPE once on q and k together (they sit side by side in qkv_proj's output), with
       `rotate_half(x) * sin` written as `roll(x, d/2) * [-sin, sin]`: the same products,
       since the two halves of `sin` are equal (one roll instead of chunk, neg and cat, twice);
-    - no module calls around it: the loop reads the weights' modules directly.
+    - no module calls around it: the loop reads the weights' modules and the rotary tables
+      directly, and writes the SiLU and product inline (`SiluAndMul`'s two operators).
     """
     m = model.model
     x = m.embed_tokens(input_ids)                                     # (N, D)
-    cos, sin = m.rotary_emb(positions, x.dtype)                       # (N, 1, d) each
+    cos, sin = (t[positions].unsqueeze(1).to(x.dtype) for t in (m.rotary_emb.cos, m.rotary_emb.sin))  # (N, 1, d)
     n, half = x.shape[0], cos.shape[-1] // 2
     sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)      # [-sin, sin], once a step
     h, residual = add_rms_norm(x, None, m.layers[0].input_layernorm, c_norm)
@@ -195,8 +183,11 @@ def decode_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: t
                                    layer.post_attention_layernorm, c_norm)
         nxt = m.layers[i + 1].input_layernorm if i + 1 < len(m.layers) else m.norm
         mlp = layer.mlp
-        h, residual = add_rms_norm(gated_mlp(mlp.gate_up_proj, mlp.down_proj, h, mlp.act_fn, mlp.bf16), residual, nxt,
-                                   c_norm)
+        y = bf16_mlp(mlp.gate_up_proj, mlp.down_proj, h) if mlp.bf16 else None   # a prompt's rows only
+        if y is None:
+            gate, up = mlp.gate_up_proj(h).chunk(2, dim=-1)
+            y = mlp.down_proj(F.silu(gate) * up)
+        h, residual = add_rms_norm(y, residual, nxt, c_norm)
     return h
 
 

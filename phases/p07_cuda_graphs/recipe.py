@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.block_allocator import cdiv
-from phases.p04_triton_kernels.cpu_linear import use_bfloat16_products
+from phases.p04_triton_kernels.cpu_layers import use_bfloat16_products
 from phases.p05_quantization import QuantizedPagedAttention
 from phases.p06_speculative_decoding import RECIPE as PHASE6
 from tinyvllm import platform

@@ -254,7 +254,7 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir, kv_cache_
 def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quantization):
     import copy
 
-    import phases.p04_triton_kernels.cpu_norm as cpu_norm
+    import phases.p04_triton_kernels.cpu_layers as cpu_layers
     import phases.p07_cuda_graphs.fused as fused_module
 
     from phases.p07_cuda_graphs.fused import (
@@ -304,16 +304,17 @@ def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quan
                                            atol=tol)
             with monkeypatch.context() as m:
                 m.setattr(fused_module, "fused_add_rms_norm", lambda *args: None)
-                m.setattr(cpu_norm, "fused_add_rms_norm", lambda *args: None)
+                m.setattr(cpu_layers, "fused_add_rms_norm", lambda *args: None)
                 assert torch.equal(model(ids, pos, NoCache()), decode_forward(fused, ids, pos, NoCache(), True))
 
 
 def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, monkeypatch):
-    """Where the fused MLP's products are oneDNN's bfloat16 ones (dtype="auto", a prompt's rows),
-    gate_up's output is left in bfloat16 and `silu_and_mul` and the down projection read it so
-    (`gated_mlp`): the float32 path's numbers to bfloat16's rounding, with no float32 gate_up
-    made; the same inside the compiled step's OpaqueLinear; rows below `bf16_rows` are
-    float32's."""
+    """Where the fused MLP's products are oneDNN's bfloat16 ones (dtype="auto", a prompt's rows)
+    and the platform's `bf16_mlp` rule is on, gate_up's output is left in bfloat16 and
+    `silu_and_mul` and the down projection read it so (phase 4's `bf16_mlp`): the float32 path's
+    numbers to bfloat16's rounding, with no float32 gate_up made; the same inside the compiled
+    step's OpaqueLinear; rows below `bf16_rows` are float32's."""
+    import phases.p04_triton_kernels.cpu_layers as cpu_layers
     import phases.p07_cuda_graphs.fused as fused_module
     from phases.p04_triton_kernels import silu_and_mul, use_bfloat16_products
     from phases.p07_cuda_graphs.compiled import OpaqueLinear
@@ -332,8 +333,8 @@ def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, m
     with torch.inference_mode():
         f32 = mlp(x)
         use_bfloat16_products(model, 16)
-        asked, real = [], fused_module.bf16_product
-        monkeypatch.setattr(fused_module, "bf16_product", lambda m, h, *a: asked.append((h.dtype, *a)) or real(m, h, *a))
+        asked, real = [], cpu_layers.bf16_product
+        monkeypatch.setattr(cpu_layers, "bf16_product", lambda m, h, *a: asked.append((h.dtype, *a)) or real(m, h, *a))
         y = mlp(x)
         assert asked == [(torch.float32, torch.bfloat16), (torch.bfloat16,)] and y.dtype == torch.float32
         assert (y - f32).norm() < 2 ** -6 * f32.norm()          # bfloat16 keeps 8 bits

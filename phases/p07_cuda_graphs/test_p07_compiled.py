@@ -176,7 +176,7 @@ def test_the_cpp_bfloat16_product_is_the_layers_own():
     added with the second, bit for bit what the layer gives from Python (Tensor.bfloat16, ties to
     even; .float(); add_): sizes that leave a tail past the 16 and 8 values a loop takes, and
     an x with ties, a NaN, infinities and values too small for bfloat16."""
-    from phases.p04_triton_kernels.cpu_linear import CpuLinear, bfloat16_weights
+    from phases.p04_triton_kernels.cpu_layers import CpuLinear, bfloat16_weights
 
     needs_native()
     if not platform.current().onednn:
@@ -226,7 +226,7 @@ def test_layers_are_opaque_where_a_product_of_their_own_serves_them(make_llm, ti
     `BatchInvariantLinear` keeps its bits)."""
     import copy
 
-    from phases.p04_triton_kernels.cpu_linear import GEMV, CpuLinear
+    from phases.p04_triton_kernels.cpu_layers import GEMV, CpuLinear
 
     if batch_invariant:
         from phases.p03_continuous_batching.batch_invariant import KERNELS
