@@ -21,9 +21,10 @@ test-fast: setup
 
 ## test-kinds: the tests of every path the platform chooses by CPU kind (marker `kinds`), once for each
 ## kind this CPU can act as (TINYVLLM_CPU_KIND: amx contains avx512_vnni contains avx2; "other" has
-## no hand-written kernels), so one machine checks every kind's paths
+## no hand-written kernels), so one machine checks every kind's paths; KINDS="avx2 other" picks some
 test-kinds: setup
-	@for kind in $$($(PY) -m tinyvllm.platform --acting-kinds); do \
+	@kinds="$(KINDS)"; [ -n "$$kinds" ] || kinds=$$($(PY) -m tinyvllm.platform --acting-kinds); \
+	for kind in $$kinds; do \
 	  echo "== TINYVLLM_CPU_KIND=$$kind: the kind-keyed tests"; \
 	  TINYVLLM_CPU_KIND=$$kind $(PY) -m pytest -q -m "kinds and not slow" -p no:cacheprovider || exit 1; \
 	done

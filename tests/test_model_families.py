@@ -45,6 +45,7 @@ def generate(llm, folder) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.kinds
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("phase", phase_params())
 def test_every_phase_gives_transformers_greedy_tokens(phase, family, request, make_llm):

@@ -17,6 +17,8 @@ import pytest
 from tinyvllm import platform
 from tinyvllm.hardware import AMX_BF16_FLAGS, AVX2_FLAGS, AVX512_VNNI_FLAGS, kind_of
 
+pytestmark = pytest.mark.kinds   # paths the platform chooses by CPU kind (make test-kinds)
+
 REPO = Path(__file__).resolve().parents[1]
 KIND_NAMES = set(platform.KINDS) - {"other"}   # "other" is also an ordinary word
 

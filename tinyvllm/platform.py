@@ -18,7 +18,7 @@ kernel (`Platform.has`) and answering every rule as that kind. `make test-kinds`
 kind-keyed tests once per kind this machine can act as (`acting_kinds`).
 
     python -m tinyvllm.platform                    # this machine's kind, the kinds it can act as, every rule
-    python -m tinyvllm.platform --acting-kinds     # just the kinds it can act as
+    python -m tinyvllm.platform --acting-kinds     # just the kinds it can act as (--other-kinds: but its own)
 """
 
 from __future__ import annotations
@@ -287,5 +287,7 @@ if __name__ == "__main__":
 
     if sys.argv[1:] == ["--acting-kinds"]:   # make test-kinds: one name a line
         print("\n".join(acting_kinds()))
+    elif sys.argv[1:] == ["--other-kinds"]:  # CI, after `make test` ran this CPU's own kind
+        print("\n".join(k for k in acting_kinds() if k != native_kind()))
     else:
         print(current().describe())

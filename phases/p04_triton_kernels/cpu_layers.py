@@ -183,15 +183,16 @@ class CpuLinear(Linear):
         return min(rows, self.bf16_rows - 1) if self.bf16_rows else rows
 
     def gemv_max_rows(self) -> int:
-        """Up to how many rows `forward` runs cpu_gemv.c (0: never). Whether it can run on the
-        weight is kept on the weight, asked again when its memory or dtype changes (`.half()`
-        keeps the Parameter): a few microseconds a call less."""
+        """Up to how many rows `forward` runs cpu_gemv.c (0: never), fewer where the bfloat16
+        products start sooner (`own_rows`). Whether it can run on the weight is kept on the
+        weight, asked again when its memory or dtype changes (`.half()` keeps the Parameter): a
+        few microseconds a call less."""
         w = self.weight
         key, cached = (w.data_ptr(), w.dtype), getattr(w, "_gemv_ok", None)
         if cached is None or cached[0] != key:
             cached = w._gemv_ok = (key, w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous()
                                    and GEMV.available())
-        return self.gemv_rows if cached[1] else 0
+        return self.own_rows(self.gemv_rows) if cached[1] else 0
 
     def amx_max_rows(self) -> int:
         """Up to how many rows a bfloat16 product on this weight runs on cpu_amx.c (0: not here)."""

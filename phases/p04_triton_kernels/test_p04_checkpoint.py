@@ -42,6 +42,8 @@ from phases.p04_triton_kernels.tools.kernel_cases import (
 from tinyvllm import LLM, SamplingParams, platform
 from tinyvllm.ckernel import CKernel
 
+pytestmark = pytest.mark.kinds   # paths the platform chooses by CPU kind (make test-kinds)
+
 
 @pytest.mark.parametrize("batch", [MIXED, DECODES, [("bs+3", "bs+3")], [("2*bs+9", 8)], [("3*bs+9", 20)],
                                    [("40*bs+9", 5), ("bs+2", 1)]],

@@ -232,7 +232,8 @@ class QuantizedLinear(nn.Module):
           weight unpacked to float32 in C for PyTorch's float32 product. With that many rows the
           integer loop is bound by its multiply-adds, and the float32 product does more per cycle;
         - where none of them can be built: int8, fbgemm's int8 (W8A8, x in a coarse and a fine
-          int8 part); int4, PyTorch's int4 kernel at one row, dequantize-then-matmul from two on.
+          int8 part); int4, PyTorch's int4 kernel at one row (it packs outputs in sixteens: a
+          layer of another width takes the reference), dequantize-then-matmul from two on.
         """
         if self.kernel != "auto":
             return self.kernel
@@ -244,7 +245,7 @@ class QuantizedLinear(nn.Module):
             return "cpu_int8" if self.method == "int8" else "cpu_int4"
         if self.method == "int8":
             return "fbgemm_w8a8" if fbgemm_available() else ("int8pack_mm" if num_rows == 1 else "reference")
-        return "int4pack_mm" if num_rows == 1 else "reference"
+        return "int4pack_mm" if num_rows == 1 and self.out_features % 16 == 0 else "reference"
 
     def dequant_from_rows(self) -> int | None:
         """From how many rows "auto" takes `dequant_sgemm` on this CPU (None: never); with

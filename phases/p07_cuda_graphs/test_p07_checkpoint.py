@@ -65,6 +65,7 @@ def test_every_bucket_gives_eager_tokens(make_llm, tiny_model_dir, n):
     assert fast.llm_engine.runner.num_static_steps - before >= GREEDY.max_tokens - 1  # the decodes ran static
 
 
+@pytest.mark.kinds
 def test_quantized_model_runs_the_lean_forward(make_llm, tiny_model_dir):
     """int8 weights (phase 5): the projections are fused as quantized layers, the decode steps run
     `decode_forward`, and the tokens are enforce_eager's."""
@@ -248,6 +249,7 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir, kv_cache_
     assert runner.num_captures == len(engine.runner.capture_sizes) == len(runner.graphs)
 
 
+@pytest.mark.kinds
 @pytest.mark.parametrize("fixture,quantization", [("tiny_model_dir", None), ("tiny_model_dir_llama3", None),
                                                   ("tiny_model_dir", "int8"), ("tiny_model_dir", "int4"),
                                                   ("tiny_qwen3_dir", None), ("tiny_qwen2_dir", "int8")])
@@ -308,6 +310,7 @@ def test_fused_projections_are_bit_identical(request, monkeypatch, fixture, quan
                 assert torch.equal(model(ids, pos, NoCache()), decode_forward(fused, ids, pos, NoCache(), True))
 
 
+@pytest.mark.kinds
 def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, monkeypatch):
     """Where the fused MLP's products are oneDNN's bfloat16 ones (dtype="auto", a prompt's rows)
     and the platform's `bf16_mlp` rule is on, gate_up's output is left in bfloat16 and
@@ -345,6 +348,7 @@ def test_a_prompt_s_mlp_stays_in_bfloat16_between_its_products(tiny_model_dir, m
         assert torch.equal(mlp(x[:15]), f32[:15]) and asked == []
 
 
+@pytest.mark.kinds
 # -- the static step runs the attention the recipe chose ---------------------------------------
 
 @pytest.mark.parametrize("kwargs,expected", [

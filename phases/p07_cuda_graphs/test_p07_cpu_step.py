@@ -23,6 +23,8 @@ from phases.p07_cuda_graphs.cpu_step import STEP, CStep
 from phases.p07_cuda_graphs.fused import layer_row
 from tinyvllm import LLM, SamplingParams, platform
 
+pytestmark = pytest.mark.kinds   # paths the platform chooses by CPU kind (make test-kinds)
+
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
