@@ -40,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS_SECTION = "Notebooks"
 LAB_SECTION = "Lab notes"
 OPTIONAL_PAGES = ("benchmarks.md",)
-SOURCE_GLOBS = ("tinyvllm/*.py", "tinyvllm/*.c", "tinyvllm/entrypoints/*.py", "phases/*.py", "phases/*/*.py", "phases/*/tools/*.py", "phases/*/*.c", "phases/*/*.cpp", "tests/*.py",
+SOURCE_GLOBS = ("tinyvllm/*.py", "tinyvllm/*.c", "tinyvllm/layers/*.py", "tinyvllm/entrypoints/*.py", "phases/*.py", "phases/*/*.py", "phases/*/tools/*.py", "phases/*/*.c", "phases/*/*.cpp", "tests/*.py",
                 "conftest.py", "scripts/*.sh", "scripts/*.py", "Makefile", "pyproject.toml", "mkdocs.yml")
 LANGUAGES = {".py": "python", ".c": "c", ".cpp": "cpp", ".sh": "bash", ".toml": "toml", ".yml": "yaml", "Makefile": "make"}
 SOURCE_PREFIX = "source/"
