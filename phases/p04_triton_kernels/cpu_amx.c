@@ -2,8 +2,8 @@
  * after them, the SiLU and product of a prompt's bfloat16 MLP (silu_and_mul) and a prompt's
  * causal attention on the tiles (amx_attention).
  *
- * `dtype="auto"` runs a float32 model's products of many rows in bfloat16 (tinyvllm.model's
- * `BF16_PRODUCT_ROWS`). oneDNN does that on AMX tiles too, but at a decode step's few rows its
+ * `dtype="auto"` runs a float32 model's products of many rows in bfloat16 (the platform's
+ * `bf16_products_from_rows`). oneDNN does that on AMX tiles too, but at a decode step's few rows its
  * product is bound by reading the weights, and it reads them at about 10 GB/s on a 2-core Xeon
  * VM where the VM gives 17: this file reads them in one pass, in the order they lie.
  *
@@ -13,7 +13,7 @@
  * tiles (64 rows), A one tile loaded per C tile from the rows rounded to bfloat16, B one tile, so a
  * B tile of the weight is read once per step, for every row.
  *
- * The weight comes as bfloat16 B tiles, [N/16][K/32][16 pairs][16][2] (tinyvllm.model's
+ * The weight comes as bfloat16 B tiles, [N/16][K/32][16 pairs][16][2] (cpu_amx.py's
  * `amx_packed`: PyTorch's rounding, then a permute): an output block's tiles one after the other,
  * so a thread streams its share of the weight from start to end. amx_linear: y (M, N) = x (M, K) @ W^T (+ bias), float32 in and out, M <= 64 per
  * pass over the weight (more rows: another pass), N a multiple of 16, K of 32. A process must ask
@@ -162,7 +162,7 @@ static inline __m512 load_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
-/* vLLM's silu_and_mul for a prompt's MLP in bfloat16 (tinyvllm.model's `gated_mlp`): out (M, I) =
+/* vLLM's silu_and_mul for a prompt's MLP in bfloat16 (cpu_layers.py's `bf16_mlp`): out (M, I) =
  * silu(gate) * up, gate_up (M, 2I) = [gate, up] as oneDNN's product leaves it, bfloat16 in and
  * out, float32 inside and rounded once; I a multiple of 16. PyTorch's F.silu(gate) * up is two
  * passes over the rows, each rounding to bfloat16. */
@@ -229,7 +229,7 @@ void amx_pack_kv(const float *k, const float *v, int64_t kstride, int64_t vstrid
  *   O (16 x 64) = O * 2^(old max - new max) + P . V       four C tiles, V packed as B tiles
  * q: (T, heads, 64) float32, each block of 16 rounded to bfloat16 here (rows past T zero); kp:
  * each KV head's keys as [P/16][2][16 pairs of d][16 keys][2], vp: its values as [P/32][4][16
- * pairs of keys][16 of d][2], P = TK rounded up to 64, keys past TK zero (tinyvllm.model's
+ * pairs of keys][16 of d][2], P = TK rounded up to 64, keys past TK zero (cpu_amx.py's
  * `amx_attention` packs both, `amx_pack_kv`); out (T, heads, 64) float32. */
 #define QK(c) { _tile_loadd(6, kb + ((c) * 2) * 512, 64); _tile_dpbf16ps(c, 4, 6); \
                 _tile_loadd(7, kb + ((c) * 2 + 1) * 512, 64); _tile_dpbf16ps(c, 5, 7); }

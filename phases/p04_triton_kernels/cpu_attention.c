@@ -142,7 +142,7 @@ static void block_weighted_sum_any(float *o, const float *p, const float *v, int
         for (int64_t i = 0; i < d; i++) o[i] += p[t] * v[i];
 }
 
-/* FETCH_AHEAD (-DFETCH_AHEAD=1, cpu_attention.py's FETCH_AHEAD_KINDS): while a block is read, the
+/* FETCH_AHEAD (-DFETCH_AHEAD=1, the platform's `decode_fetch_ahead` rule): while a block is read, the
  * next one's lines (this head's d floats of each of its tokens) are asked of memory ahead. A block's
  * tokens lie in one place but the blocks of a sequence anywhere (the block table), so the CPU's own
  * prefetcher cannot guess the next; without this a task waits on memory at each block. */

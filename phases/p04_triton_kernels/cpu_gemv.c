@@ -1,4 +1,4 @@
-/* tinyvllm: the float32 product of a few rows (tinyvllm.model.Linear's), on an AVX2 CPU.
+/* tinyvllm: the float32 product of a few rows (cpu_layers.py's `CpuLinear`), on an AVX2 CPU.
  *
  *     y (M, O) = x (M, I) @ w (O, I)^T        M small (a decode batch), w float32 as stored
  *

@@ -49,7 +49,7 @@ void add_rms_norm(float *x, float *residual, const float *weight, float *out, in
     }
 }
 
-/* RoPE as tinyvllm.model's `apply_rotary` computes it (the rotate-half form of GPT-NeoX and Llama),
+/* RoPE as tinyvllm.layers' `apply_rotary` computes it (the rotate-half form of GPT-NeoX and Llama),
  * for one of q or k: out[n, h, j] = x[n, h, j] * cos[n, j] + r[j] * sin[n, j], r the head's
  * halves swapped and the first negated; each product rounded, then their sum, no FMA: PyTorch's
  * operators' numbers bit for bit, in one pass instead of seven. x: N rows of `heads` heads of d

@@ -320,7 +320,8 @@ class CompiledDecodeRunner(DecodeRunner):
 
     def run(self, bucket: int, buf: StaticDecodeBuffers | None = None) -> torch.Tensor:
         """The compiled decode on the first `bucket` rows of the buffers -> logits (bucket, V);
-        the eager one while the graphs are still being made; cpu_step.c's at the rows it serves
+        the eager one while the graphs are still being made, and for one row where no bucket of 1
+        was compiled (`cudagraph_capture_sizes` without 1); cpu_step.c's at the rows it serves
         (faster than a graph there: lab note 7). `buf`: the compile's own rows."""
         if buf is None and self.c_step and self.c_step.serves(bucket):
             return super().run(bucket)
@@ -328,6 +329,8 @@ class CompiledDecodeRunner(DecodeRunner):
             self.eager_steps += 1
             if self.eager_steps >= COMPILE_AFTER_STEPS:
                 self.due.set()
+            return super().run(bucket)
+        if buf is None and (bucket == 1) not in self.graphs:   # one row, and no bucket of 1 was compiled
             return super().run(bucket)
         b = self.buf if buf is None else buf
         # >>> exercise compiled_run (2 stars): Run the graph made for this bucket's shape on the first `bucket` rows of b, with this step's attention and the model's opaque layers in the thread's forward context while it runs.

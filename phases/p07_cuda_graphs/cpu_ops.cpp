@@ -11,9 +11,9 @@
  * and takes back after; a layer or a step these do not serve (another kernel, many rows, no
  * table) goes to the Python kernel, registered as the *_eager twin of each operator.
  *
- * A layer whose many rows multiply in bfloat16 (tinyvllm.model's `Linear.bf16_rows`) runs them
+ * A layer whose many rows multiply in bfloat16 (phase 4's `CpuLinear.bf16_rows`) runs them
  * here too, through oneDNN's operator on the weight's packed bfloat16 copy, or up to
- * AMX_PRODUCT_ROWS rows through tinyvllm/cpu_amx.c on its AMX copy where that runs (use_packed
+ * amx_product_max_rows rows through phase 4's cpu_amx.c on its AMX copy where that runs (use_packed
  * hands them over with the step), as `onednn_matmul` does from Python.
  *
  * Built by tinyvllm.ckernel with PyTorch's headers (about 15 s, once per machine). */
@@ -26,16 +26,16 @@
 #include <cmath>
 #include <vector>
 
-/* phase 5 (cpu_int8.c), phase 4 (cpu_attention.c) and tinyvllm/cpu_gemv.c: their C signatures */
+/* phase 5 (cpu_int8.c), phase 4 (cpu_attention.c) and phase 4's cpu_gemv.c: their C signatures */
 using Int4Fn = void (*)(const float *, const uint8_t *, const void *, const void *, float *, int8_t *,
                         float *, float *, int64_t, int64_t, int64_t, int64_t);
 using Int8Fn = void (*)(const float *, const int8_t *, const float *, float *, int16_t *, float *, int64_t,
                         int64_t, int64_t);
-using F32Fn = void (*)(const float *, const float *, float *, int64_t, int64_t, int64_t);  /* tinyvllm/cpu_gemv.c */
+using F32Fn = void (*)(const float *, const float *, float *, int64_t, int64_t, int64_t);  /* phase 4's cpu_gemv.c */
 using LosslessFn = void (*)(const float *, const uint8_t *, const float *, const float *, float *, int64_t, int64_t,
                            int64_t, int64_t);  /* phase 5's cpu_lossless.c */
 using AmxFn = void (*)(const float *, const uint16_t *, const float *, float *, uint16_t *, int64_t, int64_t,
-                      int64_t);  /* tinyvllm/cpu_amx.c */
+                      int64_t);  /* phase 4's cpu_amx.c */
 using AttentionFn = void (*)(const float *, const float *, const float *, float *, float *, const int64_t *,
                              const int64_t *, const int64_t *, float *, float *, int64_t, int64_t, int64_t,
                              int64_t, int64_t, int64_t, int64_t, float);
@@ -154,7 +154,7 @@ at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_feature
         return bf16_product(x, packed[index], (const float *)e[BIAS], O);
     y = at::empty({M, O}, x.options());
     float *out = y.data_ptr<float>();
-    if (e[BITS] == 32) { /* float32: tinyvllm/cpu_gemv.c, as tinyvllm.model.Linear runs it */
+    if (e[BITS] == 32) { /* float32: phase 4's cpu_gemv.c, as CpuLinear runs it */
         reinterpret_cast<F32Fn>(e[FN])(x.data_ptr<float>(), (const float *)e[WEIGHT], out, M, O, I);
     } else if (e[BITS] == 1) {  /* float32 from its 4- or 8-bit codes: no scratch */
         reinterpret_cast<LosslessFn>(e[FN])(x.data_ptr<float>(), (const uint8_t *)e[WEIGHT], (const float *)e[SCALE],

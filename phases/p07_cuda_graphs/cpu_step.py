@@ -1,4 +1,4 @@
-"""A decode step's decoder layers in one C call (cpu_step.c), on an AVX2 CPU: `CStep`.
+"""A decode step's decoder layers in one C call (cpu_step.c): `CStep`.
 
 An eager decode step on a CPU spends a third of its time between the kernels: each of the 592
 PyTorch operator calls and 211 ctypes calls of `decode_forward` at batch 1 on the default model
@@ -10,7 +10,7 @@ written as a C loop over the layers, the way llama.cpp runs a model, calling the
 eager step calls by their addresses.
 
 What each product's kernel is, the caller says, as a row of ten integers per layer
-(`row_of(module)`: phase 7's `layer_row`, the same rows its compiled step's C++ operators
+(`row_of(module)`: fused.py's `layer_row`, the same rows the compiled step's C++ operators
 read), and so for the attention (phase 4's `attention_row`, a step's). The embedding, the
 rotary table and the LM head stay in PyTorch: once a step each.
 """

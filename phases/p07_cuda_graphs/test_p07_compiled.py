@@ -222,6 +222,20 @@ def test_buckets_above_one_share_a_graph_dynamic_from_its_first_compile(tiny_mod
 
 
 @pytest.mark.kinds
+def test_one_row_without_a_graph_of_one_runs_eagerly(tiny_model_dir, platform_rules):
+    """Buckets without 1 (`cudagraph_capture_sizes=[8]`) compile only the graph of many rows; a
+    step of one row there, where cpu_step.c does not take it (a kind without it: here its rule
+    off), runs the eager step and gives its tokens."""
+    platform_rules(c_step=False)
+    llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, compilation_mode=1, cudagraph_capture_sizes=[8])
+    runner = llm.llm_engine.runner.decode_runner
+    eager = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, enforce_eager=True)
+    assert runner.c_step is None and set(runner.graphs) == {False}
+    assert tokens(llm, PROMPTS[:1]) == tokens(eager, PROMPTS[:1])        # one row at every step
+    assert tokens(llm, PROMPTS) == tokens(eager, PROMPTS) and runner.shapes_seen == {False}
+
+
+@pytest.mark.kinds
 @pytest.mark.parametrize("batch_invariant,dtype", [(False, "float32"), (True, "float32"), (False, "bfloat16")])
 def test_layers_are_opaque_where_a_product_of_their_own_serves_them(make_llm, tiny_model_dir, batch_invariant, dtype):
     """`make_opaque` wraps each float32 `CpuLinear` that runs tinyvllm's own product (cpu_gemv.c:

@@ -42,7 +42,7 @@ def time_linears(linears: list, rows: int, fn, repeat: int) -> float:
 def lossless_layers(linears: list) -> dict:
     """For each weight that lies exactly on 4- or 8-bit codes (phase 5's `lossless_codes`), a
     `LosslessLinear` of it that reads them at any row count, by the layer's id."""
-    from phases.p05_quantization.lossless import LosslessLinear, lossless_codes
+    from phases.p05_quantization import LosslessLinear, lossless_codes
 
     layers = {}
     for m in linears:
