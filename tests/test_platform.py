@@ -152,8 +152,17 @@ def test_using_another_platform_is_undone_after_the_block():
         before.with_rules(gemv_rows=3)
 
 
-def test_the_platform_prints_its_rules():
-    out = subprocess.run([sys.executable, "-m", "tinyvllm.platform"], capture_output=True, text=True, cwd=REPO,
-                         env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0 and f"kind: {platform.current().kind}" in out.stdout
-    assert all(f"  {name} = " in out.stdout for name in platform.RULES)
+def test_the_platform_prints_its_rules_and_the_kinds_make_test_kinds_runs():
+    """`python -m tinyvllm.platform` prints every rule on this kind; `--acting-kinds` and
+    `--other-kinds` (CI's: all but this CPU's own) print the kinds on one line, as a make variable
+    and a shell loop take them."""
+    def run(*args):
+        out = subprocess.run([sys.executable, "-m", "tinyvllm.platform", *args], capture_output=True, text=True,
+                             cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+    rules = run()
+    assert f"kind: {platform.current().kind}" in rules
+    assert all(f"  {name} = " in rules for name in platform.RULES)
+    assert run("--acting-kinds") == " ".join(platform.acting_kinds()) + "\n"
+    assert run("--other-kinds") == " ".join(k for k in platform.acting_kinds() if k != platform.native_kind()) + "\n"

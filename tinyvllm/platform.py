@@ -285,9 +285,9 @@ def using(platform: Platform):
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:] == ["--acting-kinds"]:   # make test-kinds: one name a line
-        print("\n".join(acting_kinds()))
+    if sys.argv[1:] == ["--acting-kinds"]:   # make test-kinds: the names on one line
+        print(" ".join(acting_kinds()))
     elif sys.argv[1:] == ["--other-kinds"]:  # CI, after `make test` ran this CPU's own kind
-        print("\n".join(k for k in acting_kinds() if k != native_kind()))
+        print(" ".join(k for k in acting_kinds() if k != native_kind()))
     else:
         print(current().describe())
