@@ -98,7 +98,7 @@ def test_the_server_answers_a_failed_step_with_an_error_and_goes_on(engine):
     ae = AsyncEngine(engine)
     app = build_app(ae, "tiny")
     rids = iter(["boom", "ok-1", "boom", "ok-2"])
-    import tinyvllm.entrypoints.server.app as app_module
+    import tinyvllm.entrypoints.server.serving_completion as app_module   # where the routes name requests
 
     class _Ids:  # the app names its requests from uuid4: give them the names above, in order
         def __init__(self):

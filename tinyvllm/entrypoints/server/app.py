@@ -16,7 +16,6 @@ from __future__ import annotations
 import hmac
 import json
 import re
-import uuid  # noqa: F401 -- tests/test_engine_failures.py names requests through `app.uuid.uuid4`
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
