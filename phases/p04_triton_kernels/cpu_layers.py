@@ -314,7 +314,8 @@ class CpuRMSNorm(RMSNorm):
         return new
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if not torch.is_grad_enabled() and (fused := fused_add_rms_norm(x, residual, self, torch.empty_like(x))):
+        if x.dim() == 2 and not torch.is_grad_enabled() and (  # (N, D) rows; a head's q or k norm (N, H, d) is PyTorch's
+                fused := fused_add_rms_norm(x, residual, self, torch.empty_like(x))):
             return fused[0] if residual is None else fused
         return super().forward(x, residual)
 
