@@ -31,7 +31,7 @@ ASKING_VALUES: dict = {
     "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29600,
     "disable_log_stats": False,
 }
-NO_ASKING_VALUE = {"enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"}
+NO_ASKING_VALUE = {"enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "check_kernels"}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = {"prompt_token_ids": [5, 6, 7, 8]}
 
@@ -46,8 +46,9 @@ def test_every_engine_argument_has_a_test_value():
     for name, value in ASKING_VALUES.items():
         EngineConfig.from_kwargs(**{name: value})  # valid
         assert value != defaults[name] and value not in NEUTRAL_ENGINE_ARG_VALUES.get(name, ()), name
-    for name in NO_ASKING_VALUE:
-        assert isinstance(defaults[name], bool) and not defaults[name] in NEUTRAL_ENGINE_ARG_VALUES[name]
+    for name in NO_ASKING_VALUE:   # a switch: each value the default or neutral, and the default not neutral
+        assert all(v == defaults[name] or v in NEUTRAL_ENGINE_ARG_VALUES[name] for v in (True, False)), name
+        assert defaults[name] not in NEUTRAL_ENGINE_ARG_VALUES[name], name
 
 
 @pytest.fixture(scope="module")

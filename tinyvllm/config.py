@@ -171,6 +171,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
+    # phase 2 on: checked mode, each step's block ids, slots and rows checked against the KV pool
+    # and the batch before a hand-written kernel indexes them (None: the platform's default, on a
+    # CPU on; $TINYVLLM_CHECK_KERNELS=0 or 1, when set, stands for an unset check_kernels)
+    check_kernels: bool | None = None
     # phase 3: continuous batching
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
@@ -234,6 +238,8 @@ class EngineConfig:
                      "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.check_kernels is not None and not isinstance(self.check_kernels, bool):
+            raise TypeError(f"check_kernels must be a bool or None, got {self.check_kernels!r}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("quantization_group_size", self.quantization_group_size, (None, *QUANTIZATION_GROUP_SIZES))
@@ -276,6 +282,7 @@ NEUTRAL_ENGINE_ARG_VALUES: dict[str, tuple] = {
     "enable_prefix_caching": (False,),
     "enable_chunked_prefill": (False,),
     "attention_backend": ("torch",),
+    "check_kernels": (True, False),   # phase 1 has no kernel that indexes a pool: checked either way
 }
 
 

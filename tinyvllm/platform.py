@@ -210,6 +210,17 @@ def compile_default(device_type: str) -> str | None:
     return "start" if mode == 1 else "background"
 
 
+def check_kernels_default(check_kernels: bool | None, device_type: str) -> bool:
+    """Whether the engine runs in checked mode (`check_kernels`; phase 2's `check_metadata`): as
+    asked, else $TINYVLLM_CHECK_KERNELS (0 or 1) where set, else on a CPU, where the checks were
+    measured at a few percent of a decode step at most (`tinyvllm bench checks`), and off on a
+    GPU, where they are not measured and each reads a flag back from the device."""
+    if check_kernels is not None:
+        return check_kernels
+    switch = env_switch("TINYVLLM_CHECK_KERNELS")
+    return bool(switch) if switch is not None else device_type == "cpu"
+
+
 def env_switch(name: str) -> int | None:
     """A 0/1 environment switch (None: unset); anything else is refused by name."""
     value = os.environ.get(name, "")

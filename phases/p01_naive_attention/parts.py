@@ -64,6 +64,7 @@ class EngineSetup:
     tensor_parallel_rank: int = 0   # which of several processes running one model this one is
     bf16_rows: int = 0              # dtype="auto" on this CPU: float32 products from this many rows in
                                     # bfloat16 (0: never), where a phase's products do (phase 4 on)
+    check_kernels: bool = True      # checked mode (phase 2 on: `check_kernels`, as the platform resolves it)
 
     @classmethod
     def create(cls, model: str | Path | None, engine_args: dict, tensor_parallel_rank: int = 0) -> "EngineSetup":
@@ -81,7 +82,8 @@ class EngineSetup:
         return cls(config, dict(engine_args), model_path, model_config, device,
                    platform.resolve_dtype(config.dtype, device), max_model_len, tokenizer,
                    eos_token_ids(model_path, model_config, tokenizer), tensor_parallel_rank,
-                   machine.bf16_product_rows(config.dtype, device.type, config.tensor_parallel_size))
+                   machine.bf16_product_rows(config.dtype, device.type, config.tensor_parallel_size),
+                   platform.check_kernels_default(config.check_kernels, device.type))
 
 
 def eos_token_ids(folder: Path, config: ModelConfig, tokenizer: Tokenizer) -> frozenset[int]:

@@ -6,6 +6,7 @@ from .model_runner import ModelInputs, ModelRunner
 from .paged_attention import (
            AttentionMetadata,
            PagedAttention,
+           check_metadata,
            decode_attention,
            decode_gather,
            paged_attention,
@@ -15,4 +16,4 @@ from .scheduler import KVUsage, StaticBatchScheduler, check_fits_pool
 
 __all__ = ["RECIPE", "BlockAllocator", "BlockTable", "KVCache", "KVUsage", "ModelRunner", "ModelInputs",
            "AttentionMetadata", "PagedAttention", "StaticBatchScheduler", "check_fits_pool",
-           "paged_attention", "decode_attention", "decode_gather"]
+           "check_metadata", "paged_attention", "decode_attention", "decode_gather"]

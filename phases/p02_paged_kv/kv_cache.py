@@ -80,7 +80,11 @@ def zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor
 
 
 class KVCache:
-    """K and V for every slot of every layer."""
+    """K and V for every slot of every layer. `checked`: each step's attention part checks the
+    step's metadata against this pool before a kernel indexes it (`check_metadata`; the engine's
+    `check_kernels`)."""
+
+    checked = True
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):

@@ -150,11 +150,77 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out[:, :, 0]
 
 
+def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, part: str = "attention") -> None:
+    """Checked mode: refuse a step whose metadata would make attention read or write outside the
+    KV pool, or inside another sequence's blocks, before any kernel sees it. A kernel written in C
+    (phases 3, 4 and 7) indexes the pool with whatever it is handed, so a bookkeeping slip in the
+    scheduler, the allocator or a persistent batch would corrupt memory (or the tokens) instead
+    of failing. Every sequence row b must have at least one query, at least as many tokens as
+    queries, a block table as long as its length needs, and in those columns block ids of the
+    pool, [0, num_blocks); every token t must write the slot of its own position in its own
+    blocks, and the longest lengths must bound the rows' (a kernel sizes its buffers by them).
+    Raises a ValueError naming `part`, the row or token and the bad value. Tensor work, and one
+    read of a bool from the device: tens of microseconds a step (`tinyvllm bench` reports it)."""
+    starts, lens, tables, slots = (meta.query_start_loc_tensor, meta.seq_lens_tensor, meta.block_tables,
+                                   meta.slot_mapping)
+    for name, t in (("slot_mapping", slots), ("block_tables", tables), ("seq_lens", lens),
+                    ("query_start_loc", starts), ("decode_seq_lens", meta.decode_seq_lens)):
+        if t.dtype != torch.int64:
+            raise ValueError(f"{part}: {name} must be int64 (the kernels read 8-byte ids), got {t.dtype}")
+    rows, cols, n = tables.shape[0], tables.shape[1], meta.query_start_loc[-1]
+    if lens.shape != (rows,) or starts.shape != (rows + 1,) or slots.shape != (n,):
+        raise ValueError(f"{part}: {rows} rows of block tables, but seq_lens {tuple(lens.shape)}, query_start_loc "
+                         f"{tuple(starts.shape)} and slot_mapping {tuple(slots.shape)} for {n} tokens")
+    queries = starts[1:] - starts[:-1]                                   # (B,)
+    need = (lens + block_size - 1) // block_size                         # blocks each row reads
+    used = torch.arange(cols, device=tables.device) < need[:, None]      # (B, M)
+    # every token's position, and the slot it must write: in its own row's blocks
+    row = torch.repeat_interleave(torch.arange(rows, device=lens.device), queries.clamp(min=0), output_size=n)
+    pos = lens[row] - (starts[row + 1] - torch.arange(n, device=lens.device))
+    own = tables[row, (pos // block_size).clamp(0, max(cols - 1, 0))] * block_size + pos % block_size
+    bad = ((queries < 1).any() | (lens < queries).any() | (need > cols).any()
+           | (used & ((tables < 0) | (tables >= num_blocks))).any() | (own != slots).any()
+           | (lens > meta.max_seq_len).any() | (meta.decode_seq_lens > meta.max_decode_seq_len).any())
+    if bool(bad):
+        raise ValueError(f"{part}: {_metadata_fault(meta, num_blocks, block_size)}")
+
+
+def _metadata_fault(meta: AttentionMetadata, num_blocks: int, block_size: int) -> str:
+    """What `check_metadata` found wrong, in words: the first row or token at fault (host loops:
+    only on the way to an error)."""
+    starts, lens, tables = meta.query_start_loc, meta.seq_lens_tensor.tolist(), meta.block_tables.tolist()
+    slots = meta.slot_mapping.tolist()
+    for b, seq_len in enumerate(lens):
+        q = starts[b + 1] - starts[b]
+        need = -(-seq_len // block_size)
+        if q < 1 or seq_len < q:
+            return f"sequence row {b} has {q} queries and a length of {seq_len} tokens (needs 1 <= queries <= length)"
+        if need > len(tables[b]):
+            return (f"sequence row {b} of {seq_len} tokens needs {need} blocks, but its block table has "
+                    f"{len(tables[b])} columns")
+        for j, block in enumerate(tables[b][:need]):
+            if not 0 <= block < num_blocks:
+                return f"sequence row {b}, block {j}: block id {block} is outside the pool of {num_blocks} blocks"
+        for t in range(starts[b], starts[b + 1]):
+            p = seq_len - (starts[b + 1] - t)
+            own = tables[b][p // block_size] * block_size + p % block_size
+            if slots[t] != own:
+                return (f"token {t} (sequence row {b}, position {p}) writes slot {slots[t]}, but its own slot "
+                        f"is {own} (block {tables[b][p // block_size]}, offset {p % block_size})")
+        if seq_len > meta.max_seq_len:
+            return f"sequence row {b} has {seq_len} tokens, more than max_seq_len={meta.max_seq_len}"
+    longest = int(meta.decode_seq_lens.max())
+    return f"a decode row has {longest} tokens, more than max_decode_seq_len={meta.max_decode_seq_len}"
+
+
 class PagedAttention:
-    """The attention backend for a step: write this step's K/V, then attend over the cache."""
+    """The attention backend for a step: write this step's K/V, then attend over the cache. Where
+    the pool is checked (`KVCache.checked`), the step's metadata is checked against it first."""
 
     def __init__(self, cache: KVCache, meta: AttentionMetadata):
         self.cache, self.meta = cache, meta
+        if cache.checked and not (meta.slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing()):
+            check_metadata(meta, cache.num_blocks, cache.block_size, type(self).__name__)
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)

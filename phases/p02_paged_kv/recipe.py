@@ -28,7 +28,9 @@ def make_kv_cache(setup: EngineSetup, parts: Parts) -> KVCache:
     """The KV pool: as many blocks as the memory budget holds (`num_kv_blocks`)."""
     c = setup.config
     blocks = num_kv_blocks(c, setup.model_config, setup.max_model_len, setup.dtype, setup.device)
-    return KVCache(setup.model_config, blocks, c.block_size, setup.dtype, setup.device)
+    cache = KVCache(setup.model_config, blocks, c.block_size, setup.dtype, setup.device)
+    cache.checked = setup.check_kernels   # checked mode: each step's metadata checked against the pool
+    return cache
 
 
 def make_allocator(setup: EngineSetup, parts: Parts) -> BlockAllocator:
@@ -50,7 +52,8 @@ def make_scheduler(setup: EngineSetup, parts: Parts) -> StaticBatchScheduler:
 
 RECIPE = PHASE1.extend(
     phase=2,
-    engine_args={"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs"},
+    engine_args={"block_size", "num_kv_blocks", "kv_cache_memory", "gpu_memory_utilization", "max_num_seqs",
+                 "check_kernels"},
     kv_cache=make_kv_cache, allocator=make_allocator, attention=make_attention, runner=make_runner,
     scheduler=make_scheduler,
 )

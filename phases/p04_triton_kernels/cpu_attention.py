@@ -260,7 +260,7 @@ class CpuPagedAttention(PagedAttention):
     c_prefill, bf16_prefill: `cpu_paged_attention`'s, chosen when the recipe builds the part."""
 
     def __init__(self, cache, meta: AttentionMetadata, c_prefill: bool = True, bf16_prefill: bool = False):
-        self.cache, self.meta = cache, meta                                  # (phase 2's)
+        super().__init__(cache, meta)                                        # (phase 2's: checked mode too)
         self.c_prefill, self.bf16_prefill = c_prefill, bf16_prefill
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -338,7 +338,8 @@ def test_decode_step_in_c_equals_phase2(bs, d, group, kvh, columns):
     k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
     caches = []
     for _ in range(2):
-        cache = types.SimpleNamespace(kv=torch.stack((k_cache, v_cache))[None].clone())
+        cache = types.SimpleNamespace(kv=torch.stack((k_cache, v_cache))[None].clone(), checked=True,
+                                      num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
         cache.layer = lambda i, c=cache: (c.kv[i, 0], c.kv[i, 1])
         cache.write = types.MethodType(KVCache.write, cache)
         caches.append(cache)
@@ -442,7 +443,9 @@ def test_triton_backend_needs_power_of_two_blocks(block_size):
 def test_triton_backend_metadata_once_per_step(tiny_model_dir, make_llm):
     engine = make_llm(tiny_model_dir, 4).llm_engine
     from phases.p02_paged_kv import AttentionMetadata
-    meta = AttentionMetadata.build(list(range(7)), [1, 4, 2], [9, 4, 20], [[0], [1], [2, 3]], engine.device)
+    bs = engine.kv_cache.block_size   # each token's slot: its position in its own blocks
+    slots = [8] + [bs + p for p in range(4)] + [3 * bs + 18 - bs, 3 * bs + 19 - bs]
+    meta = AttentionMetadata.build(slots, [1, 4, 2], [9, 4, 20], [[0], [1], [2, 3]], engine.device)
     backend = TritonPagedAttention(engine.kv_cache, meta)  # made by the engine once per step
     assert backend.query_start_loc.tolist() == [0, 1, 5, 7] and backend.query_start_loc.dtype == torch.int32
     assert (backend.max_query_len, backend.max_seq_len) == (4, 20)

@@ -67,7 +67,9 @@ def make_kv_cache(setup: EngineSetup, parts: Parts):
         return PHASE4.kv_cache(setup, parts)
     per_block = quantized_bytes_per_block(setup.model_config, c.block_size)
     blocks = num_kv_blocks(c, setup.model_config, setup.max_model_len, setup.dtype, setup.device, per_block)
-    return QuantizedKVCache(setup.model_config, blocks, c.block_size, setup.dtype, setup.device, c.kv_cache_dtype)
+    cache = QuantizedKVCache(setup.model_config, blocks, c.block_size, setup.dtype, setup.device, c.kv_cache_dtype)
+    cache.checked = setup.check_kernels   # checked mode (phase 2's make_kv_cache)
+    return cache
 
 
 def make_attention(setup: EngineSetup, parts: Parts):

@@ -26,7 +26,7 @@ from functools import partial
 
 import torch
 
-from phases.p02_paged_kv import AttentionMetadata
+from phases.p02_paged_kv import AttentionMetadata, check_metadata
 from phases.p04_triton_kernels.cpu_attention import attention_row
 from tinyvllm import platform
 
@@ -147,10 +147,11 @@ class CudaGraphDecodeRunner(DecodeRunner):
     """One CUDA graph per bucket, captured at its first use after a warm-up run, all sharing one
     memory pool; a replay reads the static buffers and writes `outputs[bucket]`."""
 
-    def __init__(self, model, buffers: StaticDecodeBuffers, attention):
+    def __init__(self, model, buffers: StaticDecodeBuffers, attention, kv_cache=None):
         super().__init__(model, buffers, attention, fixed_shapes=True)
         self.graphs, self.outputs = {}, {}   # bucket -> its torch.cuda.CUDAGraph, its output tensor
         self.pool, self.num_captures = None, 0
+        self.kv_cache = kv_cache   # where checked (`KVCache.checked`): each replay's buffers checked first
 
     def capture(self, bucket: int) -> None:
         stream = torch.cuda.Stream()
@@ -167,5 +168,8 @@ class CudaGraphDecodeRunner(DecodeRunner):
     def run(self, bucket: int) -> torch.Tensor:
         if bucket not in self.graphs:
             self.capture(bucket)
+        if self.kv_cache is not None and self.kv_cache.checked:   # the buffers as filled, not in the graph
+            check_metadata(self.buf.metadata(bucket, fixed_shapes=True), self.kv_cache.num_blocks,
+                           self.kv_cache.block_size, "StaticDecodeBuffers")
         self.graphs[bucket].replay()
         return self.outputs[bucket]

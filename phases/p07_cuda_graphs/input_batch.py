@@ -120,6 +120,27 @@ class InputBatch:
         self.num_computed[r] = seq.num_computed_tokens
         # <<< exercise update_row
 
+    def check(self, seqs: list[Sequence], rows: list[int]) -> None:
+        """Checked mode, after `sync(seqs)` gave `rows`: the batch holds exactly `seqs`, each in its
+        row, with its counts, its blocks and the token it feeds next, before any of it reaches a
+        kernel. A slip in remove or update (a moved request left under its old row, a block not
+        copied) is a ValueError naming the request and the row, not a wrong block read in C."""
+        n = self.num_reqs
+        if (n, len(self.row_of), sorted(rows)) != (len(seqs), len(seqs), list(range(len(seqs)))):
+            raise ValueError(f"InputBatch: {len(seqs)} requests this step, but the batch has {n} rows, "
+                             f"row_of names {len(self.row_of)} requests and sync gave the rows {rows}")
+        counts = zip(self.num_tokens.tolist(), self.num_computed.tolist(), self.num_blocks.tolist())
+        for r, seq, (tokens, computed, nb) in zip(range(n), self.seqs, counts):
+            ids = [] if seq is None or seq.block_table is None else seq.block_table.block_ids
+            have = (self.row_of.get(getattr(seq, "seq_id", None)), tokens, computed, self.block_table[r, :nb].tolist(),
+                    int(self.token_ids[r, computed]) if computed < tokens else None)
+            want = None if seq is None else (r, seq.num_tokens, seq.num_computed_tokens, ids, seq.token_ids[
+                seq.num_computed_tokens] if seq.num_computed_tokens < seq.num_tokens else None)
+            if have != want:
+                raise ValueError(f"InputBatch: row {r} holds seq {getattr(seq, 'seq_id', None)}, whose (row in "
+                                 f"row_of, tokens, computed, blocks, next token) are {want}, but the row has {have} "
+                                 f"(after a remove, does the request moved into the freed row have its new row?)")
+
     def sync(self, seqs: list[Sequence]) -> list[int]:
         """Make the batch hold exactly `seqs` (this step's requests): remove the rows of those
         that left, add the new ones, update the others. Returns each seq's row, in order."""

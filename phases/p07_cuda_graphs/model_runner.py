@@ -28,9 +28,10 @@ class StaticModelRunner:
     """The model runner for decode-only steps; `inner` (the phase before's) runs the others."""
 
     def __init__(self, inner, input_batch: InputBatch, buffers: StaticDecodeBuffers, decode_runner,
-                 capture_sizes: list[int]):
+                 capture_sizes: list[int], checked: bool = False):
         self.inner, self.input_batch, self.buffers = inner, input_batch, buffers
         self.decode_runner, self.capture_sizes = decode_runner, capture_sizes
+        self.checked = checked                 # checked mode: the persistent batch checked each step
         self.num_static_steps = 0              # steps run on the static buffers (for tests)
 
     def is_static_decode(self, plan: SchedulerOutput) -> bool:
@@ -46,6 +47,8 @@ class StaticModelRunner:
         seqs = [seq for seq, _ in plan.scheduled]
         ib = self.input_batch
         rows, n = ib.sync(seqs), ib.num_reqs      # each sequence's row, in the plan's order; how many rows
+        if self.checked:
+            ib.check(seqs, rows)
         bucket = bucket_for(n, self.capture_sizes) if self.decode_runner.fixed_shapes else n   # a graph's shape
         in_rows = [seq for _, seq in sorted(zip(rows, seqs), key=lambda pair: pair[0])]   # in the logits' order
         sampling = SamplingTensors(ib.temperature[:n], ib.top_k[:n], ib.top_p[:n], ib.min_p[:n], ib.generators[:n])

@@ -102,7 +102,7 @@ def make_decode_runner(setup: EngineSetup, parts: Parts, buffers: StaticDecodeBu
     `compilation_mode=1`) or eagerly (`compilation_mode=0`)."""
     attention = parts.attention
     if setup.device.type == "cuda" and getattr(attention, "func", None) not in NOT_CAPTURABLE:
-        return CudaGraphDecodeRunner(parts.model, buffers, attention)
+        return CudaGraphDecodeRunner(parts.model, buffers, attention, parts.kv_cache)
     when = compile_when(setup)
     if when:
         return CompiledDecodeRunner(parts.model, buffers, attention, capture_sizes(setup),
@@ -118,7 +118,8 @@ def make_runner(setup: EngineSetup, parts: Parts):
     max_blocks = cdiv(setup.max_model_len, c.block_size)
     input_batch = InputBatch(c.max_num_seqs, setup.max_model_len, max_blocks, setup.model_config.vocab_size)
     buffers = StaticDecodeBuffers(sizes[-1], max_blocks, c.block_size, parts.kv_cache.num_blocks - 1, setup.device)
-    return StaticModelRunner(inner, input_batch, buffers, make_decode_runner(setup, parts, buffers), sizes)
+    return StaticModelRunner(inner, input_batch, buffers, make_decode_runner(setup, parts, buffers), sizes,
+                             checked=setup.check_kernels)
 
 
 RECIPE = PHASE6.extend(

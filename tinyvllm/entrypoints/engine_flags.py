@@ -25,6 +25,9 @@ ENGINE_ARG_HELP = {
     "device": "'cpu', 'cuda[:N]' or 'auto' (default)",
     "max_model_len": "context length limit (default: the model's)",
     "block_size": "tokens per KV-cache block (phase 2 on; default 16)",
+    "check_kernels": "checked mode: each step's block ids, slots and rows checked before a C kernel "
+                     "indexes them, a bad batch refused with an error (phase 2 on; default: on a "
+                     "CPU, $TINYVLLM_CHECK_KERNELS=0/1 when set); --no-check-kernels turns it off",
     "num_kv_blocks": "KV-cache blocks in the pool, exactly (phase 2 on)",
     "kv_cache_memory": "bytes for the KV cache (phase 2 on)",
     "gpu_memory_utilization": "fraction of GPU memory for weights and KV cache (phase 2 on)",
@@ -82,7 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         default = f.default if f.default is not MISSING else None
         flag, kwargs = engine_flag(f.name, default)
-        if "action" not in kwargs and "list" in str(f.type):
+        if "action" not in kwargs and str(f.type) == "bool | None":   # --name, and --no-name
+            kwargs.update(action=argparse.BooleanOptionalAction)
+        elif "action" not in kwargs and "list" in str(f.type):
             kwargs.update(type=int, nargs="+", metavar="N")
         elif "action" not in kwargs:
             kwargs.update(type=_field_type(f.type), metavar=f.name.upper())
