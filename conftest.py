@@ -164,6 +164,37 @@ def platform_rules():
         yield lambda **values: stack.enter_context(platform.using(platform.current().with_rules(**values)))
 
 
+# Checked mode's faults (phase 2's check_metadata): one decode step of two sequences over a pool
+# of 8 blocks of 4 slots (row 0: 6 tokens in blocks 2, 5; row 1: 3 tokens in block 7), with one
+# bookkeeping slip each, and what the error says about it
+BAD_STEPS = {
+    "block id past the pool": (lambda m: m.block_tables[0].__setitem__(1, 8), r"row 0, block 1: block id 8 is outside"),
+    "slot of another sequence": (lambda m: m.slot_mapping.__setitem__(1, 21), r"token 1 .*writes slot 21, but its own slot is 30"),
+    "table shorter than the length": (lambda m: m.seq_lens_tensor.__setitem__(0, 9), r"row 0 of 9 tokens needs 3 blocks"),
+    "more rows of lengths than of tables": (lambda m: setattr(m, "seq_lens_tensor", torch.tensor([6, 3, 5])),
+                                            r"2 rows of block tables, but seq_lens \(3,\)"),
+}
+
+
+@pytest.fixture
+def bad_step():
+    """`bad_step(fault)`: (KV pool, metadata, q, k, v, the error's pattern) for one of `BAD_STEPS`,
+    float32 on the CPU: a checked attention part must refuse it before a kernel reads it."""
+    import types
+
+    from phases.p02_paged_kv import AttentionMetadata, KVCache
+
+    def make(fault: str, cache_type=KVCache, **cache_args):
+        config = types.SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=16)
+        cache = cache_type(config, 8, 4, torch.float32, torch.device("cpu"), **cache_args)
+        meta = AttentionMetadata.build([21, 30], [1, 1], [6, 3], [[2, 5], [7]], torch.device("cpu"))
+        slip, pattern = BAD_STEPS[fault]
+        slip(meta)
+        q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+        return cache, meta, q, k, v, pattern
+    return make
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     from tinyvllm.download import ensure_default_model

@@ -218,6 +218,11 @@ def test_engine_flags_come_from_engine_config():
     help_text = parser.format_help()
     for name in ("block_size", "max_num_batched_tokens", "kv_cache_memory", "dtype"):
         assert "--" + name.replace("_", "-") in help_text
+    # a switch whose default the platform decides (None): a flag each way, and back again
+    from tinyvllm.entrypoints.engine_flags import engine_flags_from
+    for flag, value in (("--check-kernels", True), ("--no-check-kernels", False)):
+        assert engine_args_from(parser.parse_args([flag])) == {"check_kernels": value}
+        assert engine_flags_from({"check_kernels": value}) == [flag]
 
 
 # -- repeats: warm-up, interleaving, medians -----------------------------------------------------

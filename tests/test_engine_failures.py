@@ -76,6 +76,39 @@ def test_async_engine_survives_a_failed_step(engine):
         ae.shutdown()
 
 
+def test_a_checked_engine_refuses_a_bad_batch_and_serves_the_others(tiny_model_dir):
+    """`--check-kernels` (the default on a CPU): a decode step whose persistent batch points one
+    block past the KV pool, for one request only, is refused with an error for that request's
+    client, never read by a C kernel; the other requests are answered and the engine serves on."""
+    engine = phases.make_engine(phases.latest_phase(), str(tiny_model_dir), max_num_seqs=1, check_kernels=True)
+    ib = engine.parts.runner.input_batch
+    update = ib.update
+
+    def slipped(seq):   # a bookkeeping slip, for the request named "bad" only
+        update(seq)
+        if "bad" in seq.group.request_id:
+            ib.block_table[ib.row_of[seq.seq_id], 0] = engine.parts.kv_cache.num_blocks
+
+    ib.update = slipped
+    ae = AsyncEngine(engine)
+
+    async def main():
+        bad = asyncio.ensure_future(_collect(ae, "bad"))
+        good = asyncio.ensure_future(_collect(ae, "good", {"prompt_token_ids": [9, 8]}))
+        with pytest.raises(StepError, match="InputBatch: row 0 holds seq") as e:
+            await bad
+        assert e.value.request_ids == ["bad"]
+        assert len((await good).outputs[0].token_ids) == GREEDY.max_tokens
+        assert len((await _collect(ae, "later")).outputs[0].token_ids) == GREEDY.max_tokens
+
+    try:
+        asyncio.run(main())
+        assert ae.error is None and ae.num_failed_steps == 1
+        assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    finally:
+        ae.shutdown()
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_an_error_the_engine_cannot_survive_stops_it_and_calls_on_dead(engine):
     _failing(engine, {"bad"}, error=_Fatal)

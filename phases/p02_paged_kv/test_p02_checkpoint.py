@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phases.p01_naive_attention import causal_attention
-from phases.p02_paged_kv import AttentionMetadata, BlockAllocator, BlockTable, KVCache, paged_attention
+from conftest import BAD_STEPS
+from phases.p02_paged_kv import (AttentionMetadata, BlockAllocator, BlockTable, KVCache, PagedAttention,
+                                 check_metadata, paged_attention)
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.testing import resident_bytes
 
@@ -52,9 +54,41 @@ def test_paged_attention_equals_naive(seed):
         owned[(torch.tensor(table)[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]] = True
     k_cache.view(-1, kvh, d)[~owned] = 1e30
     v_cache.view(-1, kvh, d)[~owned] = -1e30
-    meta = AttentionMetadata.build([0] * sum(q_lens), q_lens, seq_lens, tables, torch.device("cpu"))
+    slots = [t[p // block_size] * block_size + p % block_size
+             for t, n, q_len in zip(tables, seq_lens, q_lens) for p in range(n - q_len, n)]
+    meta = AttentionMetadata.build(slots, q_lens, seq_lens, tables, torch.device("cpu"))
+    check_metadata(meta, num_blocks, block_size)   # a well-formed step passes checked mode
     out = paged_attention(torch.cat(queries), k_cache, v_cache, meta)
     torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fault", sorted(BAD_STEPS))
+def test_checked_attention_refuses_a_bookkeeping_slip(fault, bad_step):
+    """Checked mode: a step whose metadata points outside the pool, into another sequence's slot
+    or past its own block table is a ValueError naming the part, the row and the value, raised
+    when the step's attention part is made, before any layer attends; unchecked, it is made."""
+    cache, meta, q, k, v, pattern = bad_step(fault)
+    with pytest.raises(ValueError, match=rf"^PagedAttention: .*{pattern}"):
+        PagedAttention(cache, meta)(0, q, k, v)
+    cache.checked = False
+    PagedAttention(cache, meta)
+
+
+def test_check_kernels_resolves_per_device_and_environment(tiny_model_dir, monkeypatch):
+    """check_kernels: as given; unset, $TINYVLLM_CHECK_KERNELS where set, else on for a CPU; the
+    engine's pool carries it to every step's attention part."""
+    from tinyvllm import platform
+
+    monkeypatch.delenv("TINYVLLM_CHECK_KERNELS", raising=False)
+    assert platform.check_kernels_default(None, "cpu") and not platform.check_kernels_default(None, "cuda")
+    assert not platform.check_kernels_default(False, "cpu") and platform.check_kernels_default(True, "cuda")
+    monkeypatch.setenv("TINYVLLM_CHECK_KERNELS", "0")
+    assert not platform.check_kernels_default(None, "cpu")
+    assert LLM(str(tiny_model_dir), phase=2, check_kernels=True).llm_engine.parts.kv_cache.checked is True
+    assert LLM(str(tiny_model_dir), phase=2).llm_engine.parts.kv_cache.checked is False
+    monkeypatch.setenv("TINYVLLM_CHECK_KERNELS", "yes")
+    with pytest.raises(ValueError, match="TINYVLLM_CHECK_KERNELS must be 0 or 1"):
+        LLM(str(tiny_model_dir), phase=2)
 
 
 def test_kv_cache_starts_zeroed(tiny_model_dir, monkeypatch):

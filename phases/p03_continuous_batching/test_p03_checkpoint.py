@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from conftest import BAD_STEPS
 from phases.p02_paged_kv import BlockAllocator, BlockTable
 from phases.p03_continuous_batching import PrefixCachingBlockAllocator, Scheduler, SequenceStatus
 from tinyvllm import LLM, SamplingParams
@@ -373,3 +374,14 @@ def test_batch_invariant_default_model_under_preemption(default_model_dir):
     tight = LLM(str(default_model_dir), phase=3, batch_invariant=True, num_kv_blocks=24)
     assert _tokens_and_logprobs(tight, prompts) == alone
     assert tight.llm_engine.get_stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("fault", sorted(BAD_STEPS))
+def test_checked_batch_invariant_attention_refuses_a_slip(fault, bad_step):
+    """batch_invariant.c reads every token's keys through its row's block table: in checked mode
+    a step that points outside the pool or into another sequence is refused before it runs."""
+    from phases.p03_continuous_batching.batch_invariant import BatchInvariantAttention
+
+    cache, meta, q, k, v, pattern = bad_step(fault)
+    with pytest.raises(ValueError, match=rf"^BatchInvariantAttention: .*{pattern}"):
+        BatchInvariantAttention(cache, meta)(0, q, k, v)

@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 
+from conftest import BAD_STEPS
 from phases.p02_paged_kv import KVCache, PagedAttention, paged_attention
 from phases.p04_triton_kernels import (
     CpuPagedAttention,
@@ -476,3 +477,15 @@ def test_split_kv_rule():
     for seqs in range(1, 40):
         n = choose_num_kv_splits(1, seqs, 2, 2000, 16, 108)
         assert n & (n - 1) == 0 and 1 <= n <= MAX_KV_SPLITS
+
+
+@pytest.mark.kinds
+@pytest.mark.parametrize("fault", sorted(BAD_STEPS))
+def test_checked_cpu_attention_refuses_a_slip(fault, bad_step):
+    """cpu_attention.c writes each decode's K/V to its slot and reads its blocks in place, as
+    cpu_step.c and the compiled step do through `attention_row`: in checked mode a step that
+    points outside the pool or into another sequence is refused when its attention part is made
+    (before any of them reads it), on every kind (where the C kernel does not run, too)."""
+    cache, meta, q, k, v, pattern = bad_step(fault)
+    with pytest.raises(ValueError, match=rf"^CpuPagedAttention: .*{pattern}"):
+        CpuPagedAttention(cache, meta)(0, q, k, v)

@@ -201,14 +201,26 @@ class QuantizedLinear(nn.Module):
         return layer
 
     def _store(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> None:
-        """Keep the quantized weight in the layout its kernel reads."""
+        """Keep the quantized weight in the layout its kernel reads: refused, by shape and dtype,
+        where it is not the layout the C kernels index (int8 (O, I) with float32 scales (O,);
+        int4 uint8 (O, I/2) with float32 scales and zero points (O, I/group_size))."""
+        o, i, g = self.out_features, self.in_features, self.group_size
+        q, scale = q.contiguous(), scale.contiguous()
+        want = ((o, i), torch.int8, (o,)) if self.method == "int8" else ((o, i // 2), torch.uint8, (o, i // g))
+        have = (tuple(q.shape), q.dtype, tuple(scale.shape))
+        if have != want or scale.dtype != torch.float32 or (zero is not None and (
+                zero.shape != scale.shape or zero.dtype != torch.float32)):
+            raise ValueError(f"QuantizedLinear: an {self.method} weight of {o} x {i} is stored as {want[1]} "
+                             f"{want[0]} with float32 scales {want[2]}, got {q.dtype} {have[0]} and scales "
+                             f"{scale.dtype} {have[2]}" + ("" if zero is None else f", zero points {zero.dtype} "
+                                                           f"{tuple(zero.shape)}"))
         vnni = (self.method == "int8" and q.device.type == "cpu" and self.kernel in ("auto", "cpu_int8_vnni")
                 and vnni_fits(self.in_features))
         self.layout = "vnni" if vnni else "rows"
         self.register_buffer("qweight", cpu_int8.vnni_pack(q) if vnni else q)   # int8 (O, I) or panels
         self.register_buffer("scale", scale)                                     # (O,) or int4's (O, G)
         if zero is not None:
-            self.register_buffer("zero", zero)                                   # int4's (O, G) float32
+            self.register_buffer("zero", zero.contiguous())                      # int4's (O, G) float32
 
     def int8_rows(self) -> torch.Tensor:
         """The int8 weight as (O, I), whatever layout it is stored in."""

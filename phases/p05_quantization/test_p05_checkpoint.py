@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import torch.nn.functional as F
 
+from conftest import BAD_STEPS
 from phases.p05_quantization import cpu_int8
 from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear, lossless, lossless_codes
 from phases.p05_quantization.quantize_layers import HEAD_METHOD, linear_layers, quantize_model
@@ -719,3 +720,34 @@ def test_engine_reads_a_checkpoint_on_codes_from_them_with_float32_s_tokens(tiny
         assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
     quantized = LLM(str(tiny_codes_dir), phase=5, quantization="int8")
     assert not any(type(m) is LosslessLinear for m in quantized.llm_engine.model.modules())
+
+
+@pytest.mark.parametrize("fault", sorted(BAD_STEPS))
+def test_checked_quantized_attention_refuses_a_slip(fault, bad_step):
+    """The int8 KV cache's attention writes each token's 8-bit K/V and scales to its slot and
+    gathers the blocks the tables list: in checked mode a step that points outside the pool or
+    into another sequence is refused before it writes or reads."""
+    from phases.p05_quantization.kv_quant import QuantizedPagedAttention
+
+    cache, meta, q, k, v, pattern = bad_step(fault, QuantizedKVCache, kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match=rf"^QuantizedPagedAttention: .*{pattern}"):
+        QuantizedPagedAttention(cache, meta)(0, q, k, v)
+
+
+@pytest.mark.parametrize("method,slip,match", [
+    ("int4", ("pack_int4", lambda q: q), r"int4 weight of 8 x 64 is stored as torch.uint8 \(8, 32\).*got torch.uint8 \(8, 64\)"),
+    ("int4", ("quantize_int4", lambda w, g: (torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2, 1),
+                                             torch.zeros(8, 2, 1))), r"scales \(8, 2\), got .* scales torch.float32 \(8, 2, 1\)"),
+    ("int8", ("quantize_int8", lambda w: (torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 1))),
+     r"int8 weight of 8 x 64 is stored as torch.int8 \(8, 64\) with float32 scales \(8,\)"),
+    ("int8", ("quantize_int8", lambda w: (torch.zeros(8, 64, dtype=torch.int32), torch.ones(8))), r"got torch.int32"),
+])
+def test_a_quantized_weight_in_another_layout_is_refused(method, slip, match, monkeypatch):
+    """The C products read a quantized weight by its shape and dtype alone: one in another layout
+    (a slip in quantize_int8, quantize_int4 or pack_int4) is refused when the layer is made, not
+    read past its end at the first product."""
+    from phases.p05_quantization import quant
+
+    monkeypatch.setattr(quant, *slip)
+    with pytest.raises(ValueError, match=match):
+        QuantizedLinear(torch.randn(8, 64), None, method, group_size=32)

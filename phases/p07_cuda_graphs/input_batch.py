@@ -126,20 +126,24 @@ class InputBatch:
         kernel. A slip in remove or update (a moved request left under its old row, a block not
         copied) is a ValueError naming the request and the row, not a wrong block read in C."""
         n = self.num_reqs
-        if (n, len(self.row_of), sorted(rows)) != (len(seqs), len(seqs), list(range(len(seqs)))):
-            raise ValueError(f"InputBatch: {len(seqs)} requests this step, but the batch has {n} rows, "
-                             f"row_of names {len(self.row_of)} requests and sync gave the rows {rows}")
+        for seq, r in zip(seqs, rows):
+            if not (0 <= r < n and self.seqs[r] is seq):
+                held = self.seqs[r] if 0 <= r < len(self.seqs) else None
+                raise ValueError(f"InputBatch: row_of puts seq {seq.seq_id} in row {r}, but of the {n} rows that one "
+                                 f"holds {'no request' if held is None else f'seq {held.seq_id}'} (a request moved "
+                                 f"into a freed row must have its new row in row_of)")
+        if n != len(seqs) or len(self.row_of) != n:
+            raise ValueError(f"InputBatch: {len(seqs)} requests this step, but {n} rows and {len(self.row_of)} in row_of")
         counts = zip(self.num_tokens.tolist(), self.num_computed.tolist(), self.num_blocks.tolist())
         for r, seq, (tokens, computed, nb) in zip(range(n), self.seqs, counts):
-            ids = [] if seq is None or seq.block_table is None else seq.block_table.block_ids
-            have = (self.row_of.get(getattr(seq, "seq_id", None)), tokens, computed, self.block_table[r, :nb].tolist(),
+            ids = seq.block_table.block_ids if seq.block_table is not None else []
+            have = (tokens, computed, self.block_table[r, :nb].tolist(),
                     int(self.token_ids[r, computed]) if computed < tokens else None)
-            want = None if seq is None else (r, seq.num_tokens, seq.num_computed_tokens, ids, seq.token_ids[
-                seq.num_computed_tokens] if seq.num_computed_tokens < seq.num_tokens else None)
+            c = seq.num_computed_tokens
+            want = (seq.num_tokens, c, ids, seq.token_ids[c] if c < seq.num_tokens else None)
             if have != want:
-                raise ValueError(f"InputBatch: row {r} holds seq {getattr(seq, 'seq_id', None)}, whose (row in "
-                                 f"row_of, tokens, computed, blocks, next token) are {want}, but the row has {have} "
-                                 f"(after a remove, does the request moved into the freed row have its new row?)")
+                raise ValueError(f"InputBatch: row {r} holds seq {seq.seq_id} with (tokens, computed, blocks, next "
+                                 f"token) {have}, but the request has {want}")
 
     def sync(self, seqs: list[Sequence]) -> list[int]:
         """Make the batch hold exactly `seqs` (this step's requests): remove the rows of those

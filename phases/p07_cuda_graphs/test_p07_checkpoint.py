@@ -249,6 +249,56 @@ def test_graph_replay_equals_eager_logits_every_bucket(tiny_model_dir, kv_cache_
     assert runner.num_captures == len(engine.runner.capture_sizes) == len(runner.graphs)
 
 
+@pytest.mark.gpu
+def test_a_graph_replay_checks_its_buffers_first(tiny_model_dir):
+    """Checked mode on a GPU: a captured graph reads the static buffers as they are, so each
+    replay checks them first (outside the graph)."""
+    engine = LLM(str(tiny_model_dir), phase=7, max_num_seqs=2, device="cuda", dtype="float32",
+                 check_kernels=True).llm_engine
+    runner, buffers, ib = engine.runner.decode_runner, engine.runner.buffers, engine.runner.input_batch
+    engine.add_request("g", PROMPTS[0], GREEDY)
+    engine.step()  # the prefill
+    ib.sync(list(engine.scheduler.running))
+    buffers.fill(ib.token_ids[:1], ib.num_computed[:1], ib.block_table[:1], ib.num_blocks[:1], 1)
+    runner.run(1)                                                    # captured, replayed
+    buffers.block_tables[0, 0] = engine.parts.kv_cache.num_blocks    # one past the pool
+    with pytest.raises(ValueError, match="^StaticDecodeBuffers: sequence row 0, block 0: block id"):
+        runner.run(1)
+
+
+@pytest.mark.kinds
+@pytest.mark.parametrize("where", ["persistent batch", "static buffers"])
+def test_a_slip_in_the_static_path_fails_its_step_not_the_process(tiny_model_dir, where, monkeypatch):
+    """Checked mode, the engine's default on a CPU: a decode step whose persistent batch or static
+    buffers point outside the pool (a block id one past its end) fails as a StepError naming what
+    is wrong, before cpu_attention.c (or cpu_step.c, or the compiled step) reads it; its requests
+    are aborted, their blocks freed, and the engine serves the next request as before."""
+    from tinyvllm.errors import StepError
+
+    llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=4)
+    engine = llm.llm_engine
+    runner, past_the_pool = engine.runner, engine.parts.kv_cache.num_blocks
+    for i in range(2):
+        engine.add_request(f"r{i}", PROMPTS[i], GREEDY)
+    engine.step()                                       # the prefills (phase 6's runner)
+    if where == "persistent batch":                     # a slip in update_row
+        update = runner.input_batch.update
+        monkeypatch.setattr(runner.input_batch, "update",
+                            lambda seq: (update(seq), runner.input_batch.block_table[0].fill_(past_the_pool)))
+        pattern = r"InputBatch: row 0 holds seq \d+ with \(tokens, computed, blocks, next token\)"
+    else:                                               # a slip in fill_buffers
+        fill = runner.buffers.fill
+        monkeypatch.setattr(runner.buffers, "fill", lambda *a: (fill(*a), runner.buffers.block_tables[1, 0].fill_(past_the_pool)))
+        pattern = rf"CpuPagedAttention: sequence row 1, block 0: block id {past_the_pool} is outside the pool"
+    with pytest.raises(StepError, match=pattern) as e:
+        engine.step()
+    assert sorted(e.value.request_ids) == ["r0", "r1"] and not engine.has_unfinished_requests()
+    assert engine.parts.allocator.num_free_blocks == engine.parts.allocator.num_blocks
+    monkeypatch.undo()                                  # the slip mended
+    eager = LLM(str(tiny_model_dir), phase=7, enforce_eager=True)
+    assert tokens(llm, PROMPTS[2:4], GREEDY) == tokens(eager, PROMPTS[2:4], GREEDY)
+
+
 @pytest.mark.kinds
 @pytest.mark.parametrize("fixture,quantization", [("tiny_model_dir", None), ("tiny_model_dir_llama3", None),
                                                   ("tiny_model_dir", "int8"), ("tiny_model_dir", "int4"),

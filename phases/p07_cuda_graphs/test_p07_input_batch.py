@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -70,6 +71,7 @@ class InputBatchMachine(RuleBasedStateMachine):
     def sync(self) -> None:
         rows = self.batch.sync(self.running)
         assert sorted(rows) == list(range(len(self.running)))
+        self.batch.check(self.running, rows)   # checked mode never refuses a batch in order
 
     @precondition(lambda self: len(self.running) < MAX_REQS)
     @rule(n=st.integers(1, MAX_LEN - 10), params=params_st)
@@ -136,3 +138,22 @@ def test_swap_copies_valid_tokens_only():
     assert b.elements_copied == 7 + 2
     assert b.token_ids[0, :7].tolist() == seqs[2].token_ids
     assert b.row_of == {seqs[2].seq_id: 0, seqs[1].seq_id: 1}
+
+
+def test_checked_batch_names_the_row_a_slip_left_behind():
+    """Checked mode (`InputBatch.check`, after each sync): a remove that moves the last request
+    into the freed row but leaves its row_of entry on the old row, or an update that leaves a
+    stale block, is a ValueError naming the request and the row, before a kernel reads the row."""
+    b = InputBatch(4, MAX_LEN, MAX_BLOCKS, 1000)
+    seqs = [FakeSeq(n, SamplingParams(temperature=0)) for n in (5, 9, 7)]
+    b.sync(seqs)
+    rows = b.sync(seqs[1:])                  # seqs[0] leaves: seqs[2] moves from row 2 into row 0
+    b.check(seqs[1:], rows)
+    b.row_of[seqs[2].seq_id] = 2             # the slip: its row_of still names the row it left
+    with pytest.raises(ValueError, match=rf"row_of puts seq {seqs[2].seq_id} in row 2, but of the 2 rows that one "
+                                         r"holds no request \(a request moved into a freed row"):
+        b.check(seqs[1:], [1, 2])
+    b.row_of[seqs[2].seq_id] = 0
+    b.block_table[1, 0] += 1                 # a block id the request does not own
+    with pytest.raises(ValueError, match=rf"row 1 holds seq {seqs[1].seq_id} with \(tokens, computed, blocks"):
+        b.check(seqs[1:], rows)
