@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -159,29 +160,31 @@ def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, pa
     queries, a block table as long as its length needs, and in those columns block ids of the
     pool, [0, num_blocks); every token t must write the slot of its own position in its own
     blocks, and the longest lengths must bound the rows' (a kernel sizes its buffers by them).
-    Raises a ValueError naming `part`, the row or token and the bad value. Tensor work, and one
-    read of a bool from the device: tens of microseconds a step (`tinyvllm bench` reports it)."""
-    starts, lens, tables, slots = (meta.query_start_loc_tensor, meta.seq_lens_tensor, meta.block_tables,
-                                   meta.slot_mapping)
-    for name, t in (("slot_mapping", slots), ("block_tables", tables), ("seq_lens", lens),
-                    ("query_start_loc", starts), ("decode_seq_lens", meta.decode_seq_lens)):
+    Raises a ValueError naming `part`, the row or token and the bad value. Done on the host, in
+    numpy: microseconds a step (phase 7's tools/check_cost.py measures it)."""
+    for name, t in (("slot_mapping", meta.slot_mapping), ("block_tables", meta.block_tables),
+                    ("seq_lens", meta.seq_lens_tensor), ("query_start_loc", meta.query_start_loc_tensor),
+                    ("decode_seq_lens", meta.decode_seq_lens)):
         if t.dtype != torch.int64:
             raise ValueError(f"{part}: {name} must be int64 (the kernels read 8-byte ids), got {t.dtype}")
+    # on the host, as numpy arrays (views of a CPU's tensors): a few microseconds an operation
+    # where a PyTorch operator costs several
+    starts, lens, tables, slots, decode_lens = (x.numpy() if x.is_cpu else x.cpu().numpy() for x in (
+        meta.query_start_loc_tensor, meta.seq_lens_tensor, meta.block_tables, meta.slot_mapping, meta.decode_seq_lens))
     rows, cols, n = tables.shape[0], tables.shape[1], meta.query_start_loc[-1]
     if lens.shape != (rows,) or starts.shape != (rows + 1,) or slots.shape != (n,):
-        raise ValueError(f"{part}: {rows} rows of block tables, but seq_lens {tuple(lens.shape)}, query_start_loc "
-                         f"{tuple(starts.shape)} and slot_mapping {tuple(slots.shape)} for {n} tokens")
+        raise ValueError(f"{part}: {rows} rows of block tables, but seq_lens {lens.shape}, query_start_loc "
+                         f"{starts.shape} and slot_mapping {slots.shape} for {n} tokens")
     queries = starts[1:] - starts[:-1]                                   # (B,)
-    need = (lens + block_size - 1) // block_size                         # blocks each row reads
-    used = torch.arange(cols, device=tables.device) < need[:, None]      # (B, M)
+    need = -(-lens // block_size)                                        # blocks each row reads
+    used = np.arange(cols) < need[:, None]                               # (B, M)
     # every token's position, and the slot it must write: in its own row's blocks
-    row = torch.repeat_interleave(torch.arange(rows, device=lens.device), queries.clamp(min=0), output_size=n)
-    pos = lens[row] - (starts[row + 1] - torch.arange(n, device=lens.device))
-    own = tables[row, (pos // block_size).clamp(0, max(cols - 1, 0))] * block_size + pos % block_size
-    bad = ((queries < 1).any() | (lens < queries).any() | (need > cols).any()
-           | (used & ((tables < 0) | (tables >= num_blocks))).any() | (own != slots).any()
-           | (lens > meta.max_seq_len).any() | (meta.decode_seq_lens > meta.max_decode_seq_len).any())
-    if bool(bad):
+    row = np.arange(rows) if n == rows else np.repeat(np.arange(rows), np.maximum(queries, 0))
+    pos = lens[row] - (starts[row + 1] - np.arange(len(row)))
+    own = tables[row, np.clip(pos // block_size, 0, max(cols - 1, 0))] * block_size + pos % block_size
+    if ((queries < 1).any() or (lens < queries).any() or (need > cols).any() or len(row) != n
+            or (used & ((tables < 0) | (tables >= num_blocks))).any() or (own != slots).any()
+            or (lens > meta.max_seq_len).any() or (decode_lens > meta.max_decode_seq_len).any()):
         raise ValueError(f"{part}: {_metadata_fault(meta, num_blocks, block_size)}")
 
 
