@@ -30,6 +30,9 @@ os.environ.setdefault("TINYVLLM_COMPILATION_MODE", "0")
 # the suite compares tokens with transformers' float32 ones, so its engines stay float32 here;
 # the tests of that path remove this.
 os.environ.setdefault("TINYVLLM_BF16_PRODUCTS", "0")
+# Checked mode (phase 2's check_kernels) on every device, a GPU's too, where it is off by
+# default: a bookkeeping slip is a failing test, never a crash. The test of the default removes it.
+os.environ.setdefault("TINYVLLM_CHECK_KERNELS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -160,60 +159,52 @@ def check_metadata(meta: AttentionMetadata, num_blocks: int, block_size: int, pa
     queries, a block table as long as its length needs, and in those columns block ids of the
     pool, [0, num_blocks); every token t must write the slot of its own position in its own
     blocks, and the longest lengths must bound the rows' (a kernel sizes its buffers by them).
-    Raises a ValueError naming `part`, the row or token and the bad value. Done on the host, in
-    numpy: microseconds a step (phase 7's tools/check_cost.py measures it)."""
+    Raises a ValueError naming `part`, the row or token and the bad value. Plain Python over the
+    tensors' values: microseconds a step (phase 7's tools/check_cost.py measures it)."""
     for name, t in (("slot_mapping", meta.slot_mapping), ("block_tables", meta.block_tables),
                     ("seq_lens", meta.seq_lens_tensor), ("query_start_loc", meta.query_start_loc_tensor),
                     ("decode_seq_lens", meta.decode_seq_lens)):
         if t.dtype != torch.int64:
             raise ValueError(f"{part}: {name} must be int64 (the kernels read 8-byte ids), got {t.dtype}")
-    # on the host, as numpy arrays (views of a CPU's tensors): a few microseconds an operation
-    # where a PyTorch operator costs several
-    starts, lens, tables, slots, decode_lens = (x.numpy() if x.is_cpu else x.cpu().numpy() for x in (
-        meta.query_start_loc_tensor, meta.seq_lens_tensor, meta.block_tables, meta.slot_mapping, meta.decode_seq_lens))
-    rows, cols, n = tables.shape[0], tables.shape[1], meta.query_start_loc[-1]
-    if lens.shape != (rows,) or starts.shape != (rows + 1,) or slots.shape != (n,):
-        raise ValueError(f"{part}: {rows} rows of block tables, but seq_lens {lens.shape}, query_start_loc "
-                         f"{starts.shape} and slot_mapping {slots.shape} for {n} tokens")
-    queries = starts[1:] - starts[:-1]                                   # (B,)
-    need = -(-lens // block_size)                                        # blocks each row reads
-    used = np.arange(cols) < need[:, None]                               # (B, M)
-    # every token's position, and the slot it must write: in its own row's blocks
-    row = np.arange(rows) if n == rows else np.repeat(np.arange(rows), np.maximum(queries, 0))
-    pos = lens[row] - (starts[row + 1] - np.arange(len(row)))
-    own = tables[row, np.clip(pos // block_size, 0, max(cols - 1, 0))] * block_size + pos % block_size
-    if ((queries < 1).any() or (lens < queries).any() or (need > cols).any() or len(row) != n
-            or (used & ((tables < 0) | (tables >= num_blocks))).any() or (own != slots).any()
-            or (lens > meta.max_seq_len).any() or (decode_lens > meta.max_decode_seq_len).any()):
-        raise ValueError(f"{part}: {_metadata_fault(meta, num_blocks, block_size)}")
+    if fault := metadata_fault(meta, num_blocks, block_size):
+        raise ValueError(f"{part}: {fault}")
 
 
-def _metadata_fault(meta: AttentionMetadata, num_blocks: int, block_size: int) -> str:
-    """What `check_metadata` found wrong, in words: the first row or token at fault (host loops:
-    only on the way to an error)."""
-    starts, lens, tables = meta.query_start_loc, meta.seq_lens_tensor.tolist(), meta.block_tables.tolist()
-    slots = meta.slot_mapping.tolist()
-    for b, seq_len in enumerate(lens):
-        q = starts[b + 1] - starts[b]
-        need = -(-seq_len // block_size)
-        if q < 1 or seq_len < q:
-            return f"sequence row {b} has {q} queries and a length of {seq_len} tokens (needs 1 <= queries <= length)"
-        if need > len(tables[b]):
-            return (f"sequence row {b} of {seq_len} tokens needs {need} blocks, but its block table has "
-                    f"{len(tables[b])} columns")
-        for j, block in enumerate(tables[b][:need]):
+def metadata_fault(meta: AttentionMetadata, num_blocks: int, block_size: int) -> str | None:
+    """What `check_metadata` finds wrong, in words (the first row or token at fault), or None.
+    A loop in Python over small lists: at one row a step it costs a tenth of what numpy's or
+    PyTorch's operators would, each of which pays a fixed price to start."""
+    starts, lens, slots, decode_lens = (t.tolist() for t in (
+        meta.query_start_loc_tensor, meta.seq_lens_tensor, meta.slot_mapping, meta.decode_seq_lens))
+    rows, cols = meta.block_tables.shape
+    if (meta.slot_mapping.dim() != 1 or meta.seq_lens_tensor.dim() != 1 or len(lens) != rows
+            or len(starts) != rows + 1 or len(slots) != starts[-1]):
+        return (f"{rows} rows of block tables, but seq_lens {tuple(meta.seq_lens_tensor.shape)}, query_start_loc "
+                f"{tuple(meta.query_start_loc_tensor.shape)} and slot_mapping {tuple(meta.slot_mapping.shape)} "
+                f"for {starts[-1]} tokens")
+    need = [-(-n // block_size) for n in lens]                      # blocks each row reads
+    tables = meta.block_tables[:, :max(need, default=0)].tolist()   # only the columns read
+    for b, (seq_len, table) in enumerate(zip(lens, tables)):
+        first, end = starts[b], starts[b + 1]
+        if not 1 <= end - first <= seq_len:
+            return (f"sequence row {b} has {end - first} queries and a length of {seq_len} tokens "
+                    "(needs 1 <= queries <= length)")
+        if need[b] > cols:
+            return f"sequence row {b} of {seq_len} tokens needs {need[b]} blocks, but its block table has {cols} columns"
+        for j, block in enumerate(table):
             if not 0 <= block < num_blocks:
                 return f"sequence row {b}, block {j}: block id {block} is outside the pool of {num_blocks} blocks"
-        for t in range(starts[b], starts[b + 1]):
-            p = seq_len - (starts[b + 1] - t)
-            own = tables[b][p // block_size] * block_size + p % block_size
+        for t in range(first, end):                 # each token writes its own position's slot
+            p = seq_len - (end - t)
+            own = table[p // block_size] * block_size + p % block_size
             if slots[t] != own:
                 return (f"token {t} (sequence row {b}, position {p}) writes slot {slots[t]}, but its own slot "
-                        f"is {own} (block {tables[b][p // block_size]}, offset {p % block_size})")
+                        f"is {own} (block {table[p // block_size]}, offset {p % block_size})")
         if seq_len > meta.max_seq_len:
             return f"sequence row {b} has {seq_len} tokens, more than max_seq_len={meta.max_seq_len}"
-    longest = int(meta.decode_seq_lens.max())
-    return f"a decode row has {longest} tokens, more than max_decode_seq_len={meta.max_decode_seq_len}"
+    if max(decode_lens, default=0) > meta.max_decode_seq_len:
+        return f"a decode row has {max(decode_lens)} tokens, more than max_decode_seq_len={meta.max_decode_seq_len}"
+    return None
 
 
 class PagedAttention:
