@@ -30,3 +30,23 @@ def test_search_folders_reach_the_compiler_but_not_the_name(tmp_path):
     without = CKernel(source, ["-O1", "-shared", "-fPIC"], frozenset(), {})
     with pytest.raises(subprocess.CalledProcessError):       # no folder: probe.h is not found
         without.build(tmp_path / "other")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_the_compiler_inherits_no_secret(tmp_path, monkeypatch):
+    """The tensor-parallel token and the server's key stay out of the compiler's environment (a
+    compiler, and whatever it starts, needs neither), while the rest of it reaches the compiler."""
+    record, cc = tmp_path / "env", tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\nenv > "{record}"\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("TINYVLLM_TP_TOKEN", "ab" * 32)
+    monkeypatch.setenv("TINYVLLM_API_KEY", "sk-do-not-leak")
+    monkeypatch.setenv("TINYVLLM_PROBE", "reaches")
+    source = tmp_path / "probe.c"
+    source.write_text("int probe(void) { return 7; }\n")
+    built = CKernel(source, ["-O1", "-shared", "-fPIC"], frozenset(), {}).build(tmp_path / "kernels")
+    assert ctypes.CDLL(str(built)).probe() == 7
+    seen = record.read_text()
+    assert "TINYVLLM_PROBE=reaches" in seen
+    assert "TINYVLLM_TP_TOKEN" not in seen and "TINYVLLM_API_KEY" not in seen and "sk-do-not-leak" not in seen

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinyvllm import platform
+from tinyvllm.secret_env import child_env
 
 
 @dataclass
@@ -83,8 +84,9 @@ class CKernel:
         return self.lib
 
     def environment(self) -> dict[str, str]:
-        """The compiler's environment: this process's, with `search`'s folders first."""
-        env = dict(os.environ)
+        """The compiler's environment: this process's without its secrets (`child_env`: a compiler
+        needs no token or key), with `search`'s folders first."""
+        env = child_env()
         for name, folder in self.search.items():
             env[name] = os.pathsep.join(p for p in (folder, env.get(name)) if p)
         return env

@@ -69,6 +69,7 @@ from tinyvllm.download import cache_dir
 from phases.p04_triton_kernels.cpu_layers import CpuLinear, bfloat16_weights
 from tinyvllm import platform
 from tinyvllm.hardware import AVX2_FLAGS
+from tinyvllm.secret_env import child_env
 
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 from .fused import decode_forward, fused_model, layer_row
@@ -267,7 +268,7 @@ class CompiledDecodeRunner(DecodeRunner):
         process); it is killed if this engine is collected or the interpreter exits first."""
         worker = str(Path(__file__).with_name("compile_worker.py"))
         self.worker = subprocess.Popen([sys.executable, worker, json.dumps(request)], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, text=True)
+                                       stderr=subprocess.PIPE, text=True, env=child_env())
         weakref.finalize(self, self.worker.kill)
         _, err = self.worker.communicate()
         if self.worker.returncode != 0:

@@ -20,6 +20,7 @@ import torch
 
 from phases.p08_tensor_parallel.parallel import (RefusedValue, Stamp, TensorParallelGroup, dumps_signed,
                                                  loads_signed)
+from phases.p08_tensor_parallel.worker import worker_env
 from tinyvllm import LLM, SamplingParams
 
 TOKEN = bytes(range(32))
@@ -173,6 +174,29 @@ def test_the_token_stays_off_command_lines(two_ranks):
         cmdline = Path(f"/proc/{p.pid}/cmdline").read_bytes()
         assert token not in cmdline and token.hex().encode() not in cmdline.lower()
     assert not any(token.hex() in v.lower() for v in os.environ.values())
+
+
+def test_a_worker_gets_the_token_and_no_other_secret(tiny_model_dir, monkeypatch):
+    """A worker's environment holds its engine's token and nothing else secret: not the server's
+    key, not another token this process was given (`worker_env`, and a live worker's own
+    /proc/PID/environ); on one host, NCCL's sockets are pinned to loopback (a user's own
+    NCCL_SOCKET_IFNAME stays)."""
+    monkeypatch.setenv("TINYVLLM_API_KEY", "sk-do-not-leak")
+    monkeypatch.setenv("TINYVLLM_TP_TOKEN", "cd" * 32)
+    env = worker_env(TOKEN)
+    assert env["TINYVLLM_TP_TOKEN"] == TOKEN.hex() and "TINYVLLM_API_KEY" not in env
+    assert env["NCCL_SOCKET_IFNAME"] == "lo"
+    assert "NCCL_SOCKET_IFNAME" not in worker_env(TOKEN, "10.0.0.2")         # another host's ranks
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "ib0")
+    assert worker_env(TOKEN)["NCCL_SOCKET_IFNAME"] == "ib0"
+    llm = LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, kv_cache_memory=1 << 22)
+    try:
+        (worker,) = llm.llm_engine.runner.workers
+        environ = Path(f"/proc/{worker.pid}/environ").read_bytes()
+        assert b"sk-do-not-leak" not in environ and b"TINYVLLM_API_KEY" not in environ
+        assert b"cd" * 32 not in environ                        # its own engine's token only
+    finally:
+        llm.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("forgery", ["another token", "another run", "a step sent again"])
