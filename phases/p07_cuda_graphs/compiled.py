@@ -65,7 +65,7 @@ from phases.p04_triton_kernels.cpu_attention import attention_row
 from phases.p05_quantization import QuantizedLinear
 from phases.p05_quantization.lossless import LosslessLinear
 from tinyvllm.ckernel import torch_extension
-from tinyvllm.download import cache_dir
+from tinyvllm.download import cache_dir, private_dir
 from phases.p04_triton_kernels.cpu_layers import CpuLinear, bfloat16_weights
 from tinyvllm import platform
 from tinyvllm.hardware import AVX2_FLAGS
@@ -172,8 +172,10 @@ def use_step(layers: torch.Tensor | None, attention=None) -> None:
 
 def use_inductor_cache() -> None:
     """Keep inductor's compiled code under $TINYVLLM_CACHE (unless TORCHINDUCTOR_CACHE_DIR says
-    otherwise), beside the model and the C kernels."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    otherwise), beside the model and the C kernels, in a folder that is this user's alone
+    (`private_dir`: inductor loads the libraries it finds there)."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_dir(cache_dir() / "inductor"))
 
 
 SOURCES = (Path(__file__).parents[2] / "tinyvllm", Path(__file__).parents[1])
@@ -276,7 +278,9 @@ class CompiledDecodeRunner(DecodeRunner):
             raise RuntimeError(f"the compile worker exited with {self.worker.returncode}: {last[0]}")
 
     def graph_path(self, bucket: int) -> Path:
-        return cache_dir() / "compiled" / f"decode-{self.key}-{'b1' if bucket == 1 else 'dynamic'}.bin"
+        """Where `bucket`'s graph is saved: in a folder that is this user's alone (`private_dir`),
+        as a saved graph is code this process runs."""
+        return private_dir(cache_dir() / "compiled") / f"decode-{self.key}-{'b1' if bucket == 1 else 'dynamic'}.bin"
 
     @torch.inference_mode()
     def make_graph(self, bucket: int, compile: bool = True) -> None:
@@ -306,7 +310,6 @@ class CompiledDecodeRunner(DecodeRunner):
                 graph = compiler.aot_compile(((self.model, ids, positions), {}))
             self.num_compiled += 1
             with contextlib.suppress(OSError):   # unsaved, the next start compiles again
-                path.parent.mkdir(parents=True, exist_ok=True)
                 graph.save_compiled_function(str(path))
         # checked once here; the runner calls each graph only with its own shape
         graph.disable_guard_check()

@@ -332,6 +332,18 @@ def test_a_saved_graph_s_key_follows_the_engine_s_source_not_its_tests(tmp_path,
     assert compiled.compile_key(model) != key
 
 
+def test_a_graph_folder_another_user_could_write_is_refused(tiny_model_dir, tmp_path, monkeypatch):
+    """A saved graph is code the engine runs: the folder of saved graphs is refused by name, before
+    a graph is read from it or written to it, when another user could write it."""
+    monkeypatch.setattr(compiled, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    (tmp_path / "compiled").mkdir(mode=0o777)
+    (tmp_path / "compiled").chmod(0o777)
+    with pytest.raises(PermissionError, match=f"the cache folder {tmp_path / 'compiled'} is writable by every user"):
+        LLM(str(tiny_model_dir), phase=7, max_num_seqs=2, compilation_mode=1)
+    assert not list((tmp_path / "compiled").iterdir())
+
+
 @pytest.mark.parametrize("value", [2, -1, "1", 1.0, True])
 def test_bad_compilation_mode_names_it(make_llm, tiny_model_dir, value):
     before = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1)
