@@ -104,14 +104,14 @@ class Rendezvous:
         where = f"{self.addresses[host]}, " if host in self.addresses else ""
         return f"host {host} ({where}{ranks})"
 
-    def _refuse(self, key: str, value: bytes, e: RefusedValue) -> None:
+    def _refuse(self, value: bytes, e: RefusedValue) -> None:
         """Log a refused value once: which host signed it, where its signature says."""
         if value in self.refused:
             return
         self.refused.add(value)
         who = (f"signed by {self.describe_host(self.host_of(e.sender))}" if e.sender is not None
                and e.sender < self.world else "from a process without this engine's token")
-        log.warning("tensor parallel: refused a value %s at %s: %s", who, key, str(e))   # not e: its frames hold the store
+        log.warning("tensor parallel: refused a value %s: %s", who, str(e))   # not e: its frames hold the store
 
     # -- one look at the store -----------------------------------------------------------------
     def answer_hellos(self) -> None:
@@ -124,7 +124,7 @@ class Rendezvous:
                 stamp, data = open_bytes(value, self.token, key)
                 check_stamp(stamp, Stamp(key, stamp.run_id, host * self.per_host))   # any nonce, its first rank
             except RefusedValue as e:
-                self._refuse(key, value, e)
+                self._refuse(value, e)
                 continue
             self.addresses[host] = pickle.loads(data)["address"]
             self.answered[host] = value
@@ -147,7 +147,7 @@ class Rendezvous:
                     continue
                 check_stamp(stamp, Stamp(key, self.run_id, host * self.per_host, stamp.counter))
             except RefusedValue as e:
-                self._refuse(key, value, e)
+                self._refuse(value, e)
                 continue
             self.beats[host] = (stamp.counter, time.monotonic())
             self.exited.update(pickle.loads(data)["exited"])
@@ -160,7 +160,7 @@ class Rendezvous:
         try:
             report = pickle.loads(open_signed(value, self.token, Stamp(key, self.run_id, rank)))
         except RefusedValue as e:
-            self._refuse(key, value, e)
+            self._refuse(value, e)
             return False
         if "error" in report:
             raise RuntimeError(f"tensor-parallel rank {rank} ({self.describe_host(self.host_of(rank))}) failed "
@@ -264,7 +264,7 @@ def join(store, token: bytes, node: int, first_rank: int, address: str, nonce: b
             except RefusedValue as e:
                 if value not in refused:
                     refused.add(value)
-                    log.warning("tensor parallel: refused a value at %s: %s", key, str(e))
+                    log.warning("tensor parallel: refused a value: %s", str(e))
             else:
                 return stamp.run_id, pickle.loads(data[len(nonce):])
         time.sleep(POLL_S)
