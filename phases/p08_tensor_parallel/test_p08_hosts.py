@@ -30,6 +30,7 @@ import torch.distributed as dist
 from phases.p08_tensor_parallel.parallel import (TOKEN_ENV, Stamp, backend_for, open_store, rank_device, shared_token,
                                                  sign_bytes)
 from phases.p08_tensor_parallel.rendezvous import HOST_GONE_AFTER_S, join, write_ready
+from phases.p08_tensor_parallel.worker import run_node
 from tinyvllm import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,6 +135,30 @@ def test_a_host_that_never_connects_is_named_within_the_bound(tiny_model_dir, mo
             kv_cache_memory=1 << 22)
     assert time.monotonic() - start < 3 + HOST_GONE_AFTER_S + 10
     thread.join(5)
+
+
+def test_a_host_with_another_model_is_named_at_once(tiny_model_dir, tiny_model_dir_llama3, monkeypatch):
+    """Host 1 given another checkpoint refuses to build; node 0 fails at once with host 1's reason,
+    not after the load timeout."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    port = free_port()
+    args = {"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_port": port}
+    failed = []
+
+    def host1():
+        with pytest.raises(ValueError, match="is not node 0's model") as e:
+            run_node(str(tiny_model_dir_llama3), args)
+        failed.append(e.value)
+
+    thread = threading.Thread(target=host1, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(host 1 \(127.0.0.1, rank 1\)\) failed to start:\nmodel: .* on "
+                                           r"host 1 is not node 0's model"):
+        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, nnodes=2, master_port=port, kv_cache_memory=1 << 22)
+    assert time.monotonic() - start < 30
+    thread.join(10)
+    assert failed
 
 
 def _node_processes(parent: int) -> list[int]:

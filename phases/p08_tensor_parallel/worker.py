@@ -221,14 +221,18 @@ def run_node(model_path: str, engine_args: dict) -> int:
     address = host_ip(config.master_addr)
     run_id, (driver_args, digest) = join(store, token, config.node_rank, first, address,
                                          secrets.token_bytes(RUN_ID_BYTES))
-    for name in ("tensor_parallel_size", "nnodes", "master_addr", "master_port"):
-        theirs = driver_args.get(name, getattr(EngineConfig(), name))
-        if theirs != getattr(config, name):
-            raise ValueError(f"{name}={getattr(config, name)!r} on this host, but node 0 runs {theirs!r}: "
-                             f"every host must be started with the same {name}")
-    if model_digest(model_path) != digest:
-        raise ValueError(f"model: {model_path} is not node 0's model (its config.json or weight files "
-                         f"differ): every host needs the same checkpoint")
+    try:
+        for name in ("tensor_parallel_size", "nnodes", "master_addr", "master_port"):
+            theirs = driver_args.get(name, getattr(EngineConfig(), name))
+            if theirs != getattr(config, name):
+                raise ValueError(f"{name}={getattr(config, name)!r} on host {config.node_rank}, but node 0 runs "
+                                 f"{theirs!r}: every host must be started with the same {name}")
+        if model_digest(model_path) != digest:
+            raise ValueError(f"model: {model_path} on host {config.node_rank} is not node 0's model (its "
+                             f"config.json or weight files differ): every host needs the same checkpoint")
+    except ValueError as e:   # node 0 says so too, at once, rather than after the load timeout
+        write_ready(store, token, run_id, first, error=str(e))
+        raise
     args = dict(driver_args, node_rank=config.node_rank)
     procs = start_workers(range(first, first + world // config.nnodes), world, spec, token, run_id, model_path,
                           args, address)
@@ -250,6 +254,7 @@ def model_digest(model_path) -> str:
 def stop_workers(procs: list[subprocess.Popen], group=None) -> None:
     """Ask the workers to stop (when the group still works), then make sure they have."""
     if group is not None and group.pg is not None and any(p.poll() is None for p in procs):
+        group.who_is_gone = None   # a failed "stop" needs no names (naming a host waits for its heartbeat)
         try:
             group.broadcast_object(("stop",))
         except Exception:
