@@ -213,7 +213,6 @@ class CompiledDecodeRunner(DecodeRunner):
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, buckets: list[int],
                  background: dict | None = None):
         super().__init__(model, buffers, attention)
-        use_inductor_cache()
         self.opaque_layers = getattr(model, "opaque_layers", [])
         self.native_layers = getattr(model, "native_layers", None)   # the same layers, for cpu_ops.cpp
         self.key = compile_key(model)
@@ -247,6 +246,7 @@ class CompiledDecodeRunner(DecodeRunner):
         here; a failure is warned and the engine stays eager. Before the start a failure is
         raised."""
         try:
+            use_inductor_cache()   # here: a folder refused is then the background's warning, the start's error
             # in the background, once due (wait() returns True), the worker compiles what is not saved
             if background and self.due.wait() and not all(self.graph_path(b).is_file() for b in buckets):
                 self.compile_in_worker(background)
