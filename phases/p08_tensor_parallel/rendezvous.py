@@ -31,8 +31,8 @@ import pickle
 import subprocess
 import time
 
-from .parallel import RefusedValue, Stamp, check_stamp, load_timeout, open_bytes, open_signed, rendezvous_timeout, \
-    sign_bytes
+from .parallel import (LOAD_TIMEOUT_ENV, RENDEZVOUS_TIMEOUT_ENV, RefusedValue, Stamp, check_stamp, load_timeout,
+                       open_bytes, open_signed, rendezvous_timeout, sign_bytes)
 
 HEARTBEAT_S = 1.0          # how often a host says it is alive
 HOST_GONE_AFTER_S = 3.0    # a host whose heartbeat has not moved for this long is gone
@@ -91,7 +91,6 @@ class Rendezvous:
         self.answered: dict[int, bytes] = {}           # host -> the hello answered last
         self.beats: dict[int, tuple[int, float]] = {}  # host -> (its last heartbeat's counter, when seen)
         self.exited: dict[int, int] = {}               # rank of another host -> its exit code
-        self.ready: dict[int, str] = {}                # rank -> its address
         self.refused: set[bytes] = set()               # values refused (logged once each)
 
     # -- who is where --------------------------------------------------------------------------
@@ -165,7 +164,6 @@ class Rendezvous:
         if "error" in report:
             raise RuntimeError(f"tensor-parallel rank {rank} ({self.describe_host(self.host_of(rank))}) failed "
                                f"to start:\n{report['error']}")
-        self.ready[rank] = report["address"]
         return True
 
     # -- the waits -----------------------------------------------------------------------------
@@ -193,14 +191,14 @@ class Rendezvous:
                                  and now - start > hello_bound})
             if late_hosts:
                 raise TimeoutError(f"tensor parallel: {', '.join(self.describe_host(h) for h in late_hosts)} did "
-                                   f"not join within {hello_bound:g} s (TINYVLLM_RENDEZVOUS_TIMEOUT_S)"
+                                   f"not join within {hello_bound:g} s ({RENDEZVOUS_TIMEOUT_ENV})"
                                    f"{self.late_hint}")
             slow = sorted(r for r in waiting if self.host_of(r) in hello_at
                           and now - hello_at[self.host_of(r)] > load_bound)
             if slow:
                 raise TimeoutError(f"tensor-parallel rank(s) {', '.join(map(str, slow))} "
                                    f"({', '.join(sorted({self.describe_host(self.host_of(r)) for r in slow}))}) did "
-                                   f"not build their shard within {load_bound:g} s (TINYVLLM_LOAD_TIMEOUT_S)")
+                                   f"not build their shard within {load_bound:g} s ({LOAD_TIMEOUT_ENV})")
             time.sleep(POLL_S)
 
     def silent_hosts(self, now: float) -> list[int]:
@@ -269,7 +267,7 @@ def join(store, token: bytes, node: int, first_rank: int, address: str, nonce: b
                 return stamp.run_id, pickle.loads(data[len(nonce):])
         time.sleep(POLL_S)
     raise TimeoutError(f"tensor parallel: node 0 did not answer this host's hello within {bound:g} s "
-                       f"(TINYVLLM_RENDEZVOUS_TIMEOUT_S)")
+                       f"({RENDEZVOUS_TIMEOUT_ENV})")
 
 
 def beat_until_done(store, token: bytes, run_id: bytes, node: int, first_rank: int,

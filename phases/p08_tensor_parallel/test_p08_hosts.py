@@ -27,8 +27,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from phases.p08_tensor_parallel.parallel import (TOKEN_ENV, Stamp, backend_for, open_store, rank_device, shared_token,
-                                                 sign_bytes)
+from phases.p08_tensor_parallel.parallel import (TOKEN_ENV, Stamp, backend_for, load_timeout, open_store, rank_device,
+                                                 rendezvous_timeout, shared_token, sign_bytes)
 from phases.p08_tensor_parallel.rendezvous import HOST_GONE_AFTER_S, join, write_ready
 from phases.p08_tensor_parallel.worker import run_node
 from tinyvllm import LLM, SamplingParams
@@ -79,6 +79,11 @@ def test_host_arguments_are_checked_by_name(tiny_model_dir, monkeypatch):
         LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, nnodes=2, node_rank=1)
     with pytest.raises(ValueError, match="'file:PATH' or 'tcp:HOST:PORT'"):
         open_store("udp:x:1", 2, is_master=True)
+    for name, value in (("TINYVLLM_RENDEZVOUS_TIMEOUT_S", "soon"), ("TINYVLLM_LOAD_TIMEOUT_S", "-1")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name} must be a number of seconds above 0, got '{value}'"):
+            rendezvous_timeout() if "RENDEZVOUS" in name else load_timeout()
+        monkeypatch.delenv(name)
 
 
 def test_a_late_host_is_named_and_forged_values_change_nothing(tiny_model_dir, monkeypatch, caplog):
