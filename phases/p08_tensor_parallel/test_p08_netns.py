@@ -57,16 +57,16 @@ except Exception as e:
 llm.llm_engine.shutdown()
 """
 
-# The outsider: no token; it writes what it was given (forged, or recorded elsewhere), then reads
-# every key of the rendezvous it can, and prints them
+# The outsider: no token; it writes what it was given (forged, or recorded elsewhere), one value
+# each time it is told to, then reads every key of the rendezvous it can, and prints them
 OUTSIDER_SCRIPT = """
-import datetime, json, sys, time
+import datetime, json, sys
 import torch.distributed as dist
 store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), None, False, timeout=datetime.timedelta(seconds=60))
-for key, value in json.loads(sys.argv[3]):
+for i, (key, value) in enumerate(json.loads(sys.argv[3])):
+    sys.stdin.readline()
     store.set(key, bytes.fromhex(value))
-    time.sleep(0.5)
-print("written", flush=True)
+    print("written", i, flush=True)
 sys.stdin.readline()
 keys = json.loads(sys.argv[4])
 print(json.dumps({k: store.get(k).hex() for k in keys if store.check([k])}), flush=True)
@@ -167,11 +167,18 @@ def test_two_namespaced_hosts_refuse_an_outsider_and_name_a_dead_host(namespaces
                            json.dumps(keys)], env={TOKEN_ENV: ""})
         procs.append(outsider)
         out_c, seen_c = _lines(outsider.stdout), []
-        _wait_for(out_c, seen_c, lambda line: line.startswith("written"), 60, "outsider's writes")
-        # node 0 has refused both values at rank 1's "ready" before node 1 starts
-        for who in ("from a process without this engine's token", "signed by host 1 (rank 1)"):
+
+        def write(i: int) -> None:
+            outsider.stdin.write("next\n")
+            outsider.stdin.flush()
+            _wait_for(out_c, seen_c, lambda line: line == f"written {i}\n", 60, f"outsider's write {i}")
+
+        # node 0 refuses each value written at rank 1's "ready", before node 1 starts
+        for i, who in enumerate(("from a process without this engine's token", "signed by host 1 (rank 1)")):
+            write(i)
             _wait_for(err0, seen0_err, lambda line, who=who: "refused a value" in line and who in line, 30,
                       f"refusal ({who}) in node 0's log")
+        write(2)                       # a recorded answer, waiting for node 1's hello
         started = time.monotonic()
         node1 = _in(b, [sys.executable, "-m", "tinyvllm.entrypoints.cli", "serve", str(tiny_model_dir),
                         "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", NODE0,
