@@ -155,6 +155,15 @@ def pytest_sessionfinish(session):
         run.cancel()          # an interrupted session does not start the rest
 
 
+@pytest.fixture(autouse=True)
+def _no_secrets_taken_before(monkeypatch):
+    """Each test starts with no secret taken out of the environment: `tinyvllm.secret_env` keeps,
+    for the rest of a process, what an engine or a command took (a test sets and unsets them)."""
+    from tinyvllm import secret_env
+
+    monkeypatch.setattr(secret_env, "_TAKEN", {})
+
+
 @pytest.fixture
 def platform_rules():
     """`platform_rules(name=value, ...)`: for the rest of the test the platform answers these rules

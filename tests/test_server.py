@@ -461,6 +461,17 @@ def test_an_empty_api_key_is_refused(tiny_model_dir, capsys, monkeypatch):
     monkeypatch.setenv("TINYVLLM_API_KEY", " ")
     assert main(["serve", str(tiny_model_dir)]) == 2
     assert "TINYVLLM_API_KEY" in capsys.readouterr().err
+    assert "TINYVLLM_API_KEY" not in os.environ     # taken out before anything was started
+
+
+def test_the_api_key_flag_says_that_ps_shows_it(capsys):
+    """A flag's value is on the command line, which every user of the machine reads with `ps`: the
+    help says so, and points at the variable."""
+    from tinyvllm.entrypoints.cli import main
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "shows in `ps` to every user of this machine: prefer TINYVLLM_API_KEY" in text
 
 
 def test_metrics_have_vllm_names(server):

@@ -1,11 +1,13 @@
 """The server's bounds that are checked in one process (the app over an AsyncEngine, through
 httpx's ASGI transport): the waiting bound counts sequences, /health tells why only to a caller
-with the key, and the metrics forget every request a handler started."""
+with the key, the metrics forget every request a handler started, a chat's template variables
+count toward the prompt cap, and an unexpected error's text goes to the log, not the client."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import pytest
@@ -23,9 +25,56 @@ def _app(engine, **kw):
     return ae, build_app(ae, "tiny", api_key=KEY)
 
 
-def _client(app):
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://localhost",
+def _client(app, **transport):
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, **transport), base_url="http://localhost",
                              headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def _post(app, path: str, body: dict, **transport) -> httpx.Response:
+    async def post():
+        async with _client(app, **transport) as client:
+            return await client.post(path, json=body)
+    return asyncio.run(post())
+
+
+def test_chat_template_kwargs_count_toward_the_prompt_cap(tiny_model_dir):
+    """A short chat with a template variable longer than the cap is refused before the template
+    renders it (the template may put any variable in the prompt), as a long message is."""
+    ae, app = _app(LLM(str(tiny_model_dir)).llm_engine)
+    try:
+        cap = 512 * 50                       # the tiny model's max_model_len, times the characters a token
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        for path in ("/v1/chat/completions", "/tokenize"):
+            assert _post(app, path, {**chat, "chat_template_kwargs": {"notes": "x" * 100}}).status_code == 200
+            r = _post(app, path, {**chat, "chat_template_kwargs": {"notes": "x" * cap}})
+            assert r.status_code == 400, (path, r.text)
+            err = r.json()["error"]
+            assert err["param"] == "messages" and err["code"] == "context_length_exceeded"
+    finally:
+        ae.shutdown()
+
+
+def test_an_unexpected_error_is_a_500_without_its_text(tiny_model_dir, caplog):
+    """A bug's exception (here the tokenizer's, its text holding a path) is answered 500 "internal
+    error" with an id; the text and the traceback are in the server's log, beside that id."""
+    ae, app = _app(LLM(str(tiny_model_dir)).llm_engine)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot read /home/someone/private/notes.txt")
+
+    ae.tokenizer.encode = broken
+    try:
+        r = _post(app, "/tokenize", {"prompt": "hi"}, raise_app_exceptions=False)
+    finally:
+        ae.shutdown()
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert "/home/someone" not in r.text and "RuntimeError" not in r.text
+    assert err["type"] == "server_error" and err["code"] == "internal_error"
+    error_id = re.fullmatch(r"internal error \(request id (err-[0-9a-f]{16})\): the server's log has the details",
+                            err["message"]).group(1)
+    logged = [rec for rec in caplog.records if error_id in rec.getMessage()]
+    assert logged and "/home/someone/private/notes.txt" in caplog.text
 
 
 def test_the_waiting_bound_counts_sequences_not_requests(tiny_model_dir):

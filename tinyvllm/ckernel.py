@@ -4,7 +4,8 @@ A few of tinyvllm's CPU kernels are short C files beside the phase that teaches 
 batch-invariant kernels, phase 5's int8/int4 products). Each is compiled once per machine with
 the system's C compiler (`CC`, default `cc`) into `$TINYVLLM_CACHE/kernels/` (default
 ~/.cache/tinyvllm), the library named after a hash of its source and flags, so an edit or
-another compiler builds a new one. A C++ file (phase 7's operators) is compiled by `CXX` (default
+another compiler builds a new one. A library is loaded from there only while that folder is this
+user's alone (`private_dir`): anyone who could write it would choose the code that runs. A C++ file (phase 7's operators) is compiled by `CXX` (default
 `c++`), with the folders it searches given apart from its flags (`search`: PyTorch's headers and
 libraries, wherever the environment keeps them) so that they are not in the name. It is loaded
 only where the CPU kind tinyvllm acts as has the instructions it was compiled for
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tinyvllm import platform
+from tinyvllm.secret_env import child_env
 
 
 @dataclass
@@ -43,15 +45,14 @@ class CKernel:
 
     def build(self, cache: Path | None = None) -> Path:
         """Compile the source (once: the file is reused while the source and flags are the same)."""
-        from tinyvllm.download import cache_dir
+        from tinyvllm.download import cache_dir, private_dir
 
         src = self.source.read_bytes()
         cc = os.environ.get("CXX", "c++") if self.source.suffix == ".cpp" else os.environ.get("CC", "cc")
         flags = self.flags + [f"-D{macro}={int(bool(platform.current().rule(rule)))}" for macro, rule in self.defines.items()]
         key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
-        out = (cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
+        out = private_dir(cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
         if not out.exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # several processes may build
             os.close(fd)
             try:
@@ -83,8 +84,9 @@ class CKernel:
         return self.lib
 
     def environment(self) -> dict[str, str]:
-        """The compiler's environment: this process's, with `search`'s folders first."""
-        env = dict(os.environ)
+        """The compiler's environment: this process's without its secrets (`child_env`: a compiler
+        needs no token or key), with `search`'s folders first."""
+        env = child_env()
         for name, folder in self.search.items():
             env[name] = os.pathsep.join(p for p in (folder, env.get(name)) if p)
         return env

@@ -10,10 +10,13 @@ from the vocabulary and merges the file stores, and write an ordinary Hugging Fa
 
 from __future__ import annotations
 
+import grp
 import importlib.util
 import json
 import os
+import pwd
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -35,6 +38,49 @@ def cache_dir() -> Path:
     """$TINYVLLM_CACHE, or ~/.cache/tinyvllm where it is unset or empty (an empty one would
     otherwise put the model in the current folder)."""
     return Path(os.environ.get("TINYVLLM_CACHE") or Path.home() / ".cache" / "tinyvllm")
+
+
+def private_dir(folder: Path) -> Path:
+    """`folder`, a cache of code this process loads (C kernels, compiled graphs), made if missing
+    (mode 0700, and the folder that holds it too), once it and that folder are this user's alone:
+    whoever can write there chooses the code tinyvllm runs. A PermissionError names the folder
+    that is not: one owned by another user (root aside), or writable by another (by others, or by
+    a group that is not the user's own, named after them)."""
+    folder = Path(folder)
+    folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, exist_ok=True)
+    uid = os.geteuid()
+    for f in (folder.parent, folder):
+        st = f.stat()
+        if st.st_uid not in (uid, 0):
+            problem = f"is owned by another user (uid {st.st_uid})"
+        elif st.st_mode & stat.S_IWOTH:
+            problem = f"is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+        elif st.st_mode & stat.S_IWGRP and not _own_group(st.st_gid, uid):
+            problem = f"is writable by the group {_group_name(st.st_gid)} (mode {stat.S_IMODE(st.st_mode):o})"
+        else:
+            continue
+        raise PermissionError(f"the cache folder {f} {problem}: code loaded from it could be another "
+                              f"user's, so it is not loaded. Make it yours alone (chmod go-w {f}), or set "
+                              f"TINYVLLM_CACHE to a folder of your own")
+    return folder
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
+def _own_group(gid: int, uid: int) -> bool:
+    """Is `gid` the user's own group: their primary group, named after them, with no other member?"""
+    try:
+        user = pwd.getpwuid(uid).pw_name
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return gid == os.getegid() and group.gr_name == user and set(group.gr_mem) <= {user}
 
 
 def find_gguf() -> Path | None:

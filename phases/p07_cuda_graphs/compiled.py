@@ -65,10 +65,11 @@ from phases.p04_triton_kernels.cpu_attention import attention_row
 from phases.p05_quantization import QuantizedLinear
 from phases.p05_quantization.lossless import LosslessLinear
 from tinyvllm.ckernel import torch_extension
-from tinyvllm.download import cache_dir
+from tinyvllm.download import cache_dir, private_dir
 from phases.p04_triton_kernels.cpu_layers import CpuLinear, bfloat16_weights
 from tinyvllm import platform
 from tinyvllm.hardware import AVX2_FLAGS
+from tinyvllm.secret_env import child_env
 
 from .decode_runner import DecodeRunner, StaticDecodeBuffers
 from .fused import decode_forward, fused_model, layer_row
@@ -171,8 +172,10 @@ def use_step(layers: torch.Tensor | None, attention=None) -> None:
 
 def use_inductor_cache() -> None:
     """Keep inductor's compiled code under $TINYVLLM_CACHE (unless TORCHINDUCTOR_CACHE_DIR says
-    otherwise), beside the model and the C kernels."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    otherwise), beside the model and the C kernels, in a folder that is this user's alone
+    (`private_dir`: inductor loads the libraries it finds there)."""
+    if not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_dir(cache_dir() / "inductor"))
 
 
 SOURCES = (Path(__file__).parents[2] / "tinyvllm", Path(__file__).parents[1])
@@ -210,7 +213,6 @@ class CompiledDecodeRunner(DecodeRunner):
     def __init__(self, model, buffers: StaticDecodeBuffers, attention, buckets: list[int],
                  background: dict | None = None):
         super().__init__(model, buffers, attention)
-        use_inductor_cache()
         self.opaque_layers = getattr(model, "opaque_layers", [])
         self.native_layers = getattr(model, "native_layers", None)   # the same layers, for cpu_ops.cpp
         self.key = compile_key(model)
@@ -244,6 +246,7 @@ class CompiledDecodeRunner(DecodeRunner):
         here; a failure is warned and the engine stays eager. Before the start a failure is
         raised."""
         try:
+            use_inductor_cache()   # here: a folder refused is then the background's warning, the start's error
             # in the background, once due (wait() returns True), the worker compiles what is not saved
             if background and self.due.wait() and not all(self.graph_path(b).is_file() for b in buckets):
                 self.compile_in_worker(background)
@@ -267,7 +270,7 @@ class CompiledDecodeRunner(DecodeRunner):
         process); it is killed if this engine is collected or the interpreter exits first."""
         worker = str(Path(__file__).with_name("compile_worker.py"))
         self.worker = subprocess.Popen([sys.executable, worker, json.dumps(request)], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.PIPE, text=True)
+                                       stderr=subprocess.PIPE, text=True, env=child_env())
         weakref.finalize(self, self.worker.kill)
         _, err = self.worker.communicate()
         if self.worker.returncode != 0:
@@ -275,7 +278,9 @@ class CompiledDecodeRunner(DecodeRunner):
             raise RuntimeError(f"the compile worker exited with {self.worker.returncode}: {last[0]}")
 
     def graph_path(self, bucket: int) -> Path:
-        return cache_dir() / "compiled" / f"decode-{self.key}-{'b1' if bucket == 1 else 'dynamic'}.bin"
+        """Where `bucket`'s graph is saved: in a folder that is this user's alone (`private_dir`),
+        as a saved graph is code this process runs."""
+        return private_dir(cache_dir() / "compiled") / f"decode-{self.key}-{'b1' if bucket == 1 else 'dynamic'}.bin"
 
     @torch.inference_mode()
     def make_graph(self, bucket: int, compile: bool = True) -> None:
@@ -305,7 +310,6 @@ class CompiledDecodeRunner(DecodeRunner):
                 graph = compiler.aot_compile(((self.model, ids, positions), {}))
             self.num_compiled += 1
             with contextlib.suppress(OSError):   # unsaved, the next start compiles again
-                path.parent.mkdir(parents=True, exist_ok=True)
                 graph.save_compiled_function(str(path))
         # checked once here; the runner calls each graph only with its own shape
         graph.disable_guard_check()

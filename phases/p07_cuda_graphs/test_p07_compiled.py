@@ -332,6 +332,26 @@ def test_a_saved_graph_s_key_follows_the_engine_s_source_not_its_tests(tmp_path,
     assert compiled.compile_key(model) != key
 
 
+def test_a_graph_folder_another_user_could_write_is_refused(tiny_model_dir, tmp_path, monkeypatch, recwarn):
+    """A saved graph is code the engine runs: the folder of saved graphs is refused by name, before
+    a graph is read from it or written to it, when another user could write it. With
+    compilation_mode=1 the engine does not start; by default it serves eagerly, and says why."""
+    monkeypatch.setattr(compiled, "cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    folder = tmp_path / "compiled"
+    folder.mkdir()
+    folder.chmod(0o777)
+    refused = f"the cache folder {folder} is writable by every user"
+    with pytest.raises(PermissionError, match=refused):
+        LLM(str(tiny_model_dir), phase=7, max_num_seqs=2, compilation_mode=1)
+    monkeypatch.delenv("TINYVLLM_COMPILATION_MODE", raising=False)
+    llm = LLM(str(tiny_model_dir), phase=7, max_num_seqs=2)
+    assert llm.llm_engine.runner.decode_runner.wait_until_compiled(60) is False
+    assert any(f"compiling the decode step failed (PermissionError: {refused}" in str(w.message) for w in recwarn.list)
+    assert tokens(llm, PROMPTS[:2]) == tokens(make_eager(tiny_model_dir), PROMPTS[:2])
+    assert not list(folder.iterdir())
+
+
 @pytest.mark.parametrize("value", [2, -1, "1", 1.0, True])
 def test_bad_compilation_mode_names_it(make_llm, tiny_model_dir, value):
     before = make_llm(tiny_model_dir, 7, max_num_seqs=8, compilation_mode=1)

@@ -1,7 +1,9 @@
-"""`python -m phases.p08_tensor_parallel RANK WORLD STORE MODEL ENGINE_ARGS_JSON`: one worker rank,
-as its host starts it (worker.start_workers), with the group's token in its environment
-(TINYVLLM_TP_TOKEN): it builds phase 8's parts with its rank. STORE is the rendezvous,
-"file:PATH" or "tcp:HOST:PORT" (parallel.open_store)."""
+"""`python -m phases.p08_tensor_parallel RANK WORLD STORE RUN_ID PARENT_PID MODEL ENGINE_ARGS_JSON`:
+one worker rank, as its host starts it (worker.start_workers), with the group's token in its
+environment (TINYVLLM_TP_TOKEN): it builds phase 8's parts with its rank. STORE is the
+rendezvous, "file:PATH" or "tcp:HOST:PORT" (parallel.open_store); RUN_ID (hex) the run every
+signed value of this engine carries; PARENT_PID the process that started it, whose end ends this
+one too."""
 
 import json
 import sys
@@ -13,6 +15,7 @@ from .worker import worker_main
 
 if __name__ == "__main__":
     rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    model, engine_args = sys.argv[4], json.loads(sys.argv[5])
-    sys.exit(worker_main(rank, world, store_path, lambda: EngineSetup.create(model, engine_args, rank),
-                         RECIPE.build))
+    run_id, parent_pid = bytes.fromhex(sys.argv[4]), int(sys.argv[5])
+    model, engine_args = sys.argv[6], json.loads(sys.argv[7])
+    sys.exit(worker_main(rank, world, store_path, run_id, parent_pid,
+                         lambda: EngineSetup.create(model, engine_args, rank), RECIPE.build))

@@ -18,8 +18,8 @@ driver alone. vLLM's multiprocessing executor works the same way: one driver, wo
 beside it, the step's inputs broadcast (`vllm/v1/executor/multiproc_executor.py`).
 
 Over several hosts (`nnodes > 1`) the driver serves the rendezvous on `master_addr:master_port`,
-starts its own host's ranks, publishes its engine arguments (signed) for the other hosts, and
-waits for their ranks (`worker.run_node` on each) to join.
+starts its own host's ranks, answers each other host's hello with its engine arguments (signed
+for this run), and waits for their ranks (`worker.run_node` on each) to join (`Rendezvous`).
 """
 
 from __future__ import annotations
@@ -35,9 +35,9 @@ import torch
 from tinyvllm.config import EngineConfig
 from tinyvllm.step import ModelRunnerOutput, SchedulerOutput
 
-from .parallel import TensorParallelGroup, dumps_signed, open_store, rendezvous_timeout, shared_token
-from .worker import (ENGINE_KEY, bind_address, decode_rows, model_digest, start_workers, stop_workers,
-                     threads_per_rank, wait_ready)
+from .parallel import RUN_ID_BYTES, TensorParallelGroup, open_store, shared_token
+from .rendezvous import Rendezvous
+from .worker import bind_address, decode_rows, model_digest, start_workers, stop_workers, threads_per_rank
 
 
 def broadcast_decode_runs(decode_runner, group: TensorParallelGroup) -> None:
@@ -77,7 +77,8 @@ class TensorParallelExecutor:
     On one host the ranks meet in a directory only this user can open (`tempfile.mkdtemp` makes it
     mode 0700), and the driver signs its messages with a random token of this engine's, which each
     worker gets in its environment. Over several hosts they meet at `master_addr:master_port`, and
-    the token is the secret every host has in TINYVLLM_TP_TOKEN.
+    the token is the secret every host has in TINYVLLM_TP_TOKEN. Either way the driver draws a
+    random run id, which every signed value of this engine carries.
 
     Args:
         inner: phase 7's runner, on the driver's share of the model.
@@ -97,6 +98,7 @@ class TensorParallelExecutor:
         worker_args = dict(engine_args, num_kv_blocks=num_blocks, speculative_config=None)
         per_host = self.ranks_here = group.world // config.nnodes
         self.workers, self.rendezvous_dir = [], None
+        run_id = secrets.token_bytes(RUN_ID_BYTES)
         try:
             if config.nnodes == 1:
                 self.rendezvous_dir = tempfile.mkdtemp(prefix="tinyvllm-tp-")
@@ -104,14 +106,16 @@ class TensorParallelExecutor:
             else:
                 spec, token = f"tcp:{config.master_addr}:{config.master_port}", shared_token()
             store = open_store(spec, group.world, is_master=True)
-            if config.nnodes > 1:
-                store.set(ENGINE_KEY, dumps_signed((worker_args, model_digest(model_path)), token))
-            self.workers = start_workers(store, range(1, per_host), group.world, spec, token, model_path,
-                                         worker_args)
-            if config.nnodes > 1:   # the other hosts' ranks, started by run_node on each
-                wait_ready(store, dict.fromkeys(range(per_host, group.world)), token,
-                           rendezvous_timeout().total_seconds(), late_hosts_hint(config, model_path))
-            group.connect(store, token, bind_address(config), device)
+            engine = (worker_args, model_digest(model_path)) if config.nnodes > 1 else None
+            self.rendezvous = Rendezvous(store, token, run_id, group.world, config.nnodes, engine,
+                                         late_hosts_hint(config, model_path))
+            address = bind_address(config)
+            self.rendezvous.local = start_workers(range(1, per_host), group.world, spec, token, run_id,
+                                                  model_path, worker_args, address)
+            self.workers = list(self.rendezvous.local.values())
+            self.rendezvous.wait_ready()
+            group.who_is_gone = self.rendezvous.who_is_gone
+            group.connect(store, token, run_id, address, device)
         except BaseException:
             stop_group(self.workers, None, self.rendezvous_dir)
             raise

@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -251,6 +253,41 @@ def test_no_rank_outlives_its_engine(tiny_model_dir):
         llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)
     llm.llm_engine.shutdown()
     assert worker.poll() is not None and worker.pid not in _tp_processes()
+
+
+@pytest.mark.timing
+def test_a_worker_exits_when_its_driver_is_killed_while_it_loads(tiny_model_dir):
+    """A driver killed (SIGKILL: no shutdown, no finalizer) while its worker still loads: the
+    worker ends within a second or two, though its waits would allow minutes, and the rendezvous
+    directory goes with it."""
+    root = Path(__file__).resolve().parents[2]
+    script = (f"from tinyvllm import LLM; LLM({str(tiny_model_dir)!r}, phase=8, tensor_parallel_size=2, "
+              f"kv_cache_memory=1 << 22)")
+    driver = subprocess.Popen([sys.executable, "-c", script], cwd=root,
+                              env={**os.environ, "PYTHONPATH": str(root), "TINYVLLM_RENDEZVOUS_TIMEOUT_S": "600"})
+    worker = None
+    try:
+        deadline = time.monotonic() + 60
+        while not _tp_processes(parent=driver.pid) and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.02)
+        (worker,) = _tp_processes(parent=driver.pid)
+        store_path = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")[5].decode()
+        os.kill(driver.pid, signal.SIGKILL)                 # the worker is still importing or loading
+        driver.wait()
+        killed = time.monotonic()
+        while worker in _tp_processes() and time.monotonic() - killed < 20:
+            time.sleep(0.05)
+        assert worker not in _tp_processes(), "the worker outlived its driver"
+        assert time.monotonic() - killed < 5
+        deadline = time.monotonic() + 5
+        while os.path.exists(os.path.dirname(store_path.removeprefix("file:"))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(os.path.dirname(store_path.removeprefix("file:")))
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if worker in _tp_processes():   # it did outlive the driver: leave nothing running
+            os.kill(worker, signal.SIGKILL)
 
 
 @pytest.mark.server

@@ -2,25 +2,35 @@
 
 On a CPU: the backend follows the device, each rank of a host gets its own GPU (a fake count),
 and two "hosts" started as separate processes that share only node 0's address (loopback) give
-one rank's tokens; a host that dies fails the step with an error that says so, and leaves no rank
-hanging. On two or more GPUs (`pytest -m multi_gpu`): NCCL carries the all-reduces, with phase
+one rank's tokens; a host that dies fails the step with an error that names it, and leaves no
+rank hanging; values written into node 0's store by a process without the token, or recorded from
+another run, are refused. (test_p08_netns.py runs the hosts at addresses of their own.) On two or
+more GPUs (`pytest -m multi_gpu`): NCCL carries the all-reduces, with phase
 7's CUDA graphs captured around them.
 """
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
+import pickle
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from phases.p08_tensor_parallel.parallel import TOKEN_ENV, backend_for, open_store, rank_device, shared_token
+from phases.p08_tensor_parallel.parallel import (TOKEN_ENV, Stamp, backend_for, load_timeout, open_store, rank_device,
+                                                 rendezvous_timeout, shared_token, sign_bytes)
+from phases.p08_tensor_parallel.rendezvous import HOST_GONE_AFTER_S, join, write_ready
+from phases.p08_tensor_parallel.worker import run_node
 from tinyvllm import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,17 +79,91 @@ def test_host_arguments_are_checked_by_name(tiny_model_dir, monkeypatch):
         LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, nnodes=2, node_rank=1)
     with pytest.raises(ValueError, match="'file:PATH' or 'tcp:HOST:PORT'"):
         open_store("udp:x:1", 2, is_master=True)
+    for name, value in (("TINYVLLM_RENDEZVOUS_TIMEOUT_S", "soon"), ("TINYVLLM_LOAD_TIMEOUT_S", "-1")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=f"{name} must be a number of seconds above 0, got '{value}'"):
+            rendezvous_timeout() if "RENDEZVOUS" in name else load_timeout()
+        monkeypatch.delenv(name)
 
 
-def test_a_late_host_is_named(tiny_model_dir, monkeypatch):
-    """Node 0 waits for the other hosts' ranks for the rendezvous timeout, then says which ranks
-    are missing and how to start their host."""
+def test_a_late_host_is_named_and_forged_values_change_nothing(tiny_model_dir, monkeypatch, caplog):
+    """Node 0 waits for the other hosts for the rendezvous timeout, then says which is missing and
+    how to start it. Meanwhile a process without the token, which reaches node 0's store, writes a
+    forged error as rank 1's "ready", then a "ready" signed with the token but recorded from
+    another run: node 0 refuses both unread, logs who signed them, and waits on."""
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     monkeypatch.setenv("TINYVLLM_RENDEZVOUS_TIMEOUT_S", "3")
-    with pytest.raises(RuntimeError, match=r"rank\(s\) 1 did not join within 3 s: start each other host with "
-                                           r"`tinyvllm serve .* --node-rank K .*--headless`"):
-        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, nnodes=2, master_port=free_port(),
+    port = free_port()
+    key = "tinyvllm/rank1/ready"
+    recorded = sign_bytes(pickle.dumps({"address": "127.0.0.1"}), bytes.fromhex(TOKEN), Stamp(key, bytes(16), 1))
+
+    def intruder():   # no token: it can only write what it made or what it read before
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
+        store.set(key, "error boom")
+        time.sleep(1)
+        store.set(key, recorded)
+
+    thread = threading.Thread(target=intruder, daemon=True)
+    thread.start()
+    with pytest.raises(TimeoutError, match=r"host 1 \(rank 1\) did not join within 3 s .*: start each other host "
+                                           r"with `tinyvllm serve .* --node-rank K .*--headless`") as e:
+        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, nnodes=2, master_port=port,
             kv_cache_memory=1 << 22)
+    thread.join(5)
+    assert "boom" not in str(e.value)
+    refused = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and key in r.getMessage()]
+    assert any("from a process without this engine's token" in m for m in refused), refused
+    assert any("signed by host 1 (rank 1)" in m and "another run" in m for m in refused), refused
+    assert TOKEN_ENV not in os.environ             # taken out before any process was started
+
+
+@pytest.mark.timing
+def test_a_host_that_never_connects_is_named_within_the_bound(tiny_model_dir, monkeypatch):
+    """A host that goes through the rendezvous (its hello answered, a signed "ready" for its rank)
+    and then never connects, as one that dies there: node 0's connect gives up after the
+    rendezvous timeout and names the host, instead of waiting a collective's seven days."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    monkeypatch.setenv("TINYVLLM_RENDEZVOUS_TIMEOUT_S", "3")
+    port, token = free_port(), bytes.fromhex(TOKEN)
+
+    def half_a_host():
+        store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=30))
+        run_id, _ = join(store, token, 1, 1, "127.0.0.1", os.urandom(16))
+        write_ready(store, token, run_id, 1, "127.0.0.1")
+
+    thread = threading.Thread(target=half_a_host, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank 0 could not connect to every other rank within 3 s "
+                                           r"\(TINYVLLM_RENDEZVOUS_TIMEOUT_S; host 1 \(127.0.0.1, rank 1\) is gone"):
+        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, nnodes=2, master_port=port,
+            kv_cache_memory=1 << 22)
+    assert time.monotonic() - start < 3 + HOST_GONE_AFTER_S + 10
+    thread.join(5)
+
+
+def test_a_host_with_another_model_is_named_at_once(tiny_model_dir, tiny_model_dir_llama3, monkeypatch):
+    """Host 1 given another checkpoint refuses to build; node 0 fails at once with host 1's reason,
+    not after the load timeout."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    port = free_port()
+    args = {"tensor_parallel_size": 2, "nnodes": 2, "node_rank": 1, "master_port": port}
+    failed = []
+
+    def host1():
+        with pytest.raises(ValueError, match="is not node 0's model") as e:
+            run_node(str(tiny_model_dir_llama3), args)
+        failed.append(e.value)
+
+    thread = threading.Thread(target=host1, daemon=True)
+    thread.start()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 \(host 1 \(127.0.0.1, rank 1\)\) failed to start:\nmodel: .* on "
+                                           r"host 1 is not node 0's model"):
+        LLM(str(tiny_model_dir), phase=8, tensor_parallel_size=2, nnodes=2, master_port=port, kv_cache_memory=1 << 22)
+    assert time.monotonic() - start < 30
+    thread.join(10)
+    assert failed
 
 
 def _node_processes(parent: int) -> list[int]:
@@ -93,7 +177,7 @@ def test_two_hosts_give_one_rank_tokens_and_a_dead_host_fails_the_step(tiny_mode
     """Two "hosts" on one machine, two ranks each: node 1 is `tinyvllm serve ... --node-rank 1
     --headless` in a process of its own, sharing nothing with node 0 but the master address and
     the token. Their four ranks give one rank's tokens. Then node 1 dies: the next step fails with
-    an error that names what happened, and node 0's own worker rank does not hang."""
+    an error that names it, and node 0's own worker rank does not hang."""
     one_rank = tokens(LLM(str(tiny_model_dir), phase=8, kv_cache_memory=1 << 22))
     port = free_port()
     hosts = ["--tensor-parallel-size", "4", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
@@ -112,7 +196,8 @@ def test_two_hosts_give_one_rank_tokens_and_a_dead_host_fails_the_step(tiny_mode
         os.killpg(node1.pid, signal.SIGKILL)                           # host 1 is gone, all of it
         node1.wait()
         start = time.monotonic()
-        with pytest.raises(Exception, match="another rank of this engine is gone"):
+        with pytest.raises(Exception, match=r"another rank of this engine is gone \(.*host 1 \(127.0.0.1, ranks "
+                                            r"2-3\) is gone"):
             tokens(llm)
         assert time.monotonic() - start < 60
         local = runner.workers[0]

@@ -19,7 +19,9 @@ and running it, until "stop":
 
 Every message is one the driver runs at the same moment, so all ranks meet at the same
 all-reduces in the same order. A worker never schedules or samples; it returns nothing but its
-columns of the logits. A message that is not signed with the token stops the worker, unread.
+columns of the logits. A message that is not signed with the token, or not stamped with this run
+and the next step's number, stops the worker, unread. A worker whose parent (the driver, or its
+host's `run_node`) is gone exits too (`exit_with_parent`), removing the rendezvous directory.
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -38,11 +42,13 @@ import torch
 
 from tinyvllm.config import EngineConfig
 from tinyvllm.platform import resolve_device
+from tinyvllm.secret_env import child_env
 
-from .parallel import (LOOPBACK, TOKEN_ENV, available_cores, host_ip, loads_signed, open_store, rank_device,
-                       shared_token, signed_ready, take_token)
+from .parallel import (LOOPBACK, RUN_ID_BYTES, TOKEN_ENV, available_cores, host_ip, nccl_env, open_store,
+                       rank_device, shared_token, take_token)
+from .rendezvous import beat_until_done, join, write_ready
 
-STARTUP_TIMEOUT_S = 600
+PARENT_POLL_S = 0.5   # how often a worker looks whether its parent is still there
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -51,38 +57,58 @@ def threads_per_rank(world: int) -> int:
     return max(1, available_cores() // world)
 
 
-def _ready_key(rank: int) -> str:
-    return f"tinyvllm/rank{rank}/ready"
-
-
 def bind_address(config: EngineConfig) -> str:
     """Where this host's ranks listen: loopback when every rank runs on one host."""
     return LOOPBACK if config.nnodes == 1 else host_ip(config.master_addr)
 
 
-def worker_main(rank: int, world: int, store_spec: str, setup, build) -> int:
+def exit_with_parent(parent_pid: int, store_spec: str) -> None:
+    """End this worker, from a thread of its own, once the process that started it is gone (it is
+    then another process's child): a driver killed while this rank loads or waits leaves nothing
+    running, and no rendezvous directory (the driver removes it at shutdown otherwise)."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        remove_rendezvous(store_spec)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def remove_rendezvous(store_spec: str) -> None:
+    """Remove a one-host rendezvous directory (the FileStore's)."""
+    if store_spec.startswith("file:"):
+        shutil.rmtree(os.path.dirname(store_spec.removeprefix("file:")), ignore_errors=True)
+
+
+def worker_main(rank: int, world: int, store_spec: str, run_id: bytes, parent_pid: int, setup, build) -> int:
     """The body of worker process `rank`: take its token, build its parts (`build(setup())`: phase
-    8's recipe with this rank), report (signed "ready", or the error), serve."""
+    8's recipe with this rank), report (signed "ready", or the error), join the group, serve."""
+    exit_with_parent(parent_pid, store_spec)
     store = open_store(store_spec, world, is_master=False)
+    token = b""
     try:
         token = take_token()
         s = setup()
         torch.set_num_threads(threads_per_rank(world // s.config.nnodes))
         parts = build(s)
     except BaseException:
-        store.set(_ready_key(rank), "error " + traceback.format_exc())
+        error = traceback.format_exc()
+        print(error, file=sys.stderr, flush=True)   # on this host, as node 0 shows it on its own
+        if token:
+            write_ready(store, token, run_id, rank, error=error)
         return 1
-    store.set(_ready_key(rank), signed_ready(rank, token))
-    parts.model_loader.group.connect(store, token, bind_address(s.config), s.device)
+    address = bind_address(s.config)
+    write_ready(store, token, run_id, rank, address)
     code = 0
     try:
+        parts.model_loader.group.connect(store, token, run_id, address, s.device)
         serve(parts)
-    except Exception:   # a message it cannot run, or one not signed with the token: this rank stops
+    except Exception:   # no group, a message it cannot run, or one refused: this rank stops
         traceback.print_exc()
         code = 1
     # the driver removes the rendezvous directory at shutdown; this covers a driver that died first
-    if store_spec.startswith("file:"):
-        shutil.rmtree(os.path.dirname(store_spec.removeprefix("file:")), ignore_errors=True)
+    remove_rendezvous(store_spec)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)  # at once: the process group's threads would abort an ordinary exit
 
@@ -113,11 +139,13 @@ def serve(parts) -> None:
             raise ValueError(f"unknown message {kind!r} from the driver")
 
 
-def worker_env(token: bytes) -> dict:
-    """A worker's environment: this one, this repository on its path, and the group's token (in
+def worker_env(token: bytes, host: str = LOOPBACK) -> dict:
+    """A worker's environment: this one without its secrets (`child_env`), this repository on its
+    path, NCCL's sockets where this host's ranks listen (`nccl_env`), and the group's token (in
     the environment, which only this user can read, as the command line is anyone's to read)."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    return dict(os.environ, PYTHONPATH=path, **{TOKEN_ENV: token.hex()})
+    nccl = {k: v for k, v in nccl_env(host).items() if k not in os.environ}   # the user's own choice stays
+    return child_env(PYTHONPATH=path, **nccl, **{TOKEN_ENV: token.hex()})
 
 
 def decode_rows(buf, bucket: int) -> dict:
@@ -147,45 +175,23 @@ def worker_args(engine_args: dict, rank: int, ranks_per_host: int) -> dict:
     return dict(engine_args, device=str(rank_device(device, local, torch.cuda.device_count())))
 
 
-def start_workers(store, ranks: range, world: int, store_spec: str, token: bytes, model_path: str,
-                  engine_args: dict) -> list[subprocess.Popen]:
-    """Start this host's worker ranks (`ranks`) and wait until each has built its shard. A rank
-    that fails raises here with its traceback, and every rank already started is stopped."""
-    env = worker_env(token)
+def start_workers(ranks: range, world: int, store_spec: str, token: bytes, run_id: bytes, model_path: str,
+                  engine_args: dict, host: str = LOOPBACK) -> dict[int, subprocess.Popen]:
+    """Start this host's worker ranks (`ranks`), each told the run and its parent (this process),
+    and given the token in its environment; who waits for them to be ready is the rendezvous
+    (`Rendezvous.wait_ready` on node 0)."""
+    env = worker_env(token, host)
     per_host = world // EngineConfig.from_kwargs(**engine_args).nnodes
-    procs = []
+    procs = {}
     try:
         for rank in ranks:
             cmd = [sys.executable, "-m", "phases.p08_tensor_parallel", str(rank), str(world), store_spec,
-                   model_path, json.dumps(worker_args(engine_args, rank, per_host))]
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL))
-        wait_ready(store, dict(zip(ranks, procs)), token, STARTUP_TIMEOUT_S)
+                   run_id.hex(), str(os.getpid()), model_path, json.dumps(worker_args(engine_args, rank, per_host))]
+            procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
     except BaseException:
-        stop_workers(procs)
+        stop_workers(list(procs.values()))
         raise
     return procs
-
-
-def wait_ready(store, ranks: dict, token: bytes, timeout_s: float, late_hint: str = "") -> None:
-    """Wait until every rank of `ranks` (rank -> its process here, or None for a rank of another
-    host) has written its signed "ready". A rank that fails raises with its traceback; one that is
-    late raises after `timeout_s`, naming it (`late_hint`: how to start it)."""
-    deadline = time.monotonic() + timeout_s
-    for rank, proc in ranks.items():
-        while not store.check([_ready_key(rank)]):
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"tensor-parallel rank {rank} exited while starting (exit code {proc.returncode})")
-            if time.monotonic() > deadline:
-                waiting = [r for r in ranks if not store.check([_ready_key(r)])]
-                raise RuntimeError(f"tensor-parallel rank(s) {', '.join(map(str, waiting))} did not join within "
-                                   f"{timeout_s:.0f} s{late_hint}")
-            time.sleep(0.05)
-        msg = store.get(_ready_key(rank)).decode()
-        if msg.startswith("error "):
-            raise RuntimeError(f"tensor-parallel rank {rank} failed to start:\n{msg.removeprefix('error ')}")
-        if msg != signed_ready(rank, token):
-            raise RuntimeError(f"tensor-parallel rank {rank}: its 'ready' is not signed with this engine's "
-                               f"token (another engine, or a host with another {TOKEN_ENV}?)")
 
 
 def check_hosts(config: EngineConfig) -> None:
@@ -198,9 +204,10 @@ def check_hosts(config: EngineConfig) -> None:
 
 
 def run_node(model_path: str, engine_args: dict) -> int:
-    """Host `node_rank` (>= 1) of an engine over `nnodes` hosts: start this host's ranks, which
-    join node 0's rendezvous at master_addr:master_port, and wait until they stop (vLLM's
-    `--headless`). The engine itself (its scheduler, sampler and server) runs on node 0."""
+    """Host `node_rank` (>= 1) of an engine over `nnodes` hosts: say hello at node 0's rendezvous
+    (master_addr:master_port), build from the engine node 0 answers with, start this host's ranks
+    and beat (`beat_until_done`) until they stop (vLLM's `--headless`). The engine itself (its
+    scheduler, sampler and server) runs on node 0."""
     config = EngineConfig.from_kwargs(**engine_args)
     check_hosts(config)
     if config.nnodes == 1 or config.node_rank == 0:
@@ -208,31 +215,31 @@ def run_node(model_path: str, engine_args: dict) -> int:
                          f"(got nnodes={config.nnodes}, node_rank={config.node_rank})")
     token = shared_token()
     world = config.tensor_parallel_size
-    per_host = world // config.nnodes
+    first = config.node_rank * (world // config.nnodes)
     spec = f"tcp:{config.master_addr}:{config.master_port}"
     store = open_store(spec, world, is_master=False)
+    address = host_ip(config.master_addr)
+    run_id, (driver_args, digest) = join(store, token, config.node_rank, first, address,
+                                         secrets.token_bytes(RUN_ID_BYTES))
     try:
-        driver_args, digest = loads_signed(store.get(ENGINE_KEY), token)   # waits for node 0
-    except RuntimeError:
-        raise RuntimeError(f"tensor parallel: node 0 at {config.master_addr}:{config.master_port} did not "
-                           f"publish its engine within the rendezvous timeout") from None
-    for name in ("tensor_parallel_size", "nnodes", "master_addr", "master_port"):
-        theirs = driver_args.get(name, getattr(EngineConfig(), name))
-        if theirs != getattr(config, name):
-            raise ValueError(f"{name}={getattr(config, name)!r} on this host, but node 0 runs {theirs!r}: "
-                             f"every host must be started with the same {name}")
-    if model_digest(model_path) != digest:
-        raise ValueError(f"model: {model_path} is not node 0's model (its config.json or weight files "
-                         f"differ): every host needs the same checkpoint")
-    first = config.node_rank * per_host
+        for name in ("tensor_parallel_size", "nnodes", "master_addr", "master_port"):
+            theirs = driver_args.get(name, getattr(EngineConfig(), name))
+            if theirs != getattr(config, name):
+                raise ValueError(f"{name}={getattr(config, name)!r} on host {config.node_rank}, but node 0 runs "
+                                 f"{theirs!r}: every host must be started with the same {name}")
+        if model_digest(model_path) != digest:
+            raise ValueError(f"model: {model_path} on host {config.node_rank} is not node 0's model (its "
+                             f"config.json or weight files differ): every host needs the same checkpoint")
+    except ValueError as e:   # node 0 says so too, at once, rather than after the load timeout
+        write_ready(store, token, run_id, first, error=str(e))
+        raise
     args = dict(driver_args, node_rank=config.node_rank)
-    procs = start_workers(store, range(first, first + per_host), world, spec, token, model_path, args)
-    codes = [p.wait() for p in procs]
-    return max(codes)
-
-
-# Where node 0 publishes the engine arguments (signed) that the other hosts' ranks build from
-ENGINE_KEY = "tinyvllm/engine"
+    procs = start_workers(range(first, first + world // config.nnodes), world, spec, token, run_id, model_path,
+                          args, address)
+    try:
+        return beat_until_done(store, token, run_id, config.node_rank, first, procs, stop_workers)
+    finally:
+        stop_workers(list(procs.values()))
 
 
 def model_digest(model_path) -> str:
@@ -247,6 +254,7 @@ def model_digest(model_path) -> str:
 def stop_workers(procs: list[subprocess.Popen], group=None) -> None:
     """Ask the workers to stop (when the group still works), then make sure they have."""
     if group is not None and group.pg is not None and any(p.poll() is None for p in procs):
+        group.who_is_gone = None   # a failed "stop" needs no names (naming a host waits for its heartbeat)
         try:
             group.broadcast_object(("stop",))
         except Exception:

@@ -19,6 +19,7 @@ import time
 import phases
 from tinyvllm.entrypoints.bench import add_bench_parser, run_bench_command
 from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.secret_env import take_secrets
 
 
 def _phase_help() -> str:
@@ -139,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # first, before anything is built or started: no process this one starts inherits a secret
+    take_secrets()
     args = build_parser().parse_args(argv)
     try:
         if args.command == "download":

@@ -27,18 +27,18 @@ import time
 
 import torch
 
-from phases.p08_tensor_parallel.parallel import TensorParallelGroup, open_store, take_token
+from phases.p08_tensor_parallel.parallel import RUN_ID_BYTES, TensorParallelGroup, open_store, take_token
 from phases.p08_tensor_parallel.worker import worker_env
 from tinyvllm.entrypoints.bench.machine import machine_info
 
 ALL_REDUCES_PER_STEP = 61   # the default model: 2 in each of 30 layers, 1 after the embedding
 
 
-def run_rank(rank: int, store_path: str, token: bytes, hidden: int, batches: list[int], iters: int,
+def run_rank(rank: int, store_path: str, token: bytes, run_id: bytes, hidden: int, batches: list[int], iters: int,
              repeat: int) -> list[dict]:
     torch.set_num_threads(1)
     group = TensorParallelGroup(rank, 2)
-    group.connect(open_store("file:" + store_path, 2, is_master=rank == 0), token)
+    group.connect(open_store("file:" + store_path, 2, is_master=rank == 0), token, run_id)
     rows = []
     for b in batches:
         x = torch.randn(b, hidden)
@@ -63,18 +63,22 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--store", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rank == 1:
-        run_rank(1, args.store, take_token(), args.hidden, args.batch, args.iters, args.repeat)
+        run_rank(1, args.store, take_token(), bytes.fromhex(args.run_id), args.hidden, args.batch, args.iters,
+                 args.repeat)
         return
     directory, token = tempfile.mkdtemp(prefix="tinyvllm-tp-"), secrets.token_bytes(32)
+    run_id = secrets.token_bytes(RUN_ID_BYTES)
     store_path = os.path.join(directory, "store")
     try:
         peer = subprocess.Popen([sys.executable, "-m", "phases.p08_tensor_parallel.tools.bench_allreduce",
-                                 "--rank", "1", "--store", store_path, "--hidden", str(args.hidden),
+                                 "--rank", "1", "--store", store_path, "--run-id", run_id.hex(),
+                                 "--hidden", str(args.hidden),
                                  "--iters", str(args.iters), "--repeat", str(args.repeat),
                                  "--batch", *map(str, args.batch)], env=worker_env(token))
-        rows = run_rank(0, store_path, token, args.hidden, args.batch, args.iters, args.repeat)
+        rows = run_rank(0, store_path, token, run_id, args.hidden, args.batch, args.iters, args.repeat)
         peer.wait()
     finally:
         shutil.rmtree(directory, ignore_errors=True)

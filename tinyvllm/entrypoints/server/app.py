@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 import re
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -31,6 +33,7 @@ from tinyvllm.entrypoints.server.serving_engine import APIError, OpenAIServing, 
 from tinyvllm.entrypoints.server.serving_info import add_info_routes
 
 OPEN_PATHS = frozenset({"/", "/health"})  # the only paths served without the API key
+log = logging.getLogger("tinyvllm.server")
 
 
 class _BodyTooLarge(BaseException):
@@ -124,8 +127,14 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return error_response(e)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, e: Exception):  # never a plain-text 500
-        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
+    async def _unexpected(request: Request, e: Exception):
+        # never a plain-text 500, and never the exception's text: it can hold paths, another
+        # request's content, the engine's internals. The client gets an id the log has beside it.
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        log.error("internal error %s on %s %s", error_id, request.method, request.url.path,
+                  exc_info=(type(e), e, e.__traceback__))
+        return error_response(APIError(500, f"internal error (request id {error_id}): the server's log "
+                                            f"has the details", type="server_error", code="internal_error"))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):

@@ -7,6 +7,7 @@ import os
 import sys
 
 import phases
+from tinyvllm.secret_env import take_secret
 
 DEFAULT_MAX_NUM_WAITING = 4096   # sequences waiting for a seat: a burst's bound, far above any batch
 # the bounds of a connection (tinyvllm/entrypoints/server/connections.py enforces them)
@@ -35,8 +36,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--phase", type=int, default=None, metavar="N",
                    help="which phase's engine; default the newest")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every path but / and /health "
-                        "(or set TINYVLLM_API_KEY); an empty key is refused")
+                   help="require 'Authorization: Bearer KEY' on every path but / and /health; an empty "
+                        "key is refused. A flag's value shows in `ps` to every user of this machine: "
+                        "prefer TINYVLLM_API_KEY, which only you can read (and which tinyvllm takes "
+                        "out of its environment before it starts any other process)")
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="on a loopback --host, answer this Host name too (repeatable; default: only "
                         "localhost, 127.0.0.1 and [::1], against DNS rebinding)")
@@ -132,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get("TINYVLLM_API_KEY")
+    api_key = args.api_key if args.api_key is not None else take_secret("TINYVLLM_API_KEY")
     if api_key is not None and not api_key.strip():
         raise ValueError("--api-key (or TINYVLLM_API_KEY) is empty: an empty key would turn "
                          "authentication off; give a key, or leave both unset to serve without one")

@@ -29,7 +29,7 @@ from tinyvllm.entrypoints.server.serving_engine import (
     bad_value,
     check_text,
     error_body,
-    message_chars,
+    chat_chars,
 )
 
 
@@ -106,7 +106,7 @@ def add_completion_routes(app: FastAPI, serving: OpenAIServing) -> None:
         except (ValueError, TypeError) as e:
             raise bad_value(e, chat_fields, "messages", req) from None
         serving.check_request(params)
-        serving.check_chars(message_chars(req.messages), "messages")
+        serving.check_chars(chat_chars(req), "messages")
 
         def render_and_encode():   # off the event loop: a long chat takes a while
             text = serving.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs)

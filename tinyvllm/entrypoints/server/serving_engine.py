@@ -122,10 +122,13 @@ def check_text(req) -> None:
         bad_text(value, name)
 
 
-def message_chars(messages) -> int:
-    """The characters of a chat's messages, every field of each (a role or an extra field counts
-    as much as the content): what the prompt cap is checked against, before any tokenizing."""
-    return sum(len(json.dumps(m.model_dump(exclude_none=True))) for m in messages)
+def chat_chars(req) -> int:
+    """The characters of a chat: every field of each message (a role or an extra field counts as
+    much as the content) and its `chat_template_kwargs` (the template may put any of them in the
+    prompt): what the prompt cap is checked against, before any rendering or tokenizing."""
+    kwargs = req.chat_template_kwargs
+    return (sum(len(json.dumps(m.model_dump(exclude_none=True))) for m in req.messages)
+            + (len(json.dumps(kwargs, default=str)) if kwargs else 0))
 
 
 class OpenAIServing:

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
 from tinyvllm.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
-from tinyvllm.entrypoints.server.serving_engine import APIError, OpenAIServing, check_text, message_chars
+from tinyvllm.entrypoints.server.serving_engine import APIError, OpenAIServing, check_text, chat_chars
 
 STATIC = Path(__file__).parent / "static"
 
@@ -57,7 +57,7 @@ def add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give one of prompt or messages", param="prompt")
         if req.messages is not None:
-            serving.check_chars(message_chars(req.messages), "messages")
+            serving.check_chars(chat_chars(req), "messages")
             ids = await asyncio.to_thread(lambda: tokenizer.encode(serving.render_chat(
                 req.messages, req.add_generation_prompt, req.chat_template_kwargs), add_special_tokens=False))
         else:
