@@ -213,8 +213,9 @@ def compile_default(device_type: str) -> str | None:
 def check_kernels_default(check_kernels: bool | None, device_type: str) -> bool:
     """Whether the engine runs in checked mode (`check_kernels`; phase 2's `check_metadata`): as
     asked, else $TINYVLLM_CHECK_KERNELS (0 or 1) where set, else on a CPU, where the checks were
-    measured at a few percent of a decode step at most (`tinyvllm bench checks`), and off on a
-    GPU, where they are not measured and each reads a flag back from the device."""
+    measured well under the 2% of a decode step a default may cost (phase 7's tools/check_cost.py,
+    check-kernels-*.json), and off on a GPU, where they are not measured and each waits for the
+    device to copy the metadata back."""
     if check_kernels is not None:
         return check_kernels
     switch = env_switch("TINYVLLM_CHECK_KERNELS")

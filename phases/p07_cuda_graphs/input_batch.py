@@ -134,11 +134,13 @@ class InputBatch:
                                  f"into a freed row must have its new row in row_of)")
         if n != len(seqs) or len(self.row_of) != n:
             raise ValueError(f"InputBatch: {len(seqs)} requests this step, but {n} rows and {len(self.row_of)} in row_of")
-        counts = zip(self.num_tokens.tolist(), self.num_computed.tolist(), self.num_blocks.tolist())
-        for r, seq, (tokens, computed, nb) in zip(range(n), self.seqs, counts):
+        # each tensor read once, as Python values (one operator each, not one a row)
+        tokens, computed, blocks = (t[:n].tolist() for t in (self.num_tokens, self.num_computed, self.num_blocks))
+        tables = self.block_table[:n, :max(blocks, default=0)].tolist()
+        feed = self.token_ids[torch.arange(n), self.num_computed[:n].clamp(0, self.token_ids.shape[1] - 1)].tolist()
+        for r, seq in enumerate(self.seqs[:n]):
             ids = seq.block_table.block_ids if seq.block_table is not None else []
-            have = (tokens, computed, self.block_table[r, :nb].tolist(),
-                    int(self.token_ids[r, computed]) if computed < tokens else None)
+            have = (tokens[r], computed[r], tables[r][:blocks[r]], feed[r] if computed[r] < tokens[r] else None)
             c = seq.num_computed_tokens
             want = (seq.num_tokens, c, ids, seq.token_ids[c] if c < seq.num_tokens else None)
             if have != want:
