@@ -2,7 +2,9 @@
 
 A new phase joins every shared test and the front door (`LLM(phase=N)`) by adding one line here.
 `make_engine(N, model, **engine_args)` is `Engine(setup, RECIPE.build(setup))`: the one engine
-loop (phase 1's `Engine`) with phase N's parts.
+loop (phase 1's `Engine`) with phase N's parts; where the recipe has a `front_end` (phase 9 on),
+what that makes of them (the client of an engine core in a process of its own), with the same
+public methods.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ PHASES: dict[int, str] = {
     6: "phases.p06_speculative_decoding",
     7: "phases.p07_cuda_graphs",
     8: "phases.p08_tensor_parallel",
+    9: "phases.p09_engine_core",
 }
 
 if os.environ.get("TINYVLLM_WORKSPACE"):  # a learner's copies of phases stand in (phases/workspace.py)
@@ -74,5 +77,8 @@ def make_engine(phase: int | None = None, model=None, **engine_args):
 
     phase = _check_phase(phase)
     check_engine_args(phase, engine_args)
+    recipe = get_recipe(phase)
+    if recipe.front_end is not None:   # phase 9 on: a client of the engine core's process
+        return recipe.front_end(model, engine_args, recipe)
     setup = EngineSetup.create(model, engine_args)
-    return Engine(setup, get_recipe(phase).build(setup))
+    return Engine(setup, recipe.build(setup))

@@ -15,3 +15,9 @@ class StepError(RuntimeError):
         self.request_ids = list(request_ids)
         super().__init__(f"a step failed ({type(cause).__name__}: {cause}); its "
                          f"{len(self.request_ids)} request(s) were aborted, and the engine goes on")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot run any request any more: its thread stopped, or the process of its
+    engine core died (phase 9). Every open request fails with it; a server answers 503 and exits
+    non-zero, for a supervisor to restart it."""

@@ -222,6 +222,13 @@ def check_kernels_default(check_kernels: bool | None, device_type: str) -> bool:
     return bool(switch) if switch is not None else device_type == "cpu"
 
 
+def engine_core_process() -> bool:
+    """Whether an engine whose recipe has a front end (phase 9 on) runs its engine core in a
+    process of its own: yes, unless $TINYVLLM_ENABLE_MULTIPROCESSING is 0 (vLLM's
+    VLLM_ENABLE_V1_MULTIPROCESSING), which keeps the whole engine in the caller's process."""
+    return env_switch("TINYVLLM_ENABLE_MULTIPROCESSING") != 0
+
+
 def env_switch(name: str) -> int | None:
     """A 0/1 environment switch (None: unset); anything else is refused by name."""
     value = os.environ.get(name, "")

@@ -76,16 +76,22 @@ class Engine:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already running")
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
-        params.check_vocab(self.model_config.vocab_size)
-        self.scheduler.check_fits(len(ids), params)
-        structured = params.structured_outputs
-        grammar = self.structured_output_manager.compile(structured) if structured is not None else None
+        grammar = self.check_request(len(ids), params)
         group = SequenceGroup(request_id, text, ids, params, self.tokenizer, self.eos_token_ids,
                               self.max_model_len, self.device, self.rng, arrival_time)
         if grammar is not None:  # each sequence parses its own output
             for seq in group.seqs:
                 seq.grammar = self.structured_output_manager.matcher(grammar)
         return group
+
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams):
+        """The checks of a request that need the model and the parts (the vocabulary, the pool's
+        size, the grammar of its structured output); its compiled grammar, or None (raises on bad
+        input). A front in another process asks the engine this before it queues a request."""
+        params.check_vocab(self.model_config.vocab_size)
+        self.scheduler.check_fits(num_prompt_tokens, params)
+        structured = params.structured_outputs
+        return self.structured_output_manager.compile(structured) if structured is not None else None
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:

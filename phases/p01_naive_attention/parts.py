@@ -234,15 +234,20 @@ class Recipe:
     attention: Factory | None = None
     proposer: Factory | None = None
     checks: tuple[Callable[[EngineSetup], None], ...] = ()
+    # What the caller holds, where it is not the engine itself: (model, engine arguments, this
+    # recipe) -> an object with the engine's public methods (phase 9's client of an engine core in
+    # a process of its own). None: the registry builds `Engine(setup, recipe.build(setup))` in
+    # the caller's process.
+    front_end: Callable[[Any, dict, "Recipe"], Any] | None = None
 
-    def extend(self, phase: int, engine_args=(), checks=(), **factories: Factory) -> "Recipe":
+    def extend(self, phase: int, engine_args=(), checks=(), front_end=None, **factories: Factory) -> "Recipe":
         """The recipe of the next phase: this one with the factories it replaces, the engine
-        arguments it adds, and its checks after these."""
+        arguments it adds, its checks after these, and its front end (or the one before)."""
         unknown = set(factories) - set(PART_ORDER)
         if unknown:
             raise TypeError(f"no such part(s): {sorted(unknown)}; the parts are {PART_ORDER}")
         return replace(self, phase=phase, engine_args=self.engine_args | frozenset(engine_args),
-                       checks=self.checks + tuple(checks), **factories)
+                       checks=self.checks + tuple(checks), front_end=front_end or self.front_end, **factories)
 
     def build(self, setup: EngineSetup) -> Parts:
         """Run the checks, then each factory in PART_ORDER."""

@@ -1,0 +1,387 @@
+"""The front process's side: `EngineCoreClient`, an object with the engine's public methods whose
+engine runs in a child process (core.py).
+
+    LLM / the server  ->  EngineCoreClient.make_request   tokenize (parse_prompt) here; ask the
+                                                          core the checks only it can answer
+                          EngineCoreClient.add_group      AddRequest --> core
+                          EngineCoreClient.step           the Outputs that came, as RequestOutputs
+                          EngineCoreClient.abort_request  Abort --> core
+
+`LLM.generate`'s loop and the server's engine thread run unchanged on it: `step()` waits for the
+next outputs while requests are open (polling the process, so a dead core is noticed within
+`POLL_MS`) and returns them as the in-process engine's `RequestOutput`s, built here from the core's
+deltas (new token ids and logprobs, the text so far: see core.py for where the text is made).
+
+Requests are checked before they are queued, as in one process: the prompt is tokenized and its
+ids and length checked here (`parse_prompt`, which needs only the tokenizer and the model's
+config); the vocabulary, the pool's size (`scheduler.check_fits`) and a structured output's
+grammar need the core's parts, so `make_request` asks the core (`check_request`, one round trip)
+and raises its ValueError or TypeError. A request id still open is refused here.
+
+When the core dies (killed, out of memory, a bug), the next call raises `EngineDeadError` naming
+the engine core, its pid and how it ended; every open request failed with it, and
+`has_unfinished_requests` is False from then on. `shutdown()` (or the client's garbage collection,
+or the interpreter's exit) asks the core to stop, kills it if it does not within
+`SHUTDOWN_TIMEOUT_S`, and removes the sockets' private directory.
+
+vLLM: `vllm/v1/engine/core_client.py` (`SyncMPClient`, `AsyncMPClient`; one thread receives
+outputs), `vllm/v1/engine/utils.py` (starting the core and waiting for its handshake).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from phases.p01_naive_attention import EngineSetup
+from tinyvllm.config import EngineConfig
+from tinyvllm.download import resolve_model
+from tinyvllm.errors import EngineDeadError, StepError
+from tinyvllm.inputs import PromptType, parse_prompt
+from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.secret_env import child_env, take_secret
+
+from . import serial
+from .core import socket_paths
+from .serial import (Abort, AddRequest, BadMessage, Failed, Outputs, Ready, Refused, RequestDelta, Shutdown,
+                     Utility, UtilityResult)
+
+logger = logging.getLogger("tinyvllm.engine_core_client")
+POLL_MS = 50                 # a wait for the core looks at its process this often
+SHUTDOWN_TIMEOUT_S = 5.0     # a core that does not stop within this is killed
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(slots=True)
+class FrontRequest:
+    """A request checked by `make_request`, not yet sent (what `add_group` sends)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class _Open:
+    """What the front keeps of an open request to build its `RequestOutput`s from the deltas."""
+
+    request: FrontRequest
+    token_ids: list[list[int]]
+    logprobs: list[list | None]
+    prompt_logprobs: list | None = field(default=None)
+
+
+def remote_error(text: str) -> Exception:
+    """An error the core reported as "Type: message": bad input (ValueError, TypeError) as itself,
+    anything else as a RuntimeError that names the engine core."""
+    kind, _, message = text.partition(": ")
+    if kind in ("ValueError", "TypeError"):
+        return {"ValueError": ValueError, "TypeError": TypeError}[kind](message)
+    return RuntimeError(f"the engine core: {text}")
+
+
+class _CoreProcess:
+    """The child process and the sockets to it; `stop` is idempotent (the client's finalizer)."""
+
+    def __init__(self, phase: int, model_path: str, engine_args: dict, nnodes: int):
+        try:
+            args = json.dumps(engine_args)
+        except TypeError as e:
+            raise TypeError(f"engine arguments cross to the engine core as JSON: {e}") from None
+        self.ipc_dir = tempfile.mkdtemp(prefix="tinyvllm-core-")   # mode 0700: this user's alone
+        self.ctx = zmq.Context()
+        self.inputs, self.outputs = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        for sock in (self.inputs, self.outputs):
+            sock.setsockopt(zmq.LINGER, 0)
+        in_path, out_path = socket_paths(self.ipc_dir)
+        self.inputs.bind(in_path)
+        self.outputs.bind(out_path)
+        # the one child that needs a secret is given it: ranks on several hosts sign with it
+        token = take_secret("TINYVLLM_TP_TOKEN") if nnodes > 1 else None
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))   # this code, not another copy
+        env = child_env(PYTHONPATH=path, **({"TINYVLLM_TP_TOKEN": token} if token else {}))
+        cmd = [sys.executable, "-m", "phases.p09_engine_core", self.ipc_dir, str(os.getpid()), str(phase),
+               model_path, args]
+        # a session of its own: a Ctrl-C at the terminal reaches the front, which stops the core
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def how_it_ended(self) -> str:
+        code = self.proc.returncode
+        if code is not None and code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.inputs.send(serial.encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            try:
+                self.proc.wait(SHUTDOWN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if not self.ctx.closed:
+            self.inputs.close(), self.outputs.close()
+            self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class EngineCoreClient:
+    """Phase 9's engine as the front process sees it: the in-process engine's public interface
+    (what `LLM`, the CLI and the server call), over an engine core in a child process.
+
+    Args:
+        model: a model folder (None: the default model), as `LLM` takes it.
+        engine_args: the engine arguments (checked by the registry first).
+        phase: whose parts the core builds.
+
+    The core is started first, and the front reads the model's config and tokenizer
+    (`EngineSetup.create`) while the core's interpreter imports PyTorch: most of what the front
+    needs costs no time the core would not take anyway.
+    """
+
+    def __init__(self, model, engine_args: dict, phase: int):
+        self.phase = phase
+        model_path = resolve_model(model)   # first: a default model converted once, not by both
+        config = EngineConfig.from_kwargs(**engine_args)
+        self._core = _CoreProcess(phase, str(model_path), engine_args, config.nnodes)
+        self._finalizer = weakref.finalize(self, self._core.stop)
+        try:
+            self.setup = setup = EngineSetup.create(model_path, engine_args)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.config, self.tokenizer = setup.config, setup.tokenizer
+        self.device, self.dtype, self.model_path = setup.device, setup.dtype, setup.model_path
+        self.model_config, self.max_model_len = setup.model_config, setup.max_model_len
+        self.eos_token_ids = setup.eos_token_ids
+        self._open: dict[str, _Open] = {}
+        self._outputs: list[RequestOutput] = []     # received, not yet returned by step
+        self._errors: list[StepError] = []          # failed requests, raised by the next step
+        self._results: dict[int, UtilityResult] = {}
+        self._call_ids = itertools.count()
+        self._dead: EngineDeadError | None = None
+        self._fatal: str | None = None              # the core's last words, if it said any
+        self._build_error: str | None = None        # why the core could not build the engine
+        self._ready: Ready | None = None
+        self._snapshot: dict = {}
+        self._lock = threading.RLock()              # the state above, and receiving
+        self._send_lock = threading.Lock()          # a zmq socket is used by one thread at a time
+        self._wait(lambda: self._ready is not None)
+        if self._dead is not None:
+            self.shutdown()
+            if self._build_error is not None:   # a bad argument only the parts could see: as in one process
+                raise remote_error(self._build_error) from self._dead
+            raise self._dead
+        self.core_pid = self._ready.pid
+
+    # -- requests in -------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                     arrival_time: float | None = None) -> FrontRequest:
+        """Check a request (here, and in the core what needs its parts); raises on bad input."""
+        self.check_health()
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if request_id in self._open:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self._call("check_request", len(ids), serial.params_to_wire(params))
+        return FrontRequest(request_id, text, ids, params, arrival_time or time.perf_counter())
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        self.add_group(self.make_request(request_id, prompt, params, arrival_time))
+
+    def add_group(self, request: FrontRequest) -> None:
+        """Send a request `make_request` checked to the core."""
+        self.check_health()
+        with self._lock:
+            if request.request_id in self._open:
+                raise ValueError(f"request_id {request.request_id!r} is already running")
+            n = request.params.n
+            self._open[request.request_id] = _Open(request, [[] for _ in range(n)], [[] for _ in range(n)])
+        self._send(AddRequest(request.request_id, request.prompt_token_ids,
+                              serial.params_to_wire(request.params), request.arrival_time))
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests now (the core frees their blocks at its next turn); unknown ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            known = [rid for rid in ids if self._open.pop(rid, None) is not None]
+        if known and self._dead is None:
+            self._send(Abort(known))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._open)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self._open)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """The outputs the core sent since the last call (waiting for some while requests are
+        open). Raises `StepError` for requests whose step failed in the core (the others go on),
+        and `EngineDeadError` once the core is gone."""
+        self._wait(lambda: self._outputs or self._errors or not self._open)
+        with self._lock:
+            if self._dead is not None:
+                raise self._dead
+            if self._errors:
+                raise self._errors.pop(0)
+            outputs, self._outputs = self._outputs, []
+        return outputs
+
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` if the core has died (without waiting for it)."""
+        if self._dead is None and self._core.proc.poll() is not None:
+            with self._lock:
+                self._receive(0)
+        if self._dead is not None:
+            raise self._dead
+
+    # -- numbers -----------------------------------------------------------------------------------
+    def get_stats(self) -> dict[str, float]:
+        return self._call("get_stats")
+
+    def reset_stats(self) -> None:
+        self._call("reset_stats")
+
+    def snapshot(self) -> dict:
+        """The engine's state as plain data. While requests run, the last one the core sent (at
+        most `core.SNAPSHOT_EVERY_S` old: a server's step loop never waits for the core to
+        answer); when none run, asked of the core now."""
+        if self._open or self._dead is not None:
+            return self._snapshot
+        self._snapshot = self._call("snapshot")
+        return self._snapshot
+
+    def shutdown(self) -> None:
+        """Stop the engine core (asked, then killed after SHUTDOWN_TIMEOUT_S) and remove its sockets."""
+        self._finalizer()
+
+    # -- the sockets -------------------------------------------------------------------------------
+    def _send(self, message) -> None:
+        with self._send_lock:
+            self._core.inputs.send(serial.encode(message), copy=False)
+
+    def _call(self, method: str, *args):
+        """Run one of the core's utilities and wait for its answer (its ValueError/TypeError raised here)."""
+        self.check_health()
+        call_id = next(self._call_ids)
+        self._send(Utility(call_id, method, list(args)))
+        self._wait(lambda: call_id in self._results)
+        if self._dead is not None:
+            raise self._dead
+        with self._lock:
+            answer = self._results.pop(call_id)
+        if answer.error is not None:
+            raise remote_error(answer.error)
+        return answer.result
+
+    def _wait(self, done) -> None:
+        """Receive until `done()` or the core is dead (checking its process every POLL_MS)."""
+        while True:
+            with self._lock:
+                if done() or self._dead is not None:
+                    return
+                self._receive(POLL_MS)
+
+    def _receive(self, timeout_ms: int) -> None:
+        """Handle every message waiting (waiting up to `timeout_ms` for the first); notice a dead core."""
+        outputs = self._core.outputs
+        if not outputs.poll(timeout_ms):
+            if self._core.proc.poll() is not None:
+                self._died()
+            return
+        while True:
+            try:
+                data = outputs.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._handle(serial.decode(data.bytes))
+            except (BadMessage, ValueError, TypeError, KeyError) as e:
+                logger.warning("refused a message from the engine core: %s", e)
+
+    def _handle(self, message) -> None:
+        if isinstance(message, Outputs):
+            for delta in message.outputs:
+                self._apply(delta)
+            if message.snapshot is not None:
+                self._snapshot = message.snapshot
+        elif isinstance(message, UtilityResult):
+            self._results[message.call_id] = message
+        elif isinstance(message, Failed):
+            if message.kind in ("fatal", "build"):
+                self._fatal = message.message
+                self._build_error = message.message if message.kind == "build" else None
+                return
+            failed = [rid for rid in message.request_ids if self._open.pop(rid, None) is not None]
+            if failed:
+                self._errors.append(StepError(failed, RuntimeError(f"in the engine core: {message.message}")))
+        elif isinstance(message, Refused):
+            logger.warning("the engine core refused a message: %s", message.reason)
+        elif isinstance(message, Ready):
+            self._ready, self._snapshot = message, message.snapshot
+        else:
+            raise BadMessage(f"a {type(message).__name__} message, which only the front sends")
+
+    def _apply(self, delta: RequestDelta) -> None:
+        """Add a request's delta to what the front holds of it; queue its RequestOutput."""
+        state = self._open.get(delta.request_id)
+        if state is None:   # aborted here after the core had run it
+            return
+        completions = []
+        for s in delta.seqs:
+            state.token_ids[s.index].extend(s.new_token_ids)
+            logprobs = state.logprobs[s.index] if s.new_logprobs is not None else None
+            if logprobs is not None:
+                logprobs.extend(serial.logprobs_from_wire(s.new_logprobs))
+            completions.append(CompletionOutput(s.index, s.text, list(state.token_ids[s.index]),
+                                                s.cumulative_logprob, None if logprobs is None else list(logprobs),
+                                                s.finish_reason, s.stop_reason))
+        if delta.new_prompt_logprobs is not None:
+            state.prompt_logprobs = (state.prompt_logprobs or []) + serial.prompt_logprobs_from_wire(
+                delta.new_prompt_logprobs)
+        r = state.request
+        self._outputs.append(RequestOutput(
+            r.request_id, r.prompt, r.prompt_token_ids, completions, delta.finished,
+            serial.metrics_from_wire(delta.metrics), delta.num_cached_tokens,
+            None if state.prompt_logprobs is None else list(state.prompt_logprobs)))
+        if delta.finished:
+            del self._open[delta.request_id]
+
+    def _died(self) -> None:
+        """The core is gone: every open request fails, and every later call raises."""
+        core = self._core
+        open_ids = list(self._open)
+        reason = f": {self._fatal}" if self._fatal else ""
+        self._dead = EngineDeadError(
+            f"the engine core process (pid {core.proc.pid}) has died ({core.how_it_ended()}){reason}; "
+            f"its {len(open_ids)} open request(s) failed")
+        self._open.clear()
+        self._outputs.clear()
+        self._errors.clear()
