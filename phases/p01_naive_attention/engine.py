@@ -202,6 +202,10 @@ class Engine:
             "prefix_cache_hits": int(stats.get("prefix_cache_hits", 0)),
         }
 
+    def check_health(self) -> None:
+        """Raise `EngineDeadError` when the engine can run nothing more; one in this process always
+        can (phase 9's client of an engine core in another process asks whether it still lives)."""
+
     def shutdown(self) -> None:
         """Let go of what the parts hold outside this process (worker processes, say)."""
         self.parts.close()

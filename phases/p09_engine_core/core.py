@@ -116,10 +116,11 @@ class EngineCoreProc:
             self.check_parent()
         while not self.stopping:
             try:
-                data = self.inputs.recv(zmq.NOBLOCK, copy=False)
+                parts = self.inputs.recv_multipart(zmq.NOBLOCK)   # a batch of records arrives whole
             except zmq.Again:
                 return
-            self.handle(data.bytes)
+            for data in parts:
+                self.handle(data)
 
     def check_parent(self) -> None:
         if os.getppid() != self.parent_pid:
@@ -276,7 +277,8 @@ def core_main(ipc_dir: str, parent_pid: int, make_engine) -> int:
         try:
             engine = make_engine()
         except BaseException as e:
-            traceback.print_exc()
+            if not isinstance(e, (ValueError, TypeError)):   # a bad argument is the front's to raise
+                traceback.print_exc()
             outputs.send(serial.encode(Failed([], "build", f"{type(e).__name__}: {e}")))
             return 1
         core = EngineCoreProc(engine, inputs, outputs, parent_pid, ipc_dir)

@@ -3,7 +3,7 @@ engine runs in a child process (core.py).
 
     LLM / the server  ->  EngineCoreClient.make_request   tokenize (parse_prompt) here; ask the
                                                           core the checks only it can answer
-                          EngineCoreClient.add_group      AddRequest --> core
+                          EngineCoreClient.add_group      AddRequest --> core (with the next message)
                           EngineCoreClient.step           the Outputs that came, as RequestOutputs
                           EngineCoreClient.abort_request  Abort --> core
 
@@ -178,6 +178,7 @@ class EngineCoreClient:
         self._outputs: list[RequestOutput] = []     # received, not yet returned by step
         self._errors: list[StepError] = []          # failed requests, raised by the next step
         self._results: dict[int, UtilityResult] = {}
+        self._awaited: set[int] = set()             # call ids whose answers are waited for
         self._call_ids = itertools.count()
         self._dead: EngineDeadError | None = None
         self._fatal: str | None = None              # the core's last words, if it said any
@@ -186,6 +187,7 @@ class EngineCoreClient:
         self._snapshot: dict = {}
         self._lock = threading.RLock()              # the state above, and receiving
         self._send_lock = threading.Lock()          # a zmq socket is used by one thread at a time
+        self._pending: list[bytes] = []             # messages of add_group, sent with the next one
         self._wait(lambda: self._ready is not None)
         if self._dead is not None:
             self.shutdown()
@@ -223,8 +225,10 @@ class EngineCoreClient:
                 raise ValueError(f"request_id {request.request_id!r} is already running")
             n = request.params.n
             self._open[request.request_id] = _Open(request, [[] for _ in range(n)], [[] for _ in range(n)])
-        self._send(AddRequest(request.request_id, request.prompt_token_ids,
-                              serial.params_to_wire(request.params), request.arrival_time))
+        message = AddRequest(request.request_id, request.prompt_token_ids, serial.params_to_wire(request.params),
+                             request.arrival_time)
+        with self._send_lock:   # sent with the next message, or by step
+            self._pending.append(serial.encode(message))
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests now (the core frees their blocks at its next turn); unknown ids are ignored."""
@@ -245,6 +249,7 @@ class EngineCoreClient:
         """The outputs the core sent since the last call (waiting for some while requests are
         open). Raises `StepError` for requests whose step failed in the core (the others go on),
         and `EngineDeadError` once the core is gone."""
+        self._send()   # the requests added since the last call
         self._wait(lambda: self._outputs or self._errors or not self._open)
         with self._lock:
             if self._dead is not None:
@@ -283,20 +288,31 @@ class EngineCoreClient:
         self._finalizer()
 
     # -- the sockets -------------------------------------------------------------------------------
-    def _send(self, message) -> None:
+    def _send(self, message=None) -> None:
+        """Send `message` after every message `add_group` queued, in order, as one ZeroMQ message
+        of several parts: the core takes a batch of requests whole, so a `generate` call's
+        requests start in one step, as they do in one process (and their tokens are the same
+        to the last bit)."""
         with self._send_lock:
-            self._core.inputs.send(serial.encode(message), copy=False)
+            parts, self._pending = self._pending + ([serial.encode(message)] if message is not None else []), []
+            if parts:
+                self._core.inputs.send_multipart(parts, copy=False)
 
     def _call(self, method: str, *args):
         """Run one of the core's utilities and wait for its answer (its ValueError/TypeError raised here)."""
         self.check_health()
         call_id = next(self._call_ids)
-        self._send(Utility(call_id, method, list(args)))
-        self._wait(lambda: call_id in self._results)
-        if self._dead is not None:
-            raise self._dead
         with self._lock:
-            answer = self._results.pop(call_id)
+            self._awaited.add(call_id)
+        try:
+            self._send(Utility(call_id, method, list(args)))
+            self._wait(lambda: call_id in self._results)
+            if self._dead is not None:
+                raise self._dead
+        finally:
+            with self._lock:
+                self._awaited.discard(call_id)
+                answer = self._results.pop(call_id, None)
         if answer.error is not None:
             raise remote_error(answer.error)
         return answer.result
@@ -333,6 +349,8 @@ class EngineCoreClient:
             if message.snapshot is not None:
                 self._snapshot = message.snapshot
         elif isinstance(message, UtilityResult):
+            if message.call_id not in self._awaited:
+                raise BadMessage(f"an answer to no call waiting (call {message.call_id}: {message.error})")
             self._results[message.call_id] = message
         elif isinstance(message, Failed):
             if message.kind in ("fatal", "build"):

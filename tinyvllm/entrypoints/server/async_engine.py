@@ -10,9 +10,10 @@ blocks, counters) that /metrics and the live page read without touching the engi
 A failed step does not stop the server: the engine aborts the requests it was running and names
 them (`StepError`), their clients get the error, and the thread goes on with the others. An
 error outside any request's step aborts every request (their clients get it) and goes on too.
-Only an error the engine cannot recover from (abort itself failing, or a BaseException) stops
-the thread; `on_dead` is then called, so the server can exit non-zero for a supervisor to
-restart it, as vLLM's does.
+Only an error the engine cannot recover from (abort itself failing, a BaseException, or
+`EngineDeadError`: phase 9's engine core process died, which the engine's `check_health` also
+notices while no request runs) stops the thread; every waiting client gets it, and `on_dead` is
+called, so the server can exit non-zero for a supervisor to restart it, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -24,13 +25,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from tinyvllm.errors import StepError
+from tinyvllm.errors import EngineDeadError, StepError
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped (an error in a step, or shutdown)."""
 
 
 class QueueFullError(RuntimeError):
@@ -172,7 +169,7 @@ class AsyncEngine:
                 if live:
                     self.engine.add_group(item)
                 with self._lock:  # counted by the engine's waiting queue from now on
-                    self.num_pending -= len(item.seqs)
+                    self.num_pending -= item.params.n
                     if live:
                         self.state = self._snapshot(self._tokens_per_s)
             else:
@@ -187,6 +184,7 @@ class AsyncEngine:
             while not self._stopping:
                 self._drain_inbox()
                 if not engine.has_unfinished_requests():
+                    engine.check_health()
                     self.state = self._snapshot(0.0)
                     self._wakeup.wait(0.5)
                     self._wakeup.clear()
@@ -194,6 +192,8 @@ class AsyncEngine:
                 self._step_started = time.monotonic()
                 try:
                     outputs = engine.step()
+                except EngineDeadError:       # nothing can run any more: below, every client hears it
+                    raise
                 except StepError as e:       # its requests are aborted: tell their clients
                     self._fail(e.request_ids, e)
                     continue
