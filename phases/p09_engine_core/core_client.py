@@ -288,13 +288,16 @@ class EngineCoreClient:
         self._finalizer()
 
     # -- the sockets -------------------------------------------------------------------------------
-    def _send(self, message=None) -> None:
-        """Send `message` after every message `add_group` queued, in order, as one ZeroMQ message
-        of several parts: the core takes a batch of requests whole, so a `generate` call's
-        requests start in one step, as they do in one process (and their tokens are the same
-        to the last bit)."""
+    def _send(self, message=None, after_adds: bool = True) -> None:
+        """Send `message`; with `after_adds`, after every request `add_group` queued, in order, as
+        one ZeroMQ message of several parts. The core takes such a batch whole, so the requests of
+        a `generate` call start in one step, as in one process (and their tokens are the same to
+        the last bit). A utility call goes alone: checking the next request must not start the
+        ones before it, one step each."""
         with self._send_lock:
-            parts, self._pending = self._pending + ([serial.encode(message)] if message is not None else []), []
+            parts = [serial.encode(message)] if message is not None else []
+            if after_adds:
+                parts, self._pending = self._pending + parts, []
             if parts:
                 self._core.inputs.send_multipart(parts, copy=False)
 
@@ -305,7 +308,7 @@ class EngineCoreClient:
         with self._lock:
             self._awaited.add(call_id)
         try:
-            self._send(Utility(call_id, method, list(args)))
+            self._send(Utility(call_id, method, list(args)), after_adds=False)
             self._wait(lambda: call_id in self._results)
             if self._dead is not None:
                 raise self._dead

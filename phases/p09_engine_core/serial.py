@@ -28,6 +28,7 @@ checks run in the core too. Logprobs cross as `[token_id, logprob, rank, decoded
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -138,9 +139,11 @@ class UtilityResult:
 
 # -- encoding ---------------------------------------------------------------------------------------
 def _to_plain(value):
-    if dataclasses.is_dataclass(value) and type(value).__name__ in RECORDS:
-        return [_to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)]
-    if isinstance(value, (list, tuple)):
+    """A record as the list of its fields, and a list of records as lists; other values as they
+    are (msgpack writes them; a list's items are all of one type, so its first says which)."""
+    if type(value).__name__ in RECORDS:
+        return [_to_plain(getattr(value, name)) for name in value.__slots__]
+    if isinstance(value, list) and value and type(value[0]).__name__ in RECORDS:
         return [_to_plain(v) for v in value]
     return value
 
@@ -175,42 +178,61 @@ def decode(data: bytes):
 
 
 def _build(cls, values, where: str):
-    names = [f.name for f in dataclasses.fields(cls)]
-    if not isinstance(values, list) or len(values) != len(names):
-        raise BadMessage(f"{where}: {len(names)} fields expected")
+    fields = _fields(cls)
+    if not isinstance(values, list) or len(values) != len(fields):
+        raise BadMessage(f"{where}: {len(fields)} fields expected")
+    return cls(*(check(v, f"{where}.{name}") for (name, check), v in zip(fields, values)))
+
+
+@functools.cache
+def _fields(cls) -> list[tuple[str, Any]]:
+    """(name, checker) of each field of a record: its annotations read once."""
     hints = typing.get_type_hints(cls)
-    return cls(*(_check(v, hints[n], f"{where}.{n}") for n, v in zip(names, values)))
+    return [(f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls)]
 
 
-def _check(value, kind, where: str):
-    """`value` as `kind` (int, float, str, bool, None, list[X], dict, X | Y, a record), or BadMessage."""
-    if kind is Any:
-        return value
-    if kind is type(None):
-        if value is None:
-            return value
-    elif typing.get_origin(kind) in (typing.Union, types.UnionType):   # X | Y
-        for option in typing.get_args(kind):
-            try:
-                return _check(value, option, where)
-            except BadMessage:
-                pass
-    elif typing.get_origin(kind) is list:
-        if isinstance(value, list):
-            (item,) = typing.get_args(kind)
-            return [_check(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    elif kind is list or kind is dict:
-        if isinstance(value, kind):
-            return value
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif kind in (int, str, bool):
-        if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
-            return value
-    elif kind.__name__ in RECORDS:
-        return _build(kind, value, where)
+def _refuse(value, kind, where: str):
     raise BadMessage(f"{where}: expected {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+
+
+@functools.cache
+def _checker(kind):
+    """A function (value, where) -> value as `kind` (int, float, str, bool, None, list[X], dict,
+    list, X | Y, a record, Any), or BadMessage naming `where`. Made once per type."""
+    if kind is Any:
+        return lambda value, where: value
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):   # X | Y: None first, then each
+        options = [_checker(k) for k in typing.get_args(kind) if k is not type(None)]
+        nullable = type(None) in typing.get_args(kind)
+
+        def union(value, where):
+            if value is None and nullable:
+                return value
+            for option in options:
+                try:
+                    return option(value, where)
+                except BadMessage:
+                    pass
+            _refuse(value, kind, where)
+        return union
+    if typing.get_origin(kind) is list:
+        (item_kind,) = typing.get_args(kind)
+        item = _checker(item_kind)
+
+        def items(value, where):
+            if not isinstance(value, list):
+                _refuse(value, kind, where)
+            if item_kind is int and all(type(v) is int for v in value):   # token ids: one pass
+                return value
+            return [item(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items
+    if kind is float:   # an int where a float may be (msgpack writes 2.0 as 2 from some senders)
+        return lambda value, where: (float(value) if type(value) in (int, float) else _refuse(value, kind, where))
+    if kind in (int, str, bool, list, dict, type(None)):
+        return lambda value, where: value if type(value) is kind else _refuse(value, kind, where)
+    if getattr(kind, "__name__", None) in RECORDS:
+        return lambda value, where: _build(kind, value, where)
+    raise TypeError(f"a record field of a type serial.py does not check: {kind}")
 
 
 # -- what crosses inside the records ----------------------------------------------------------------
