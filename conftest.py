@@ -280,10 +280,11 @@ def make_llm():
     kept only while they are among the most recently used MAX_LARGE_ENGINES."""
     import gc
 
-    from tinyvllm import LLM
+    from tinyvllm import LLM, platform
 
     def make(model, phase, **kwargs):
-        key = (str(model), phase, repr(sorted(kwargs.items())))  # repr: values may be dicts
+        # repr: values may be dicts; engine_core_process: an engine in this process, or in its own
+        key = (str(model), phase, repr(sorted(kwargs.items())), platform.engine_core_process())
         large = _model_bytes(model) > LARGE_MODEL_BYTES
         if key not in _LLMS:
             if large:
@@ -292,8 +293,9 @@ def make_llm():
                     del _LLMS[k]
                 gc.collect()
             args = dict(kwargs)
-            if "tensor_parallel_size" in phases.get_recipe(phase).engine_args:
-                # the shared suite runs tensor parallelism with two ranks, as a user asking for it
+            if phases.first_phase_with("tensor_parallel_size") == phase:
+                # the shared suite runs tensor parallelism with two ranks, as a user asking for it,
+                # on the phase that brings it (a later one runs one, as its users do by default)
                 args.setdefault("tensor_parallel_size", min(SHARED_SUITE_TP, os.cpu_count() or 1))
             if ("kv_cache_memory" in phases.get_recipe(phase).engine_args
                     and "kv_cache_memory" not in args and "num_kv_blocks" not in args):
@@ -304,6 +306,16 @@ def make_llm():
 
     yield make
     _LLMS.clear()
+
+
+@pytest.fixture
+def engine_in_this_process(monkeypatch):
+    """For a test that reaches into an engine (replaces its runner's execute, sets its EOS ids):
+    phase 9's engine core runs in a process of its own, where nothing here reaches; with this
+    fixture every engine the test makes (make_llm's too) runs in the test's process
+    (TINYVLLM_ENABLE_MULTIPROCESSING=0): the same parts and loop, without the process between.
+    Phase 9's checkpoint covers what the process adds (phases/p09_engine_core/test_p09_checkpoint.py)."""
+    monkeypatch.setenv("TINYVLLM_ENABLE_MULTIPROCESSING", "0")
 
 
 @contextmanager

@@ -169,7 +169,8 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(phase, tiny_mo
 
 
 @pytest.mark.parametrize("phase", phase_params())
-def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(phase, tiny_model_dir, monkeypatch):
+def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(phase, tiny_model_dir, monkeypatch,
+                                                                   engine_in_this_process):
     """A step's failure, in the one loop every phase runs, is a StepError listing the requests it
     was running (its message names none: a server shows it to their clients), which are aborted;
     a request that was only waiting is left to run."""

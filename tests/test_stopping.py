@@ -31,7 +31,7 @@ def test_max_tokens_and_stop_token_ids(phase, tiny_model_dir, make_llm):
 
 
 @pytest.mark.parametrize("phase", phase_params())
-def test_eos_and_ignore_eos(phase, tiny_model_dir, make_llm):
+def test_eos_and_ignore_eos(phase, tiny_model_dir, make_llm, engine_in_this_process):
     llm = make_llm(tiny_model_dir, phase)
     full = _greedy(llm, max_tokens=20, ignore_eos=True)
     # make the 4th generated token the model's EOS: re-load with that id as eos

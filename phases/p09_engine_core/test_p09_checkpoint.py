@@ -224,6 +224,79 @@ def test_records_round_trip_and_anything_else_is_refused(monkeypatch):
 
 
 # -- failures --------------------------------------------------------------------------------------
+class _BatchFails(RuntimeError):
+    pass
+
+
+def test_a_step_that_fails_in_the_core_fails_its_requests_only(tiny_model_dir, monkeypatch, tmp_path):
+    """The core's loop, driven here over in-process sockets: a failed step is a Failed message
+    naming its requests (aborted in the core); a request that was only waiting runs on."""
+    import zmq
+
+    import phases
+    from phases.p09_engine_core import EngineCoreProc
+    from phases.p09_engine_core.serial import Failed
+
+    monkeypatch.setenv("TINYVLLM_ENABLE_MULTIPROCESSING", "0")
+    engine = phases.make_engine(9, tiny_model_dir, max_num_seqs=1, num_kv_blocks=64)
+    ctx = zmq.Context()
+    core_in, front_out, core_out, front_in = (ctx.socket(k) for k in (zmq.PULL, zmq.PUSH, zmq.PUSH, zmq.PULL))
+    core_in.bind("inproc://in"), front_out.connect("inproc://in")
+    core_out.bind("inproc://out"), front_in.connect("inproc://out")
+    try:
+        core = EngineCoreProc(engine, core_in, core_out, os.getppid(), str(tmp_path))
+        params = serial.params_to_wire(SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+        front_out.send_multipart([encode(AddRequest(rid, ids, params, time.perf_counter()))
+                                  for rid, ids in (("a", [1, 2, 3]), ("b", [7, 8, 9]))])
+        core.take_inputs(wait=True)
+        execute = engine.runner.execute
+        monkeypatch.setattr(engine.runner, "execute", lambda plan: (_ for _ in ()).throw(_BatchFails("boom")))
+        core.step_once()
+        failed = decode(front_in.recv())
+        assert isinstance(failed, Failed) and failed.request_ids == ["a"] and "_BatchFails: boom" in failed.message
+        monkeypatch.setattr(engine.runner, "execute", execute)
+        while engine.has_unfinished_requests():
+            core.step_once()
+        deltas = []
+        while front_in.poll(0):
+            deltas += decode(front_in.recv()).outputs
+        assert {d.request_id for d in deltas} == {"b"} and sum(len(d.seqs[0].new_token_ids) for d in deltas) == 5
+        assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+    finally:
+        for sock in (core_in, front_out, core_out, front_in):
+            sock.close(0)
+        ctx.term()
+
+
+def test_the_client_raises_a_failed_step_for_its_requests_only(llm9):
+    """A Failed message of the core is a StepError naming its requests at the next step; the
+    other requests go on."""
+    import zmq
+
+    from phases.p09_engine_core.core import socket_paths
+    from phases.p09_engine_core.serial import Failed
+    from tinyvllm.errors import StepError
+
+    client = llm9.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    client.add_request("x", "hello", params)
+    client.add_request("y", "there", params)
+    ctx = zmq.Context()
+    fake_core = ctx.socket(zmq.PUSH)
+    fake_core.connect(socket_paths(client._core.ipc_dir)[1])
+    fake_core.send(encode(Failed(["x"], "step", "a step failed (RuntimeError: boom)")))
+    fake_core.close(linger=1000)
+    ctx.term()
+    with pytest.raises(StepError, match="in the engine core: a step failed") as e:
+        for _ in range(50):
+            client.step()
+    assert e.value.request_ids == ["x"] and client.unfinished_request_ids() == ["y"]
+    outs = []
+    while client.has_unfinished_requests():
+        outs += client.step()
+    assert outs[-1].request_id == "y" and len(outs[-1].outputs[0].token_ids) == 6
+
+
 def test_killing_the_core_fails_every_open_request_naming_it(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), phase=9, num_kv_blocks=64)
     client = llm.llm_engine
