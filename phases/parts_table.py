@@ -25,6 +25,8 @@ PARTS: dict[str, str] = {
     "runner": "the plan as tensors, the model on them, the logits rows",
     "proposer": "draft tokens",
     "scheduler": "who runs each step; the requests after it",
+    # not a part of `Parts`: what the caller holds instead of the engine, where a phase says
+    "front_end": "what the caller holds: the engine, or a client of it in another process",
 }
 
 

@@ -45,7 +45,9 @@ def _failing(engine, names: set[str], error=_Boom):
 
 
 @pytest.fixture
-def engine(tiny_model_dir):
+def engine(tiny_model_dir, engine_in_this_process):
+    # these tests reach into the engine (its runner): in this process (phase 9's core otherwise
+    # runs in its own; its failures are its checkpoint's)
     return phases.make_engine(phases.latest_phase(), str(tiny_model_dir), max_num_seqs=1)
 
 
@@ -76,7 +78,7 @@ def test_async_engine_survives_a_failed_step(engine):
         ae.shutdown()
 
 
-def test_a_checked_engine_refuses_a_bad_batch_and_serves_the_others(tiny_model_dir):
+def test_a_checked_engine_refuses_a_bad_batch_and_serves_the_others(tiny_model_dir, engine_in_this_process):
     """`--check-kernels` (the default on a CPU): a decode step whose persistent batch points one
     block past the KV pool, for one request only, is refused with an error for that request's
     client, never read by a C kernel; the other requests are answered and the engine serves on."""

@@ -49,7 +49,7 @@ async def _post(app, path: str, body: dict, gone: asyncio.Event) -> list[dict]:
     return sent
 
 
-def test_a_client_gone_before_its_first_token_is_aborted_while_it_waits(tiny_model_dir):
+def test_a_client_gone_before_its_first_token_is_aborted_while_it_waits(tiny_model_dir, engine_in_this_process):
     engine = phases.make_engine(phases.latest_phase(), str(tiny_model_dir), max_num_seqs=1)
     _slowed(engine, 0.05)
     ae = AsyncEngine(engine)

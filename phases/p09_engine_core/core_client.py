@@ -210,6 +210,7 @@ class EngineCoreClient:
         if request_id in self._open:
             raise ValueError(f"request_id {request_id!r} is already running")
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        params.check_vocab(self.model_config.vocab_size)   # here too: top_k=2**70 must not reach msgpack
         self._call("check_request", len(ids), serial.params_to_wire(params))
         return FrontRequest(request_id, text, ids, params, arrival_time or time.perf_counter())
 

@@ -239,8 +239,16 @@ def _checker(kind):
 PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if not f.name.startswith("_"))
 
 
+INT64 = (-(2**63), 2**63 - 1)   # what msgpack writes of a signed int; SamplingParams bounds most fields
+
+
 def params_to_wire(params: SamplingParams) -> dict:
+    """SamplingParams as its public fields; ValueError, naming the field, for an int that does not
+    fit in 64 bits (max_tokens=2**70: no engine could run it, and msgpack cannot write it)."""
     wire = {name: getattr(params, name) for name in PARAM_FIELDS}
+    for name, value in wire.items():
+        if isinstance(value, int) and not INT64[0] <= value <= INT64[1]:
+            raise ValueError(f"{name} must fit in a 64-bit integer, got an int of {value.bit_length()} bits")
     if params.structured_outputs is not None:
         wire["structured_outputs"] = dataclasses.asdict(params.structured_outputs)
     return wire
