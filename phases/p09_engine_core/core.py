@@ -60,7 +60,7 @@ from .serial import (Abort, AddRequest, BadMessage, Failed, Outputs, Ready, Refu
 
 logger = logging.getLogger("tinyvllm.engine_core")
 PARENT_POLL_MS = 500          # how often an idle core looks whether its front is still there
-SNAPSHOT_EVERY_S = 0.1        # the engine's state rides on an Outputs message at most this often
+SNAPSHOT_EVERY_S = 0.1        # while nothing comes or goes, the engine's state rides on Outputs this often
 PR_SET_PDEATHSIG = 1          # linux/prctl.h
 PARENT_DEATH_SIGNAL = signal.SIGUSR1
 
@@ -197,8 +197,9 @@ class EngineCoreProc:
             engine.abort_request(ids)
             self.fail(ids, str(StepError(ids, e)))
             return
-        snapshot = None
-        if not engine.has_unfinished_requests() or time.monotonic() - self.snapshot_sent_at >= SNAPSHOT_EVERY_S:
+        snapshot = None   # the state, when requests came or went, and now and then besides
+        if (self.state_changed or any(out.finished for out in outputs) or not engine.has_unfinished_requests()
+                or time.monotonic() - self.snapshot_sent_at >= SNAPSHOT_EVERY_S):
             snapshot = self.take_snapshot()
         self.send(Outputs([self.delta(out) for out in outputs], snapshot))
 
