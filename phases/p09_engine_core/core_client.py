@@ -373,6 +373,9 @@ class EngineCoreClient:
 
     def _apply(self, delta: RequestDelta) -> None:
         """Add a request's delta to what the front holds of it; queue its RequestOutput."""
+        # >>> exercise front_outputs (2 stars): The front's output processing: a request's delta (new token ids and logprobs per sequence, the text so far) added to what the front holds of it, and its RequestOutput queued, as the engine in one process would return it.
+        # hint: a delta of a request no longer open is dropped; copy each list you put in an output (a server's reader holds it while the next delta arrives); a finished request leaves self._open.
+        # checked by: test_phase9_gives_phase8_s_outputs, test_preemption_and_prefix_caching_give_phase8_s_tokens, test_ngram_drafts_and_structured_outputs_through_the_split
         state = self._open.get(delta.request_id)
         if state is None:   # aborted here after the core had run it
             return
@@ -395,6 +398,7 @@ class EngineCoreClient:
             None if state.prompt_logprobs is None else list(state.prompt_logprobs)))
         if delta.finished:
             del self._open[delta.request_id]
+        # <<< exercise front_outputs
 
     def _died(self) -> None:
         """The core is gone: every open request fails, and every later call raises."""
