@@ -353,6 +353,50 @@ def test_the_server_s_engine_thread_stops_when_the_core_dies(tiny_model_dir):
         ae.shutdown()
 
 
+def _children(pid: int, name: str) -> list[int]:
+    """The processes whose parent is `pid` and whose command line holds `name`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            stat, cmd = (proc / "stat").read_text(), (proc / "cmdline").read_bytes().decode()
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError):
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid and name in cmd:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.server
+def test_tinyvllm_serve_exits_non_zero_when_its_core_dies(tiny_model_dir):
+    """A stream in flight ends with an error event naming the engine core, and `tinyvllm serve`
+    exits non-zero within seconds, for a supervisor to restart it."""
+    import httpx
+
+    from tinyvllm.entrypoints.bench.serve import start_builtin_server
+
+    proc, url = start_builtin_server([str(tiny_model_dir), "--log-level", "warning"], timeout=120, cwd=REPO,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+    try:
+        (core,) = _children(proc.pid, "phases.p09_engine_core")
+        body = {"prompt": "a long one", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+            os.kill(core, signal.SIGKILL)
+            killed = time.monotonic()
+            rest = list(lines)
+        assert any("error" in line and "engine core" in line for line in rest), rest[-3:]
+        assert proc.wait(15) != 0 and time.monotonic() - killed < 15
+        assert "engine core process" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 FRONT = textwrap.dedent("""
     import sys, time
     from tinyvllm import LLM
