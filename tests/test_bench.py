@@ -39,8 +39,8 @@ from tinyvllm.entrypoints.bench.roofline import (
     decode_roofline,
     flops_per_token,
     kv_bytes_per_token,
-    weight_bytes_per_step,
 )
+from tinyvllm.weights import weight_bytes_per_step
 from tinyvllm.entrypoints.bench.runners import (
     STATS_KEYS,
     EngineRunner,
@@ -233,6 +233,7 @@ class ScriptedRunner:
     kind = "scripted"
     max_concurrency = 1
     weight_bytes = 1000
+    num_parameters = 6
     kv_bytes_per_element = 4
 
     def __init__(self, name: str, walls: list[float], calls: list, model_config: ModelConfig):

@@ -150,3 +150,41 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(t.data_ptr())
             total += t.numel() * t.element_size()
     return total
+
+
+# Buffers that hold weights in a quantized layer are named like these (weight, qweight,
+# weight_scale, scales, zero points, phase 5's lossless codes); other buffers (RoPE tables) are
+# not read whole in a decode step.
+_WEIGHT_BUFFER_WORDS = ("weight", "scale", "zero", "codes")
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads (the bench's roofline): every parameter (and
+    weight-holding buffer) once, except an embedding table that is not also the LM head, of which
+    a step reads only B rows, and a float weight that a step of a few rows reads from its codes
+    (phase 5's `LosslessLinear`; from its `max_rows` on it reads the float weight, so above that
+    the bound is too high)."""
+    nn = torch.nn
+    lookups = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    lookups |= {id(m.weight) for m in model.modules() if hasattr(m, "codes")}
+    matmuls = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear) and not hasattr(m, "codes")}
+    seen: set[int] = set()
+    total = 0
+    tensors = list(model.parameters()) + [
+        b for name, b in model.named_buffers() if any(w in name.rsplit(".", 1)[-1] for w in _WEIGHT_BUFFER_WORDS)]
+    for t in tensors:
+        if id(t) in seen or (id(t) in lookups and id(t) not in matmuls):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def model_facts(model: torch.nn.Module) -> dict:
+    """What a benchmark report says of an engine's model, as plain data (an engine whose model is
+    in another process answers it from there): the bytes a decode step reads, the parameters
+    (a tied weight once), and the kernels its quantized layers choose at one row and at many."""
+    kernels = sorted({m.choose_kernel(n) for m in model.modules() if hasattr(m, "choose_kernel") for n in (1, 64)})
+    return {"weight_bytes_per_step": weight_bytes_per_step(model),
+            "num_parameters": sum(p.numel() for p in model.parameters()),
+            "product_kernels": kernels or None}

@@ -29,7 +29,7 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import SequenceGroup
 from tinyvllm.step import SamplerOutput
 from tinyvllm.structured_output import StructuredOutputManager
-from tinyvllm.weights import weight_bytes
+from tinyvllm.weights import model_facts, weight_bytes
 
 from .parts import EngineSetup, Parts
 
@@ -167,6 +167,10 @@ class Engine:
         """Zero the counters and peaks of `get_stats` (between benchmark runs)."""
         for part in self._counting_parts():
             part.reset_stats()
+
+    def model_facts(self) -> dict:
+        """The model's size and kernels as plain data, for a benchmark report (`weights.model_facts`)."""
+        return model_facts(self.model)
 
     def _counting_parts(self) -> list:
         parts = (self.parts.allocator, self.parts.scheduler, self.parts.sampler, self.parts.runner)

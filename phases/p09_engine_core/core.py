@@ -93,6 +93,8 @@ class EngineCoreProc:
             "get_stats": engine.get_stats,
             "reset_stats": engine.reset_stats,
             "snapshot": engine.snapshot,
+            "model_facts": engine.model_facts,
+            "wait_until_compiled": self.wait_until_compiled,
         }
 
     def send(self, message) -> None:
@@ -176,6 +178,18 @@ class EngineCoreProc:
         if not isinstance(num_prompt_tokens, int):
             raise TypeError("num_prompt_tokens must be an int")
         self.engine.check_request(num_prompt_tokens, serial.params_from_wire(params))
+
+    def wait_until_compiled(self, max_batch: int | None) -> float:
+        """Wait for a decode step compiling in the background (phase 7 on a CPU), unless phase 7's
+        C step serves every batch up to `max_batch`; the seconds waited. A benchmark asks this
+        before its timed rounds (tinyvllm.entrypoints.bench's EngineRunner decides the same way
+        for an engine in its own process)."""
+        runner = getattr(self.engine.runner, "decode_runner", None)
+        wait, c_step = getattr(runner, "wait_until_compiled", None), getattr(runner, "c_step", None)
+        start = time.perf_counter()
+        if wait is not None and not (max_batch and c_step and c_step.serves(max_batch)):
+            wait()
+        return time.perf_counter() - start
 
     def call(self, m: Utility) -> None:
         method = self.utilities.get(m.method)

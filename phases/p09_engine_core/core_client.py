@@ -275,6 +275,14 @@ class EngineCoreClient:
     def reset_stats(self) -> None:
         self._call("reset_stats")
 
+    def model_facts(self) -> dict:
+        return self._call("model_facts")
+
+    def wait_until_compiled(self, max_batch: int | None = None) -> float:
+        """Wait for the core's decode step compiling in the background, where a batch of
+        `max_batch` would use it (a benchmark asks before it times); the seconds waited."""
+        return self._call("wait_until_compiled", max_batch)
+
     def snapshot(self) -> dict:
         """The engine's state as plain data. While requests run, the last one the core sent (at
         most `core.SNAPSHOT_EVERY_S` old: a server's step loop never waits for the core to

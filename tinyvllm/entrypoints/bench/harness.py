@@ -295,7 +295,7 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
                      load_average_1min_after=load_average()),
         limits=limits.to_dict(),
         model=dict(name=model_name, architecture=model_config.architecture,
-                   num_parameters=_num_parameters(runners[0].engine.model),
+                   num_parameters=runners[0].num_parameters,
                    dtype=str(dtype).removeprefix("torch.")),
         workload=dict(name=workload.name, num_requests=workload.num_requests,
                       prompt_tokens=workload.num_prompt_tokens,
@@ -306,7 +306,3 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
         engines=engines,
         ratios=dict(baseline=baseline, output_tok_per_s=speedups(engines, baseline)),
     )
-
-
-def _num_parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once

@@ -27,8 +27,10 @@ import transformers
 from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
 from transformers.utils import logging as hf_logging
 
+from tinyvllm.weights import weight_bytes_per_step
+
 from .machine import PeakMemory
-from .roofline import element_size, weight_bytes_per_step
+from .roofline import element_size
 from .runners import OnTokens, RunResult, check_token_counts, tpot
 from .workloads import Workload
 

@@ -14,6 +14,7 @@ Timing definitions (vLLM's):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import phases
 from tinyvllm.sampling_params import SamplingParams
 
 from .machine import PeakMemory
-from .roofline import element_size, weight_bytes_per_step
+from .roofline import element_size
 from .workloads import Workload
 
 # Counters a phase's engine.get_stats() may have; the report gives null for the ones it lacks.
@@ -98,6 +99,8 @@ class EngineRunner:
         seconds waited (0 where nothing compiles). Not where the C step (`tinyvllm.cpu_step`)
         serves every decode batch of the workload, up to `max_batch` rows: those steps never use
         the graphs, nor make them due (a user's requests of that size never compile)."""
+        if not hasattr(self.engine, "runner"):   # its parts in another process (phase 9): it decides there
+            return self.engine.wait_until_compiled(max_batch)
         runner = getattr(self.engine.runner, "decode_runner", None)
         wait, c_step = getattr(runner, "wait_until_compiled", None), getattr(runner, "c_step", None)
         start = time.perf_counter()
@@ -121,9 +124,18 @@ class EngineRunner:
         """The most sequences its configuration lets decode together (the roofline's batch)."""
         return self.engine.config.max_num_seqs
 
+    @functools.cached_property
+    def model_facts(self) -> dict:
+        """The model's bytes a step reads, parameters and kernels, asked of the engine (where it runs)."""
+        return self.engine.model_facts()
+
     @property
     def weight_bytes(self) -> int:
-        return weight_bytes_per_step(self.engine.model)
+        return self.model_facts["weight_bytes_per_step"]
+
+    @property
+    def num_parameters(self) -> int:
+        return self.model_facts["num_parameters"]
 
     @property
     def kv_bytes_per_element(self) -> int:
@@ -138,8 +150,7 @@ class EngineRunner:
                     bf16_products_from_rows=e.setup.bf16_rows or None,   # dtype="auto"'s, where it chose them
                     max_model_len=e.max_model_len, max_num_seqs=e.config.max_num_seqs,
                     # the kernels quantized layers choose (phase 5 on), at one row and at many
-                    product_kernels=sorted({m.choose_kernel(n) for m in e.model.modules()
-                                            if hasattr(m, "choose_kernel") for n in (1, 64)}) or None)
+                    product_kernels=self.model_facts["product_kernels"])
 
     def run(self, workload: Workload, on_tokens: OnTokens = lambda n: None) -> RunResult:
         """Send the workload's requests (all at once, or one after another), step the engine until
