@@ -228,7 +228,7 @@ def test_the_vllm_worker_drives_the_engine_loop(tiny_model_dir, fake_llama, tmp_
         finally:
             runner.close()
         assert runner.label == "vLLM 0.0-vllm-test" and runner.kv_bytes_per_element == 4
-        assert runner.weight_bytes == 4 * sum(p.numel() for p in LLM(str(tiny_model_dir)).llm_engine.model.parameters())
+        assert runner.weight_bytes == 4 * LLM(str(tiny_model_dir)).llm_engine.model_facts()["num_parameters"]
         assert res.output_tokens == wl.num_output_tokens and len(res.ttft_s) == wl.num_requests
         sent = [json.loads(line)["prompt"] for line in log.read_text().splitlines()]
         assert sent == [list(r.prompt_token_ids) for r in wl.requests]
@@ -238,7 +238,7 @@ def test_the_vllm_worker_drives_the_engine_loop(tiny_model_dir, fake_llama, tmp_
     runner = VllmRunner(str(tiny_model_dir), sys.executable, None, 2, 64)
     try:
         assert runner.describe()["dtype"] == "bfloat16" and runner.kv_bytes_per_element == 2
-        assert runner.weight_bytes == 2 * sum(p.numel() for p in LLM(str(tiny_model_dir)).llm_engine.model.parameters())
+        assert runner.weight_bytes == 2 * LLM(str(tiny_model_dir)).llm_engine.model_facts()["num_parameters"]
     finally:
         runner.close()
 
