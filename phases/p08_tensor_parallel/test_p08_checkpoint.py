@@ -296,7 +296,7 @@ def test_serve_with_two_ranks(tiny_model_dir, one_rank):
     stops with it, leaving no rendezvous directory behind."""
     root = Path(__file__).resolve().parents[2]
     proc, url = start_builtin_server([str(tiny_model_dir), "--log-level", "warning", "--served-model-name", "tiny",
-                                      "--tensor-parallel-size", "2"], timeout=120, cwd=root,
+                                      "--phase", "8", "--tensor-parallel-size", "2"], timeout=120, cwd=root,
                                      env={**os.environ, "PYTHONPATH": str(root)},
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
