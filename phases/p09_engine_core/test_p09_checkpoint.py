@@ -406,15 +406,22 @@ FRONT = textwrap.dedent("""
 """)
 
 
-def test_killing_the_front_ends_the_core(tiny_model_dir):
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGINT], ids=["killed", "ctrl-c"])
+def test_killing_the_front_ends_the_core(how, tiny_model_dir):
+    """A front killed: the core notices its parent gone (the kernel's signal, or its pid) and
+    exits. A Ctrl-C reaches the front only (the core has a session of its own), whose exit stops
+    the core."""
     front = subprocess.Popen([sys.executable, "-c", FRONT, str(tiny_model_dir)], cwd=REPO, stdout=subprocess.PIPE,
-                             text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                             stderr=subprocess.DEVNULL, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
     try:
         core_pid, ipc_dir = front.stdout.readline().split()
         assert _alive(int(core_pid))
+        front.send_signal(how)
+        front.wait(10)
     finally:
-        front.kill()
-        front.wait()
+        if front.poll() is None:
+            front.kill()
+            front.wait()
     assert _wait_gone(int(core_pid), 5), "the engine core outlived its front"
     assert not os.path.exists(ipc_dir)
 
