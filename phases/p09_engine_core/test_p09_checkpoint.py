@@ -30,8 +30,8 @@ import msgpack
 import pytest
 
 from phases.p09_engine_core import EngineCoreClient, serial
-from phases.p09_engine_core.serial import (AddRequest, BadMessage, Outputs, RequestDelta, SeqDelta, Utility,
-                                           decode, encode)
+from phases.p09_engine_core.serial import (Abort, AddRequest, BadMessage, Outputs, RequestDelta, SeqDelta,
+                                           Utility, decode, encode)
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.errors import EngineDeadError
 
@@ -278,9 +278,8 @@ def test_the_client_raises_a_failed_step_for_its_requests_only(llm9):
     from tinyvllm.errors import StepError
 
     client = llm9.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    client.add_request("x", "hello", params)
-    client.add_request("y", "there", params)
+    client.add_request("x", "hello", SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    client.add_request("y", "there", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     ctx = zmq.Context()
     fake_core = ctx.socket(zmq.PUSH)
     fake_core.connect(socket_paths(client._core.ipc_dir)[1])
@@ -294,7 +293,8 @@ def test_the_client_raises_a_failed_step_for_its_requests_only(llm9):
     outs = []
     while client.has_unfinished_requests():
         outs += client.step()
-    assert outs[-1].request_id == "y" and len(outs[-1].outputs[0].token_ids) == 6
+    assert outs[-1].request_id == "y" and len(outs[-1].outputs[0].token_ids) == 40
+    client._send(Abort(["x"]))   # the real core never failed it: it stops now, for the next test
 
 
 def test_killing_the_core_fails_every_open_request_naming_it(tiny_model_dir):
