@@ -278,7 +278,7 @@ def test_the_client_raises_a_failed_step_for_its_requests_only(llm9):
     from tinyvllm.errors import StepError
 
     client = llm9.llm_engine
-    client.add_request("x", "hello", SamplingParams(temperature=0, max_tokens=300, ignore_eos=True))
+    client.add_request("x", "hello", SamplingParams(temperature=0, max_tokens=200, ignore_eos=True))
     client.add_request("y", "there", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     ctx = zmq.Context()
     fake_core = ctx.socket(zmq.PUSH)
