@@ -13,10 +13,19 @@ next outputs while requests are open (polling the process, so a dead core is not
 deltas (new token ids and logprobs, the text so far: see core.py for where the text is made).
 
 Requests are checked before they are queued, as in one process: the prompt is tokenized and its
-ids and length checked here (`parse_prompt`, which needs only the tokenizer and the model's
-config); the vocabulary, the pool's size (`scheduler.check_fits`) and a structured output's
-grammar need the core's parts, so `make_request` asks the core (`check_request`, one round trip)
-and raises its ValueError or TypeError. A request id still open is refused here.
+ids, length and the sampling params' ids checked here (`parse_prompt`, `check_vocab`: they need
+only the tokenizer and the model's config); the pool's size (`scheduler.check_fits`) and a
+structured output's grammar need the core's parts, so `make_request` asks the core
+(`check_request`, one round trip) and raises its ValueError or TypeError. A request id still open
+is refused here. `add_group` only queues its AddRequest: the requests added between two steps
+reach the core as one message, so they start in one step, as in one process.
+
+The core is a `python -m phases.p09_engine_core` subprocess in a session of its own (a Ctrl-C at
+the terminal reaches the front, which stops it), not a `multiprocessing` child: spawn and
+forkserver import the caller's main script again in the child (a script that calls `LLM()` at its
+top, without a main guard, would run twice), and a fork after PyTorch started its threads is not
+safe. The price is the child's own interpreter importing PyTorch, about a second, which the
+front's reading of the config and tokenizer overlaps (tools/start_cost.py measures it).
 
 When the core dies (killed, out of memory, a bug), the next call raises `EngineDeadError` naming
 the engine core, its pid and how it ended; every open request failed with it, and
