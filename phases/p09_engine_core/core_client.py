@@ -128,8 +128,11 @@ class _CoreProcess:
         env = child_env(PYTHONPATH=path, **({"TINYVLLM_TP_TOKEN": token} if token else {}))
         cmd = [sys.executable, "-m", "phases.p09_engine_core", self.ipc_dir, str(os.getpid()), str(phase),
                model_path, args]
-        # a session of its own: a Ctrl-C at the terminal reaches the front, which stops the core
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:   # a session of its own: a Ctrl-C at the terminal reaches the front, which stops the core
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            self.close()
+            raise
 
     def how_it_ended(self) -> str:
         code = self.proc.returncode
@@ -137,7 +140,10 @@ class _CoreProcess:
             return f"killed by {signal.Signals(-code).name}"
         return f"exit code {code}"
 
-    def stop(self) -> None:
+    def stop(self, ask: bool = True) -> None:
+        """End the core (asked to, or, with `ask` False, killed at once) and let go of the sockets."""
+        if self.proc.poll() is None and not ask:
+            self.proc.kill()
         if self.proc.poll() is None:
             try:
                 self.inputs.send(serial.encode(Shutdown()), zmq.NOBLOCK)
@@ -148,6 +154,9 @@ class _CoreProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.close()
+
+    def close(self) -> None:
         if not self.ctx.closed:
             self.inputs.close(), self.outputs.close()
             self.ctx.term()
@@ -176,8 +185,8 @@ class EngineCoreClient:
         self._finalizer = weakref.finalize(self, self._core.stop)
         try:
             self.setup = setup = EngineSetup.create(model_path, engine_args)
-        except BaseException:
-            self.shutdown()
+        except BaseException:   # the core would load the model for nothing: stopped at once
+            self._core.stop(ask=False)
             raise
         self.config, self.tokenizer = setup.config, setup.tokenizer
         self.device, self.dtype, self.model_path = setup.device, setup.dtype, setup.model_path

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+import torch
 
 from phases.p09_engine_core import EngineCoreClient, serial
 from phases.p09_engine_core.serial import (Abort, AddRequest, BadMessage, Outputs, RequestDelta, SeqDelta,
@@ -439,8 +440,13 @@ def test_shutdown_and_garbage_collection_end_the_core(tiny_model_dir):
 
 
 def test_a_bad_argument_only_the_parts_see_is_raised_as_in_one_process(tiny_model_dir):
-    with pytest.raises(ValueError, match="more than its"):
+    before = set(_children(os.getpid(), "phases.p09_engine_core"))
+    with pytest.raises(ValueError, match="more than its"):     # the core's build refuses it
         LLM(str(tiny_model_dir), phase=9, tensor_parallel_size=(os.cpu_count() or 1) * 2)
+    if not torch.cuda.is_available():                        # the front's setup refuses it: the core is stopped
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            LLM(str(tiny_model_dir), phase=9, device="cuda")
+    assert all(_wait_gone(pid, 5) for pid in set(_children(os.getpid(), "phases.p09_engine_core")) - before)
 
 
 @pytest.mark.timing
