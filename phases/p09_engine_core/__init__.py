@@ -5,4 +5,4 @@ from .core import EngineCoreProc
 from .core_client import EngineCoreClient, FrontRequest
 from .recipe import RECIPE
 
-__all__ = ["RECIPE", "EngineCoreClient", "EngineCoreProc", "FrontRequest"]
+__all__ = ["EngineCoreClient", "EngineCoreProc", "FrontRequest", "RECIPE"]

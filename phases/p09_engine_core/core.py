@@ -55,20 +55,8 @@ from tinyvllm.errors import StepError
 from tinyvllm.outputs import RequestOutput
 
 from . import serial
-from .serial import (
-    Abort,
-    AddRequest,
-    BadMessage,
-    Failed,
-    Outputs,
-    Ready,
-    Refused,
-    RequestDelta,
-    SeqDelta,
-    Shutdown,
-    Utility,
-    UtilityResult,
-)
+from .serial import (Abort, AddRequest, BadMessage, Failed, Outputs, Ready, Refused, RequestDelta, SeqDelta,
+                     Shutdown, Utility, UtilityResult)
 
 logger = logging.getLogger("tinyvllm.engine_core")
 PARENT_POLL_MS = 500          # how often an idle core looks whether its front is still there

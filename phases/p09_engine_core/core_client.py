@@ -67,19 +67,8 @@ from tinyvllm.secret_env import child_env, take_secret
 
 from . import serial
 from .core import socket_paths
-from .serial import (
-    Abort,
-    AddRequest,
-    BadMessage,
-    Failed,
-    Outputs,
-    Ready,
-    Refused,
-    RequestDelta,
-    Shutdown,
-    Utility,
-    UtilityResult,
-)
+from .serial import (Abort, AddRequest, BadMessage, Failed, Outputs, Ready, Refused, RequestDelta, Shutdown,
+                     Utility, UtilityResult)
 
 logger = logging.getLogger("tinyvllm.engine_core_client")
 POLL_MS = 50                 # a wait for the core looks at its process this often

@@ -31,17 +31,8 @@ import pytest
 import torch
 
 from phases.p09_engine_core import EngineCoreClient, serial
-from phases.p09_engine_core.serial import (
-    Abort,
-    AddRequest,
-    BadMessage,
-    Outputs,
-    RequestDelta,
-    SeqDelta,
-    Utility,
-    decode,
-    encode,
-)
+from phases.p09_engine_core.serial import (Abort, AddRequest, BadMessage, Outputs, RequestDelta, SeqDelta,
+                                           Utility, decode, encode)
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.errors import EngineDeadError
 
