@@ -19,12 +19,20 @@ Where the text is made. vLLM's core sends token ids only; its front process deto
 applies stop strings (`OutputProcessor`, vllm/v1/engine/output_processor.py), and aborts a
 request in the core when a stop string ends it. Here the core still runs each request's
 `SequenceGroup` (tinyvllm/sequence.py), which detokenizes as it appends and checks stop strings,
-so `SeqDelta` carries the text so far. To move the text to the front: the core's sequences would
-be made without a detokenizer and without stop strings; the front would keep, per sequence, an
-`IncrementalDetokenizer`, the held-back characters and the stop-string search
-(`Sequence._check_stop_strings`), cut the token ids at the token that completed a stop string,
-and send an abort of that one sequence (a message per sequence, since `n` > 1 sequences of a
-request stop apart). The tokens are the same either way; what moves is CPU time off the loop.
+so `SeqDelta` carries the text so far. To move the text to the front:
+- the text of a sequence (its `IncrementalDetokenizer`, the held-back characters, the stop-string
+  search, the flush at "length") becomes one object of tinyvllm/sequence.py that `Sequence` uses
+  in one process and the front uses here, and the core's sequences are made without it (an
+  `EngineSetup` switch read by `Engine.make_request`), with no stop strings;
+- `SeqDelta` says whether its last token stays out of the text (EOS, a stop token id, a token the
+  grammar refused: the core decides those, as it samples) and loses `text`;
+- a stop string found in the front cuts that sequence's token ids, logprobs and cumulative
+  logprob at the token that completed it, finishes it there, and sends the core an abort of that
+  one sequence (a message per sequence: `n` > 1 sequences of a request stop apart), which
+  `Engine` would need as a method;
+- the core runs on until that abort lands: a step or two of tokens computed for nothing, KV
+  blocks a prefix cache may keep, and counters that count them. vLLM accepts the same.
+The tokens are the same either way; what moves is CPU time off the loop.
 
 Structured outputs are compiled here, in the core (as vLLM's `StructuredOutputManager` does,
 vllm/v1/structured_output/): the grammar's matcher advances with every token the core samples,
