@@ -203,7 +203,12 @@ class EngineCoreClient:
         self._build_error: str | None = None        # why the core could not build the engine
         self._ready: Ready | None = None
         self._snapshot: dict = {}
-        self._lock = threading.RLock()              # the state above, and receiving
+        # The state above changes under `_lock`; one thread at a time receives (`_receiving`), and
+        # wakes the others (`_received`) when what it took may be what they wait for: a server's
+        # request check is answered while its engine thread waits for the next outputs.
+        self._lock = threading.RLock()
+        self._received = threading.Condition(self._lock)
+        self._receiving = threading.Lock()
         self._send_lock = threading.Lock()          # a zmq socket is used by one thread at a time
         self._pending: list[bytes] = []             # messages of add_group, sent with the next one
         self._wait(lambda: self._ready is not None)
@@ -281,8 +286,7 @@ class EngineCoreClient:
     def check_health(self) -> None:
         """Raise `EngineDeadError` if the core has died (without waiting for it)."""
         if self._dead is None and self._core.proc.poll() is not None:
-            with self._lock:
-                self._receive(0)
+            self._wait(lambda: False, POLL_MS)   # its last words, then its death, noticed
         if self._dead is not None:
             raise self._dead
 
@@ -347,30 +351,46 @@ class EngineCoreClient:
             raise remote_error(answer.error)
         return answer.result
 
-    def _wait(self, done) -> None:
-        """Receive until `done()` or the core is dead (checking its process every POLL_MS)."""
-        while True:
+    def _wait(self, done, timeout_ms: float | None = None) -> None:
+        """Until `done()` or the core is dead (or `timeout_ms` passed): receive, where no other
+        thread does, else wait to be woken by the one that does. The core's process is looked at
+        every POLL_MS."""
+        deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
+        while deadline is None or time.monotonic() < deadline:
             with self._lock:
                 if done() or self._dead is not None:
                     return
-                self._receive(POLL_MS)
+            if self._receiving.acquire(blocking=False):
+                try:
+                    self._receive(POLL_MS)
+                finally:
+                    self._receiving.release()
+                continue
+            with self._received:
+                if not (done() or self._dead is not None):
+                    self._received.wait(POLL_MS / 1000)
 
     def _receive(self, timeout_ms: int) -> None:
-        """Handle every message waiting (waiting up to `timeout_ms` for the first); notice a dead core."""
+        """Handle every message waiting (waiting up to `timeout_ms` for the first), and wake the
+        threads that wait; notice a dead core."""
         outputs = self._core.outputs
         if not outputs.poll(timeout_ms):
             if self._core.proc.poll() is not None:
-                self._died()
+                with self._received:
+                    self._died()
+                    self._received.notify_all()
             return
-        while True:
-            try:
-                data = outputs.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                self._handle(serial.decode(data.bytes))
-            except (BadMessage, ValueError, TypeError, KeyError) as e:
-                logger.warning("refused a message from the engine core: %s", e)
+        with self._received:
+            while True:
+                try:
+                    data = outputs.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    self._handle(serial.decode(data.bytes))
+                except (BadMessage, ValueError, TypeError, KeyError) as e:
+                    logger.warning("refused a message from the engine core: %s", e)
+            self._received.notify_all()
 
     def _handle(self, message) -> None:
         if isinstance(message, Outputs):
