@@ -38,11 +38,54 @@ class SequenceStatus(IntEnum):
                 "abort": SequenceStatus.FINISHED_ABORTED}[reason]
 
 
+class SequenceText:
+    """A sequence's text as its tokens come: incremental detokenization, the stop strings, and the
+    characters held back while they may be the start of one. Each `Sequence` keeps one where its
+    engine makes the text; phase 9's front process keeps one per sequence, its engine core sending
+    token ids only."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self.params = params
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.text = ""
+        # The longest stop string, less one char, is held back from streamed text: it may be the
+        # start of a stop string that the next token completes.
+        self.holdback = max((len(s) for s in params.stop_strings), default=1) - 1
+
+    def add(self, token_id: int, may_stop: bool) -> str | None:
+        """Append a token's text; the stop string it completed (the text cut there), or None."""
+        delta = self.detokenizer.add_token(token_id)
+        self.text += delta
+        if not (may_stop and delta and self.params.stop_strings):
+            return None
+        # Only a match that overlaps the new text can be new.
+        start = max(0, len(self.text) - len(delta) - self.holdback)
+        best = None
+        for s in self.params.stop_strings:
+            i = self.text.find(s, start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            return None
+        i, s = best
+        self.text = self.text[: i + len(s) if self.params.include_stop_str_in_output else i]
+        return s
+
+    def flush(self) -> None:
+        """Nothing more will come: show any incomplete character."""
+        self.text += self.detokenizer.flush()
+
+    def visible(self, finished: bool) -> str:
+        if finished or self.holdback == 0:
+            return self.text
+        return self.text[: max(0, len(self.text) - self.holdback)]
+
+
 class Sequence:
     """One stream of generated tokens for one prompt."""
 
     def __init__(self, group: "SequenceGroup", index: int, generator: torch.Generator | None,
-                 tokenizer: Tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
+                 tokenizer: Tokenizer | None, eos_token_ids: frozenset[int], max_model_len: int):
         self.seq_id = next(_seq_ids)
         self.group = group
         self.index = index
@@ -53,16 +96,13 @@ class Sequence:
         self.generator = generator  # None for greedy
         self.eos_token_ids = frozenset() if self.params.ignore_eos else eos_token_ids
         self.max_model_len = max_model_len
-        self.detokenizer = IncrementalDetokenizer(tokenizer, group.prompt_token_ids,
-                                                  self.params.skip_special_tokens)
-        self.text = ""
+        # its text, where this process makes it (None: tokenizer None, token ids only)
+        self.text_state = (SequenceText(tokenizer, group.prompt_token_ids, self.params)
+                           if tokenizer is not None else None)
         self.logprobs: list[dict[int, Logprob]] | None = [] if self.params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        # The longest stop string, less one char, is held back from streamed text: it may be the
-        # start of a stop string that the next token completes.
-        self._holdback = max((len(s) for s in self.params.stop_strings), default=1) - 1
         # KV-cache bookkeeping, used from phase 2 on: how many of token_ids have their K/V in the
         # cache, and which cache blocks hold them.
         self.num_computed_tokens = 0
@@ -114,43 +154,31 @@ class Sequence:
             self._finish("stop")
         elif may_stop and params.is_stop_token(token_id):
             self._finish("stop", token_id)
-        if not self.is_finished:  # EOS and stop token ids stay out of the text
-            delta = self.detokenizer.add_token(token_id)
-            self.text += delta
-            if may_stop and delta and params.stop_strings and not self.is_finished:
-                self._check_stop_strings(len(delta))
+        if not self.is_finished and self.text_state is not None:  # EOS and stop token ids stay out of the text
+            stop = self.text_state.add(token_id, may_stop)
+            if stop is not None:
+                self._finish("stop", stop)
         if not self.is_finished:
             if params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
                 self._finish("length")
             elif self.num_tokens >= self.max_model_len:
                 self._finish("length")
 
-    def _check_stop_strings(self, new_chars: int) -> None:
-        # Only a match that overlaps the new text can be new.
-        start = max(0, len(self.text) - new_chars - self._holdback)
-        best = None
-        for s in self.params.stop_strings:
-            i = self.text.find(s, start)
-            if i != -1 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is not None:
-            i, s = best
-            self.text = self.text[: i + len(s) if self.params.include_stop_str_in_output else i]
-            self._finish("stop", s)
-
     def _finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.finish_reason, self.stop_reason = reason, stop_reason
-        if reason == "length":  # nothing more will come: show any incomplete character
-            self.text += self.detokenizer.flush()
+        if reason == "length" and self.text_state is not None:  # nothing more will come
+            self.text_state.flush()
 
     def abort(self) -> None:
         if not self.is_finished:
             self.finish_reason = "abort"
 
+    @property
+    def text(self) -> str:
+        return self.text_state.text if self.text_state is not None else ""
+
     def visible_text(self) -> str:
-        if self.is_finished or self._holdback == 0:
-            return self.text
-        return self.text[: max(0, len(self.text) - self._holdback)]
+        return self.text_state.visible(self.is_finished) if self.text_state is not None else ""
 
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(
@@ -163,7 +191,7 @@ class SequenceGroup:
     """One request: a prompt, its sampling params, and `params.n` sequences."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 params: SamplingParams, tokenizer: Tokenizer, eos_token_ids: frozenset[int],
+                 params: SamplingParams, tokenizer: Tokenizer | None, eos_token_ids: frozenset[int],
                  max_model_len: int, device: torch.device, rng: torch.Generator,
                  arrival_time: float | None = None):
         self.request_id = request_id

@@ -77,8 +77,8 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already running")
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         grammar = self.check_request(len(ids), params)
-        group = SequenceGroup(request_id, text, ids, params, self.tokenizer, self.eos_token_ids,
-                              self.max_model_len, self.device, self.rng, arrival_time)
+        group = SequenceGroup(request_id, text, ids, params, self.tokenizer if self.setup.detokenize else None,
+                              self.eos_token_ids, self.max_model_len, self.device, self.rng, arrival_time)
         if grammar is not None:  # each sequence parses its own output
             for seq in group.seqs:
                 seq.grammar = self.structured_output_manager.matcher(grammar)

@@ -65,6 +65,7 @@ class EngineSetup:
     bf16_rows: int = 0              # dtype="auto" on this CPU: float32 products from this many rows in
                                     # bfloat16 (0: never), where a phase's products do (phase 4 on)
     check_kernels: bool = True      # checked mode (phase 2 on: `check_kernels`, as the platform resolves it)
+    detokenize: bool = True         # the engine makes each sequence's text (phase 9's core leaves it to its front)
 
     @classmethod
     def create(cls, model: str | Path | None, engine_args: dict, tensor_parallel_rank: int = 0) -> "EngineSetup":

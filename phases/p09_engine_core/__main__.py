@@ -3,6 +3,7 @@ as `EngineCoreClient` starts it: it builds phase PHASE's parts into the one engi
 RECIPE.build(setup))`, in this process), connects to the front's sockets in IPC_DIR and runs the
 busy loop (core.core_main) until told to stop or PARENT_PID, the front, is gone."""
 
+import dataclasses
 import json
 import sys
 
@@ -13,7 +14,8 @@ from .core import core_main
 
 
 def build_engine(phase: int, model: str, engine_args: dict) -> Engine:
-    setup = EngineSetup.create(model, engine_args)
+    """The engine, making token ids only: the front makes the text (core_client.py)."""
+    setup = dataclasses.replace(EngineSetup.create(model, engine_args), detokenize=False)
     return Engine(setup, phases.get_recipe(phase).build(setup))
 
 

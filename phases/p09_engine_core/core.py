@@ -1,10 +1,10 @@
 """The engine core: phase 8's engine in a process of its own, driven by messages.
 
     front process (core_client.py)                 engine core process (this file)
-    tokenize, check, HTTP                          Engine(setup, parts): the one loop
+    tokenize, check, text, HTTP                    Engine(setup, parts): the one loop
         AddRequest / Abort / Utility  --PUSH-->  PULL   take every message waiting
                                                         engine.step()
-        Outputs / Failed / Refused    <--PULL--  PUSH   send what is new
+        Outputs / Failed / Refused    <--PULL--  PUSH   send the new token ids
 
 `EngineCoreProc.run` is the busy loop (vLLM's `EngineCoreProc.run_busy_loop`,
 vllm/v1/engine/core.py): take every input message (waiting for one only when no request runs),
@@ -15,24 +15,13 @@ on. The step is the seam of asynchronous scheduling: running the next step's sch
 one's model runs (vLLM's `step_with_batch_queue`) replaces `self.step_once()` here, and nothing
 around it changes.
 
-Where the text is made. vLLM's core sends token ids only; its front process detokenizes and
-applies stop strings (`OutputProcessor`, vllm/v1/engine/output_processor.py), and aborts a
-request in the core when a stop string ends it. Here the core still runs each request's
-`SequenceGroup` (tinyvllm/sequence.py), which detokenizes as it appends and checks stop strings,
-so `SeqDelta` carries the text so far. To move the text to the front:
-- the text of a sequence (its `IncrementalDetokenizer`, the held-back characters, the stop-string
-  search, the flush at "length") becomes one object of tinyvllm/sequence.py that `Sequence` uses
-  in one process and the front uses here, and the core's sequences are made without it (an
-  `EngineSetup` switch read by `Engine.make_request`), with no stop strings;
-- `SeqDelta` says whether its last token stays out of the text (EOS, a stop token id, a token the
-  grammar refused: the core decides those, as it samples) and loses `text`;
-- a stop string found in the front cuts that sequence's token ids, logprobs and cumulative
-  logprob at the token that completed it, finishes it there, and sends the core an abort of that
-  one sequence (a message per sequence: `n` > 1 sequences of a request stop apart), which
-  `Engine` would need as a method;
-- the core runs on until that abort lands: a step or two of tokens computed for nothing, KV
-  blocks a prefix cache may keep, and counters that count them. vLLM accepts the same.
-The tokens are the same either way; what moves is CPU time off the loop.
+Where the text is made: in the front, as in vLLM (its core sends token ids; `OutputProcessor`
+detokenizes and applies stop strings, vllm/v1/engine/output_processor.py). The core's engine is
+built with `detokenize=False` (`EngineSetup`): its sequences keep token ids only, and look for no
+stop string; they end by what sampling decides (EOS, stop token ids, max_tokens, the context
+length, the grammar). The front's `FrontSequence` (output_processor.py) makes the text with the
+same `SequenceText` a sequence keeps in one process, and aborts a request a stop string ended.
+(The text of each logprob's token, `Logprob.decoded_token`, is still the sampler's, in the core.)
 
 Structured outputs are compiled here, in the core (as vLLM's `StructuredOutputManager` does,
 vllm/v1/structured_output/): the grammar's matcher advances with every token the core samples,
@@ -235,15 +224,15 @@ class EngineCoreProc:
         self.send(Failed(list(request_ids), "step", message))
 
     def delta(self, out: RequestOutput) -> RequestDelta:
-        """What is new in `out` since the last delta of its request: tokens and logprobs are sent
-        once each; the text is sent whole (it is made here, see the module docstring)."""
+        """What is new in `out` since the last delta of its request: its token ids and logprobs,
+        each sent once, and how it ended (the front makes the text)."""
         seqs_sent, prompt_sent = self.sent.get(out.request_id) or ([0] * len(out.outputs), 0)
         seqs = []
         for c in out.outputs:
             start = seqs_sent[c.index]
             seqs.append(SeqDelta(c.index, c.token_ids[start:],
                                  None if c.logprobs is None else serial.logprobs_to_wire(c.logprobs[start:]),
-                                 c.text, c.cumulative_logprob, c.finish_reason, c.stop_reason))
+                                 c.finish_reason, c.stop_reason))
             seqs_sent[c.index] = len(c.token_ids)
         new_prompt = None
         if out.prompt_logprobs is not None:

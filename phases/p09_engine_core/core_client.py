@@ -10,7 +10,8 @@ engine runs in a child process (core.py).
 `LLM.generate`'s loop and the server's engine thread run unchanged on it: `step()` waits for the
 next outputs while requests are open (polling the process, so a dead core is noticed within
 `POLL_MS`) and returns them as the in-process engine's `RequestOutput`s, built here from the core's
-deltas (new token ids and logprobs, the text so far: see core.py for where the text is made).
+deltas: new token ids and logprobs, of which the front makes the text and finds the stop strings
+(output_processor.py), aborting in the core a request a stop string ended.
 
 Requests are checked before they are queued, as in one process: the prompt is tokenized and its
 ids, length and the sampling params' ids checked here (`parse_prompt`, `check_vocab`: they need
@@ -61,12 +62,13 @@ from tinyvllm.config import EngineConfig
 from tinyvllm.download import resolve_model
 from tinyvllm.errors import EngineDeadError, StepError
 from tinyvllm.inputs import PromptType, parse_prompt
-from tinyvllm.outputs import CompletionOutput, RequestOutput
+from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.secret_env import child_env, take_secret
 
 from . import serial
 from .core import socket_paths
+from .output_processor import FrontSequence
 from .serial import (Abort, AddRequest, BadMessage, Failed, Outputs, Ready, Refused, RequestDelta, Shutdown,
                      Utility, UtilityResult)
 
@@ -92,8 +94,7 @@ class _Open:
     """What the front keeps of an open request to build its `RequestOutput`s from the deltas."""
 
     request: FrontRequest
-    token_ids: list[list[int]]
-    logprobs: list[list | None]
+    seqs: list[FrontSequence]
     prompt_logprobs: list | None = field(default=None)
 
 
@@ -247,8 +248,9 @@ class EngineCoreClient:
         with self._lock:
             if request.request_id in self._open:
                 raise ValueError(f"request_id {request.request_id!r} is already running")
-            n = request.params.n
-            self._open[request.request_id] = _Open(request, [[] for _ in range(n)], [[] for _ in range(n)])
+            seqs = [FrontSequence(i, self.tokenizer, request.prompt_token_ids, request.params)
+                    for i in range(request.params.n)]
+            self._open[request.request_id] = _Open(request, seqs)
         message = AddRequest(request.request_id, request.prompt_token_ids, serial.params_to_wire(request.params),
                              request.arrival_time)
         with self._send_lock:   # sent with the next message, or by step
@@ -419,31 +421,29 @@ class EngineCoreClient:
 
     def _apply(self, delta: RequestDelta) -> None:
         """Add a request's delta to what the front holds of it; queue its RequestOutput."""
-        # >>> exercise front_outputs (2 stars): The front's output processing: a request's delta (new token ids and logprobs per sequence, the text so far) added to what the front holds of it, and its RequestOutput queued, as the engine in one process would return it.
-        # hint: a delta of a request no longer open is dropped; copy each list you put in an output (a server's reader holds it while the next delta arrives); a finished request leaves self._open.
+        # >>> exercise front_outputs (2 stars): The front's output processing: a request's delta (each sequence's new token ids, logprobs, how the core ended it) taken by its sequences, and its RequestOutput queued as the engine in one process would return it; a request a stop string ended here is aborted in the core.
+        # hint: a delta of a request no longer open is dropped; FrontSequence.take and to_output; the request is finished when all its sequences are; the core does not know of a stop string: self._send(Abort([...])).
         # checked by: test_phase9_gives_phase8_s_outputs, test_preemption_and_prefix_caching_give_phase8_s_tokens, test_ngram_drafts_and_structured_outputs_through_the_split
         state = self._open.get(delta.request_id)
-        if state is None:   # aborted here after the core had run it
+        if state is None:   # aborted here (or ended by a stop string) after the core had run it
             return
-        completions = []
         for s in delta.seqs:
-            state.token_ids[s.index].extend(s.new_token_ids)
-            logprobs = state.logprobs[s.index] if s.new_logprobs is not None else None
-            if logprobs is not None:
-                logprobs.extend(serial.logprobs_from_wire(s.new_logprobs))
-            completions.append(CompletionOutput(s.index, s.text, list(state.token_ids[s.index]),
-                                                s.cumulative_logprob, None if logprobs is None else list(logprobs),
-                                                s.finish_reason, s.stop_reason))
+            state.seqs[s.index].take(s)
         if delta.new_prompt_logprobs is not None:
             state.prompt_logprobs = (state.prompt_logprobs or []) + serial.prompt_logprobs_from_wire(
                 delta.new_prompt_logprobs)
+        finished = all(seq.finish_reason is not None for seq in state.seqs)
+        metrics = serial.metrics_from_wire(delta.metrics)
+        if finished and metrics.finished_time is None:   # ended here, at the last token's time
+            metrics.finished_time = metrics.last_token_time
         r = state.request
         self._outputs.append(RequestOutput(
-            r.request_id, r.prompt, r.prompt_token_ids, completions, delta.finished,
-            serial.metrics_from_wire(delta.metrics), delta.num_cached_tokens,
-            None if state.prompt_logprobs is None else list(state.prompt_logprobs)))
-        if delta.finished:
+            r.request_id, r.prompt, r.prompt_token_ids, [seq.to_output() for seq in state.seqs], finished,
+            metrics, delta.num_cached_tokens, None if state.prompt_logprobs is None else list(state.prompt_logprobs)))
+        if finished:
             del self._open[delta.request_id]
+            if not delta.finished:   # a stop string, which the core does not look for
+                self._send(Abort([delta.request_id]))
         # <<< exercise front_outputs
 
     def _died(self) -> None:

@@ -1,8 +1,9 @@
 """Phase 9's recipe: phase 8's parts, the same engine loop, run in a process of its own.
 
     front_end   `make_front_end`: an `EngineCoreClient` (core_client.py) whose child process builds
-                phase 8's engine and runs its loop (core.py); the front keeps the tokenizer, the
-                checks that need no part, and the caller (LLM, the CLI, the server)
+                phase 8's engine and runs its loop (core.py), token ids only; the front keeps the
+                tokenizer, the checks that need no part, the text and its stop strings
+                (output_processor.py), and the caller (LLM, the CLI, the server)
 
 Every part is phase 8's: what changes is where the loop runs and how requests reach it, not what
 it runs. Phase 8 rather than phase 7 because the newest phase is the one users run: tensor

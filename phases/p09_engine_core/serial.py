@@ -5,7 +5,8 @@
                     Utility      a call that answers: check_request, get_stats, reset_stats, snapshot
                     Shutdown     finish and exit
     core -> front   Ready        the engine is built (or Failed: why it could not be)
-                    Outputs      per request that got tokens this step, what is new (RequestDelta)
+                    Outputs      per request that got tokens this step, its new token ids (RequestDelta;
+                                 the front makes the text)
                     Failed       requests the core could not run (a step failed), or the core itself
                     Refused      a message the core could not decode, by its reason (no request id:
                                  it did not decode)
@@ -95,9 +96,7 @@ class SeqDelta:
     index: int
     new_token_ids: list[int]
     new_logprobs: list | None          # a row list per new token; None without logprobs
-    text: str                          # the text so far (see core.py: text is made in the core)
-    cumulative_logprob: float | None
-    finish_reason: str | None
+    finish_reason: str | None          # "stop" (EOS, a stop token id), "length", "abort" (the grammar)
     stop_reason: int | str | None
 
 

@@ -75,7 +75,8 @@ def llm9(tiny_model_dir):
 
 MIXED = [SamplingParams(temperature=0, max_tokens=12, logprobs=2, prompt_logprobs=1),
          SamplingParams(temperature=0.9, top_p=0.95, seed=11, n=2, max_tokens=10, logprobs=1),
-         SamplingParams(temperature=0.8, seed=3, max_tokens=16, stop=["a", "e"], include_stop_str_in_output=True),
+         SamplingParams(temperature=0.8, seed=3, max_tokens=16, stop=["a", "e"], include_stop_str_in_output=True,
+                        ignore_eos=True),
          SamplingParams(temperature=0, max_tokens=14, stop_token_ids=[5], min_tokens=2)]
 
 
@@ -100,8 +101,19 @@ def test_phase9_gives_phase8_s_outputs(split, tiny_model_dir, llm9, monkeypatch)
         assert type(llm.llm_engine).__name__ == "Engine" and llm.llm_engine.phase == 9
     got = llm.generate(PROMPTS, MIXED)
     assert _summary(got) == _summary(want)
-    assert got[2].outputs[0].finish_reason == "stop"   # a stop string ended one: the text's end is the core's
+    assert got[2].outputs[0].stop_reason in ("a", "e")   # a stop string ended one (in the front, with the split)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_stop_string_ends_the_request_in_the_front_and_the_core(llm9):
+    """The front finds the stop string (the core sends token ids only) and aborts the request in
+    the core, which would otherwise run on to max_tokens."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=200, ignore_eos=True, stop=["a", "e"])
+    out = llm9.generate(PROMPTS[1], params)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason in ("a", "e") and len(out.token_ids) < 200
+    assert not out.text.endswith(("a", "e"))   # not included: the text is cut where the stop string began
+    state = llm9.llm_engine.snapshot()         # asked after the abort was sent: the core has it
+    assert state["num_running"] == state["num_waiting"] == 0, state
 
 
 def test_preemption_and_prefix_caching_give_phase8_s_tokens(tiny_model_dir):
@@ -206,7 +218,7 @@ def test_a_message_that_does_not_decode_is_refused_and_the_requests_go_on(bad, l
 
 def test_records_round_trip_and_anything_else_is_refused(monkeypatch):
     m = Outputs([RequestDelta("a", False, 4, {"arrival_time": 1.0}, None,
-                              [SeqDelta(0, [1, 2], [[[1, -0.5, 1, "x"]]], "hi", -0.5, None, None)])], {"k": [1]})
+                              [SeqDelta(0, [1, 2], [[[1, -0.5, 1, "x"]]], None, None)])], {"k": [1]})
     assert decode(encode(m)) == m
     assert decode(encode(AddRequest("r", [1], {"n": 1}, 2))).arrival_time == 2.0   # an int where a float may be
     with pytest.raises(BadMessage, match=r"AddRequest.prompt_token_ids\[1\]: expected int, got str"):
