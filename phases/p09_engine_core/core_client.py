@@ -265,7 +265,9 @@ class EngineCoreClient:
             self._send(Abort(known))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._open)
+        """Requests still open, or outputs and errors received (by any thread) that `step` has not
+        returned yet: the last of a request must reach its caller."""
+        return bool(self._open or self._outputs or self._errors)
 
     def unfinished_request_ids(self) -> list[str]:
         return list(self._open)

@@ -169,6 +169,22 @@ def test_checks_that_need_the_core_are_raised_by_make_request(llm9):
     assert llm9.generate("hello", SamplingParams(temperature=0, max_tokens=3))[0].finished
 
 
+def test_outputs_another_call_received_are_still_stepped(llm9):
+    """A server's request check may receive the last outputs of a request (one thread receives
+    for all): the request has finished, but `step` still owes them to its caller."""
+    client = llm9.llm_engine
+    client.add_request("quick", "hello", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    client._send()                       # what step would send first
+    deadline = time.monotonic() + 10
+    while "quick" in client.unfinished_request_ids() and time.monotonic() < deadline:
+        client.get_stats()               # its waits receive the outputs too
+    assert client.unfinished_request_ids() == [] and client.has_unfinished_requests()
+    outs = []
+    while client.has_unfinished_requests():
+        outs += client.step()
+    assert outs[-1].request_id == "quick" and outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 3
+
+
 def test_a_reused_id_and_an_unknown_abort(llm9, caplog):
     client = llm9.llm_engine
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
