@@ -1,0 +1,294 @@
+"""A grader a learner can trust: every task of `tinyvllm learn` rejects the wrong solutions a learner
+writes, and says what is wrong.
+
+Each task has at least two plausible wrong versions here (`MUTANTS`): its reference body with one
+mistake (a queue end, an off-by-one in a range or a mask, a reset forgotten, a wrong scale, a row
+not moved). Each runs through the task's own checks, those its marker names, in that order, up to
+the first failure (what `tinyvllm learn check` reports first for the task, through the same
+`learn.grade`). It must fail, and that first line must name the mistake (`expect`).
+
+How it stays fast: one pytest process (this file run as a script) grades every wrong version. It
+holds a workspace with a copy of every phase, each task the reference's, and collects the checks
+once. For each wrong version it writes the changed file into the workspace (so processes a check
+starts, tensor-parallel ranks or Triton's interpreter, import it) and swaps the function's code
+in the process itself; the fixtures and engines of one wrong version are torn down before the
+next. A wrong version that crashes the process (a bad index fed to a C kernel) is recorded as
+crashed in the check it was running, and the rest run in a fresh process, as `learn check` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """A wrong version of a task: `old` (a piece of its reference body, found once in it) becomes
+    `new`; the task's first failing check must say something matching `expect`."""
+    task: str
+    name: str      # the mistake in a few words (the test's id)
+    old: str
+    new: str
+    expect: str    # a regular expression, searched in the first failing line
+
+    @property
+    def id(self) -> str:
+        return f"{self.task}: {self.name}"
+
+
+MUTANTS = [
+    # -- phase 3 ---------------------------------------------------------------------------------
+    Mutant("match_prefix", "no token left to compute", "range((len(token_ids) - 1) // bs)", "range(len(token_ids) // bs)",
+           r"must give 1 block, got 2: at least one token is left to compute"),
+    Mutant("match_prefix", "keys not chained", "            parent = hash(key)\n", "",
+           r"each key chains the hash of the one before.*gives 1 blocks"),
+    Mutant("cache_full_blocks", "hash not chained on", "            table.last_hash = hash(key)\n", "",
+           r"each key chains the hash of the one before.*gives 1 blocks"),
+    Mutant("cache_full_blocks", "a block keyed before it is full", "(table.num_hashed_blocks + 1) * bs <= num_computed",
+           "table.num_hashed_blocks * bs < num_computed", r"the third block filled while decoding\): match_prefix of them gives 2"),
+    Mutant("schedule", "preempts the oldest", "victim = self.running[-1]", "victim = self.running[0]",
+           r"the newest running sequence, c, must be preempted, got \['a'\]"),
+    Mutant("schedule", "a seat past max_num_seqs", "len(self.running) < self.max_num_seqs",
+           "len(self.running) <= self.max_num_seqs", r"max_num_seqs=2: two sequences run at most"),
+    Mutant("schedule", "admissions not charged to the budget",
+           "            budget -= num_new\n        self.kv_usage", "        self.kv_usage",
+           r"a step's budget is 32 tokens.*scheduled \[\('a', 20\), \('b', 20\)\]"),
+    Mutant("preempt", "back of the waiting queue", "self.waiting.appendleft(seq)", "self.waiting.append(seq)",
+           r"back to the front of the waiting queue.*waiting is \['d', 'c'\]"),
+    Mutant("preempt", "num_computed_tokens not reset", "        seq.num_computed_tokens = 0\n", "",
+           r"must restart from 0 computed tokens .*got 3"),
+    Mutant("preempt", "status left RUNNING", "        seq.status = SequenceStatus.PREEMPTED\n", "",
+           r"status must be PREEMPTED, got RUNNING"),
+]
+
+
+# -- the child: grades the wrong versions named on its command line ------------------------------
+
+class MutantLoop:
+    """A pytest plugin: instead of pytest's run, each wrong version's checks, recorded as JSON lines."""
+
+    def __init__(self, mutants: list[Mutant], workspace: Path, record: Path):
+        self.mutants, self.workspace, self.record = mutants, workspace, record
+
+    def _write(self, **record) -> None:
+        with open(self.record, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session):
+        from _pytest.runner import runtestprotocol
+
+        from tinyvllm.entrypoints import learn
+
+        tasks = {e.name: e for e in learn.exercises()}
+        for m in self.mutants:
+            e = tasks[m.task]
+            mark = f"phase{e.phase:02d}"
+            items = [i for i in session.items if i.originalname in e.checks and i.get_closest_marker(mark)]
+            items.sort(key=lambda i: e.checks.index(i.originalname))   # stable: run order within a check
+            self._write(mutant=m.id, start=time.time())
+            with _applied(m, e, self.workspace):
+                for k, item in enumerate(items):
+                    self._write(mutant=m.id, check=item.nodeid, time=time.time())
+                    reports = runtestprotocol(item, log=False, nextitem=items[k + 1] if k + 1 < len(items) else None)
+                    bad = next((r for r in reports if r.failed), None)
+                    message = ""
+                    if bad is not None:
+                        crash = getattr(bad.longrepr, "reprcrash", None)
+                        message = crash.message if crash is not None else str(bad.longrepr)
+                    self._write(mutant=m.id, case=item.nodeid, outcome="failed" if bad else "passed",
+                                message=message, text=bad.longreprtext if bad else "")
+                    if bad is not None:
+                        session._setupstate.teardown_exact(None)
+                        break
+            self._write(mutant=m.id, done=True)
+        return True
+
+
+def _module_name(e, workspace: Path) -> tuple[str, Path]:
+    """The module that holds task `e` and its file in the workspace."""
+    from phases.workspace import FOUNDATION_COPIES
+
+    for module in FOUNDATION_COPIES.get(e.package, ()):
+        if module.rpartition(".")[2] + ".py" == e.file:
+            return module, workspace / e.package / e.file
+    return f"phases.{e.package}.{e.file[:-3]}", workspace / e.package / e.file
+
+
+class _applied:
+    """Within the block, task `e`'s body is mutant `m`'s: in the workspace's file and in the code of
+    the function the process has loaded."""
+
+    def __init__(self, m: Mutant, e, workspace: Path):
+        self.m, self.e, self.workspace = m, e, workspace
+
+    def __enter__(self):
+        import importlib
+        import inspect
+
+        module, self.path = _module_name(self.e, self.workspace)
+        self.text = self.path.read_text()
+        mutated = mutate(self.text, self.m)
+        self.path.write_text(mutated)
+        obj = importlib.import_module(module)
+        for part in self.e.function.split("."):
+            obj = inspect.getattr_static(obj, part) if isinstance(obj, type) else getattr(obj, part)
+        obj = inspect.unwrap(getattr(obj, "__func__", obj))
+        self.fn = getattr(obj, "fn", obj)          # a Triton kernel: the Python function it wraps
+        self.code = self.fn.__code__
+        self.fn.__code__ = _find_code(compile(mutated, str(self.path), "exec"), self.e.function)
+        return self
+
+    def __exit__(self, *exc):
+        self.fn.__code__ = self.code
+        self.path.write_text(self.text)
+
+
+def _find_code(code, qualname: str):
+    for const in code.co_consts:
+        if hasattr(const, "co_qualname"):
+            if const.co_qualname == qualname:
+                return const
+            found = _find_code(const, qualname)
+            if found is not None:
+                return found
+    return None
+
+
+def mutate(text: str, m: Mutant) -> str:
+    """`text` (a file holding task m.task) with m.old replaced by m.new inside the task's body."""
+    from phases.workspace import regions
+
+    lines = text.splitlines(keepends=True)
+    for f, i, end in regions(text):
+        if f["name"] == m.task:
+            body = "".join(lines[i + 3:end])
+            if body.count(m.old) != 1:
+                raise ValueError(f"{m.id}: {m.old!r} is {body.count(m.old)} times in the body of {m.task}, not once")
+            return "".join(lines[:i + 3]) + body.replace(m.old, m.new) + "".join(lines[end:])
+    raise ValueError(f"{m.id}: no exercise {m.task} in the file")
+
+
+def _child(argv: list[str]) -> int:
+    workspace, record, ids = Path(argv[0]), Path(argv[1]), json.loads(argv[2])
+    chosen = [m for m in MUTANTS if m.id in ids]
+    from tinyvllm.entrypoints import learn
+    folders = sorted({f"phases/{learn.phase_package(e.phase)}" for e in learn.exercises()
+                      if e.name in {m.task for m in chosen}})
+    return pytest.main([*folders, "tests", f"--ignore={Path(__file__).resolve()}", "-p", "no:cacheprovider",
+                        "-q", "--check-timeout=120", "-o", "addopts="],
+                       plugins=[MutantLoop(chosen, workspace, record)])
+
+
+# -- the parent: makes the workspace, runs the child, grades what it recorded -----------------------
+
+def _workspace(folder: Path) -> Path:
+    """A copy of every phase with every task the reference's (what `learn solve` leaves)."""
+    import io
+
+    from tinyvllm.entrypoints import learn
+
+    for phase in learn.phases.PHASES:
+        learn.start(phase, folder, force=True, out=io.StringIO())
+        for e in learn.exercises(phase):
+            learn.solve(phase, folder, e.name, out=io.StringIO())
+    return folder
+
+
+def grade_mutants(mutants: list[Mutant], tmp: Path, log=None) -> dict[str, tuple[str, str]]:
+    """mutant id -> (status, detail) as `learn check` reports the task, for each of `mutants`."""
+    from tinyvllm.entrypoints import learn
+    from tinyvllm.entrypoints.learn_run import Case, how_it_ended, plain, test_name
+
+    tasks = {e.name: e for e in learn.exercises()}
+    results: dict[str, tuple[str, str]] = {}
+    cases: dict[str, list[Case]] = {m.id: [] for m in mutants}
+    left = list(mutants)
+    while left:
+        workspace = _workspace(tmp / "workspace")
+        record = tmp / "record.jsonl"
+        record.write_text("")
+        env = {**os.environ, "TINYVLLM_WORKSPACE": str(workspace), "PYTHONPATH": str(REPO)}
+        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(workspace), str(record),
+                               json.dumps([m.id for m in left])], cwd=REPO, env=env, stdout=log,
+                              stderr=subprocess.STDOUT if log is not None else None, timeout=1800)
+        running = {}
+        for line in record.read_text().splitlines():
+            r = json.loads(line)
+            if "case" in r:
+                cases[r["mutant"]].append(Case(test_name(r["case"]), r["case"], r["outcome"], plain(r["message"]),
+                                               r["text"]))
+            elif "check" in r:
+                running[r["mutant"]] = r["check"]
+            elif r.get("done"):
+                running.pop(r["mutant"], None)
+                results[r["mutant"]] = None
+        crashed = [m for m in left if m.id in running]
+        if crashed:   # one at most: the one under way when the process died
+            m = crashed[0]
+            nodeid = running[m.id]
+            cases[m.id].append(Case(test_name(nodeid), nodeid, "failed", f"the process {how_it_ended(proc.returncode)}",
+                                    "", crashed=True))
+            results[m.id] = None
+        elif proc.returncode not in (0, 5):
+            raise RuntimeError(f"the grading process ended with {proc.returncode} outside any wrong version")
+        left = [m for m in left if m.id not in results]
+    out = {}
+    for m in mutants:
+        e = tasks[m.task]
+        phase_tasks = learn.exercises(e.phase)
+        graded = learn.grade(phase_tasks, cases[m.id], set(), {t.name for t in phase_tasks} - {m.task})
+        out[m.id] = next((s, d) for t, s, d in graded if t.name == m.task)
+    return out
+
+
+# -- the tests ------------------------------------------------------------------------------------
+
+def test_every_task_has_two_wrong_versions():
+    """At least two per task, each a change of the task's current reference body."""
+    from tinyvllm.entrypoints import learn
+
+    counts = {e.name: 0 for e in learn.exercises()}
+    for m in MUTANTS:
+        e = next((e for e in learn.exercises() if e.name == m.task), None)
+        assert e is not None, f"{m.id}: no task {m.task}"
+        mutate((REPO / e.path).read_text(), m)   # its piece is in the body, once
+        counts[m.task] += 1
+    short = {task: n for task, n in counts.items() if n < 2}
+    assert not short, f"tasks with fewer than two wrong versions: {short}"
+    assert len({m.id for m in MUTANTS}) == len(MUTANTS), "two wrong versions share a name"
+
+
+@pytest.fixture(scope="module")
+def graded(request, tmp_path_factory):
+    """The grades of the wrong versions this session runs, all in one process."""
+    chosen = {item.callspec.params["mutant"].id for item in request.session.items
+              if getattr(item, "originalname", "") == "test_a_wrong_version_fails_its_checks"}
+    mutants = [m for m in MUTANTS if m.id in chosen]
+    tmp = tmp_path_factory.mktemp("mutants")
+    with open(tmp / "log.txt", "w") as log:
+        results = grade_mutants(mutants, tmp, log)
+    return results
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=[m.id for m in MUTANTS])
+def test_a_wrong_version_fails_its_checks(mutant, graded):
+    status, detail = graded[mutant.id]
+    assert status == "failed", f"{mutant.id}: learn check reports the task {status}: {detail}"
+    assert re.search(mutant.expect, detail), (
+        f"{mutant.id}: the first failing line does not name the mistake (/{mutant.expect}/): {detail}")
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))
