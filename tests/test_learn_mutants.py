@@ -48,6 +48,31 @@ class Mutant:
 
 
 MUTANTS = [
+    # -- phase 2 ---------------------------------------------------------------------------------
+    Mutant("allocate", "blocks for the new tokens only", "self.blocks_needed(table.num_tokens + num_tokens) - len(table)",
+           "self.blocks_needed(num_tokens)", r"holds \d+ blocks of \d+: it needs exactly|must raise RuntimeError"),
+    Mutant("allocate", "num_tokens not advanced", "        table.num_tokens += num_tokens\n", "",
+           r"allocate\(\d+ tokens\) on a table of \d+ must leave it holding \d+ tokens"),
+    Mutant("free", "blocks never given back", "self.release_block(block_id)", "pass",
+           r"a block leaked after free|after freeing every table, \d+ of the pool's \d+ blocks are free"),
+    Mutant("free", "num_tokens not reset", "        table.num_tokens = 0\n", "",
+           r"free must empty the table: it still holds 0 blocks and \d+ tokens"),
+    Mutant("free", "the table's list kept", "        table.block_ids.clear()\n", "",
+           r"free must empty the table: it still holds \d+ blocks"),
+    Mutant("write_kv", "V written where K goes", "index_copy_(0, slot_mapping, k)", "index_copy_(0, slot_mapping, v)",
+           r"token 0's K is not in slot 13"),
+    Mutant("write_kv", "always layer 0", "self.layer(layer_idx)", "self.layer(0)",
+           r"token 0's K is not in slot 13 \(block 3, offset 1\) of layer 1"),
+    Mutant("prepare_inputs", "positions from 0", "positions += range(start, start + n)", "positions += range(n)",
+           r"positions continue after the computed tokens"),
+    Mutant("prepare_inputs", "slots one ahead", "for p in range(start, start + n)]", "for p in range(start + 1, start + n + 1)]",
+           r"position p's slot is block_ids\[p // 4\] \* 4 \+ p % 4"),
+    Mutant("prepare_inputs", "seq_lens without the new tokens", "seq_lens.append(start + n)", "seq_lens.append(start)",
+           r"seq_lens count each sequence's tokens after this step"),
+    Mutant("decode_gather", "a slot past the end attended", ">= seq_lens[:, None]", "> seq_lens[:, None]",
+           r"sequence 0 has 5 tokens: slots 0..4 are attended .* the mask attends slots \[0, 1, 2, 3, 4, 5\]"),
+    Mutant("decode_gather", "blocks rounded down", "max_blocks = -(-max_seq_len // block_size)",
+           "max_blocks = max_seq_len // block_size", r"blocks to gather are each sequence's first ceil\(9 / 4\) = 3"),
     # -- phase 3 ---------------------------------------------------------------------------------
     Mutant("match_prefix", "no token left to compute", "range((len(token_ids) - 1) // bs)", "range(len(token_ids) // bs)",
            r"must give 1 block, got 2: at least one token is left to compute"),

@@ -10,6 +10,7 @@ import torch
 from phases.p02_paged_kv import BlockAllocator, BlockTable
 from phases.p03_continuous_batching import PrefixCachingBlockAllocator, Scheduler, SequenceStatus
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.testing import token_difference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -51,15 +52,6 @@ def _held(engine) -> str:
             f"finished (blocks with a reference: {[b for b, n in enumerate(a.ref_counts) if n]})")
 
 
-def _differ(got, want, what) -> str:
-    """Where two lists of token lists first differ, in words."""
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            k = next((j for j, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
-            return f"{what}: request {i}'s tokens differ from token {k} on: {g[k:k + 4]} instead of {w[k:k + 4]}"
-    return f"{what}: {len(got)} requests finished, {len(want)} expected"
-
-
 def _run(engine, prompts, params, order, arrive_every=1):
     """Add requests in `order`, a new one every `arrive_every` steps, and run to the end."""
     pending = list(order)
@@ -82,9 +74,9 @@ def test_any_arrival_order_equals_transformers_and_phase2(seed, tiny_model_dir, 
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     got = _run(engine, prompts, GREEDY, order, arrive_every=seed + 1)
-    assert got == hf_tokens, _differ(got, hf_tokens, f"arrival order {order}, against transformers")
+    assert got == hf_tokens, token_difference(got, hf_tokens, f"arrival order {order}, against transformers")
     phase2 = [o.outputs[0].token_ids for o in make_llm(tiny_model_dir, 2).generate(prompts, GREEDY, use_tqdm=False)]
-    assert got == phase2, _differ(got, phase2, f"arrival order {order}, against phase 2")
+    assert got == phase2, token_difference(got, phase2, f"arrival order {order}, against phase 2")
     assert _all_blocks_free(engine), _held(engine)
 
 
@@ -94,7 +86,7 @@ def test_heavy_preemption_keeps_outputs(prefix_caching, tiny_model_dir, prompts,
     engine = LLM(str(tiny_model_dir), phase=3, num_kv_blocks=12, block_size=8,
                  enable_prefix_caching=prefix_caching).llm_engine
     got = _run(engine, prompts, GREEDY, range(len(prompts)), arrive_every=1)
-    assert got == hf_tokens, _differ(got, hf_tokens, "12 blocks of 8 shared by 10 requests (preempted often), "
+    assert got == hf_tokens, token_difference(got, hf_tokens, "12 blocks of 8 shared by 10 requests (preempted often), "
                                      "against transformers")
     assert engine.get_stats()["num_preemptions"] >= 5, (
         f"10 requests in 12 blocks of 8 must preempt at least 5 times, counted {engine.get_stats()['num_preemptions']}")
@@ -108,7 +100,7 @@ def test_seeded_sampling_survives_preemption(tiny_model_dir, prompts):
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
     assert tight_llm.llm_engine.get_stats()["num_preemptions"] > 0, "12 blocks of 8 for 10 requests must preempt"
     tight, roomy = [o.outputs[0].token_ids for o in tight], [o.outputs[0].token_ids for o in roomy]
-    assert tight == roomy, _differ(tight, roomy, "seeded sampling, preempted (12 blocks) against not preempted: a "
+    assert tight == roomy, token_difference(tight, roomy, "seeded sampling, preempted (12 blocks) against not preempted: a "
                                    "preempted request recomputes its tokens and draws on from its own generator")
 
 
@@ -116,7 +108,7 @@ def test_seeded_sampling_survives_preemption(tiny_model_dir, prompts):
 def test_chunked_prefill_any_chunk_size(chunk, tiny_model_dir, prompts, hf_tokens):
     engine = LLM(str(tiny_model_dir), phase=3, max_num_batched_tokens=chunk).llm_engine
     got = _run(engine, prompts, GREEDY, range(len(prompts)))
-    assert got == hf_tokens, _differ(got, hf_tokens, f"max_num_batched_tokens={chunk}, against transformers")
+    assert got == hf_tokens, token_difference(got, hf_tokens, f"max_num_batched_tokens={chunk}, against transformers")
     assert _all_blocks_free(engine), _held(engine)
 
 
@@ -177,7 +169,7 @@ def test_prefix_cache_shares_a_system_prompt(tiny_model_dir):
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     outs = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
     got, want = [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_ids for o in ref[1:]]
-    assert got == want, _differ(got, want, "requests sharing a cached 64-token system prompt, against phase 1")
+    assert got == want, token_difference(got, want, "requests sharing a cached 64-token system prompt, against phase 1")
     assert all(o.num_cached_tokens == 64 for o in outs), (
         f"each later request shares the cached 64-token system prompt (4 chained blocks of 16): cached tokens "
         f"{[o.num_cached_tokens for o in outs]}, expected 64 each")
