@@ -48,6 +48,44 @@ class Mutant:
 
 
 MUTANTS = [
+    # -- phase 1 ---------------------------------------------------------------------------------
+    Mutant("causal_attention", "num_past ignored", "[:, None] + num_past", "[:, None]",
+           r"after 11 past keys.*as if num_past were 0"),
+    Mutant("causal_attention", "scaled by 1/d", "* d ** -0.5", "/ d", r"scores scaled by 1/d"),
+    Mutant("causal_attention", "a query blind to its own key", "k_pos > q_pos", "k_pos >= q_pos",
+           r"blind to its own key"),
+    Mutant("engine_step", "no try/except", """        try:
+            out = self.runner.execute(plan)
+            sampled = self.sampler.sample(out)
+            self.scheduler.update(plan, sampled)
+        except Exception as e:
+            failed = plan.request_ids()
+            self.abort_request(failed)
+            raise StepError(failed, e) from e
+""", """        out = self.runner.execute(plan)
+        sampled = self.sampler.sample(out)
+        self.scheduler.update(plan, sampled)
+""", r"expected a StepError, the runner's exception escaped"),
+    Mutant("engine_step", "the failed requests not aborted", "            self.abort_request(failed)\n", "",
+           r"a failed step's requests are aborted: 'a' is still in the engine"),
+    Mutant("recompute_step", "the first row's logits", "hidden[-1:]", "hidden[:1]",
+           r"step 0: token \d+, but the logits of the last of the 10 tokens"),
+    Mutant("recompute_step", "no prompt logits", "prompt_logits=prompt_logits(self.model, hidden, [(seq, 0, n, 0)])",
+           "prompt_logits=[]", r"prompt_logprobs=2 was asked, and the output has none|entries for 11 tokens \(the runner returns the logits of the prompt rows"),
+    Mutant("draw", "u not scaled by the row's total", "u[:, None].to(cdf.dtype) * total", "u[:, None].to(cdf.dtype)",
+           r"row 1: u = .* token 2, not 0"),
+    Mutant("draw", "one generator for every row",
+           "u = torch.cat([torch.rand(1, generator=g, device=g.device) for g in generators]).to(probs.device)",
+           "u = torch.rand(len(generators), generator=generators[0]).to(probs.device)",
+           r"from its own generator|exactly one number from the row's generator"),
+    Mutant("draw", "no fallback for an empty row", "        if bool(empty.any()):\n            idx = torch.where(empty, greedy_tokens(probs), idx)\n", "",
+           r"row 3 has nothing to draw from"),
+    Mutant("filter_probs", "top-p counts the token itself", "sorted_p.cumsum(dim=-1) - sorted_p", "sorted_p.cumsum(dim=-1)",
+           r"top_p=0.7.*kept tokens \[1\], not \[1, 3\]"),
+    Mutant("filter_probs", "min-p of 1, not of the largest", "thresh * probs.max(dim=-1, keepdim=True).values", "thresh",
+           r"min_p=0.35: at least 0.35 \* 0.5\): kept tokens \[1\], not \[1, 3\]"),
+    Mutant("filter_probs", "top-k keeps k + 1", "drop = rank >= k[:, None]", "drop = rank > k[:, None]",
+           r"top_k=2: the two most likely\): kept tokens \[1, 2, 3\]"),
     # -- phase 2 ---------------------------------------------------------------------------------
     Mutant("allocate", "blocks for the new tokens only", "self.blocks_needed(table.num_tokens + num_tokens) - len(table)",
            "self.blocks_needed(num_tokens)", r"holds \d+ blocks of \d+: it needs exactly|must raise RuntimeError"),
