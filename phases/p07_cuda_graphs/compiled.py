@@ -64,6 +64,7 @@ from torch import nn
 from phases.p04_triton_kernels.cpu_attention import attention_row
 from phases.p05_quantization import QuantizedLinear
 from phases.p05_quantization.lossless import LosslessLinear
+from phases.workspace import REFERENCE
 from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir
 from phases.p04_triton_kernels.cpu_layers import CpuLinear, bfloat16_weights
@@ -175,7 +176,8 @@ def use_inductor_cache() -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
-SOURCES = (Path(__file__).parents[2] / "tinyvllm", Path(__file__).parents[1])
+# tinyvllm and the phases; and, where this file is a learner's copy, the folder of their copies
+SOURCES = tuple(dict.fromkeys((REFERENCE.parent / "tinyvllm", REFERENCE, Path(__file__).resolve().parents[1])))
 
 
 def compile_key(model: nn.Module) -> str:

@@ -37,13 +37,14 @@ from pathlib import Path
 import torch
 
 from tinyvllm.config import EngineConfig
+from phases.workspace import REFERENCE
 from tinyvllm.platform import resolve_device
 
 from .parallel import (LOOPBACK, TOKEN_ENV, available_cores, host_ip, loads_signed, open_store, rank_device,
                        shared_token, signed_ready, take_token)
 
 STARTUP_TIMEOUT_S = 600
-REPO = Path(__file__).resolve().parents[2]
+REPO = REFERENCE.parent   # the repository (this file may be a learner's copy, elsewhere)
 
 
 def threads_per_rank(world: int) -> int:
