@@ -152,6 +152,24 @@ MUTANTS = [
            r"int4 weights.*column 2j read from the high nibble"),
     Mutant("dequant_tile", "the zero point left out", "return q * s + z", "return q * s",
            r"int4 weights.*the zero point left out"),
+    # -- phase 6 ---------------------------------------------------------------------------------
+    Mutant("ngram_propose", "the latest match", "start = int(hits[0]) + n", "start = int(hits[-1]) + n",
+           r"the earliest match \(of \[1, 2, 3\] at 0 and at 6\) proposes what followed it: .* got \[7, 8\]"),
+    Mutant("ngram_propose", "the shortest n first", "range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1)",
+           "range(self.min_n, min(self.max_n, len(tokens) - 1) + 1)", r"the longest n that matches first .* got \[8, 2\]"),
+    Mutant("rejection_sample", "the replacement drawn from p",
+           "residual = (p - draft_probs[j].to(p.dtype)).clamp_(min=0.0)", "residual = p.clone()",
+           r"drawn from p, not from max\(0, p - q\)"),
+    Mutant("rejection_sample", "the bonus from the wrong row", "target_probs[-1][None]", "target_probs[-2][None]",
+           r"the bonus token drawn from another row"),
+    Mutant("rejection_sample", "accepted with q/p", "if u * q_d < float(p[d]):", "if u * float(p[d]) < q_d:",
+           r"accepted with probability min\(1, q/p\)"),
+    Mutant("truncate_table", "blocks not given back", "allocator.release_block(table.block_ids.pop())",
+           "table.block_ids.pop()", r"block \d+, left with no token, goes back to the pool"),
+    Mutant("truncate_table", "blocks counted by floor", "keep = allocator.blocks_needed(num_tokens)",
+           "keep = num_tokens // allocator.block_size", r"10 tokens rolled back to 5 \(blocks of 4\): the first 2 blocks"),
+    Mutant("truncate_table", "num_tokens may grow", "table.num_tokens = min(table.num_tokens, num_tokens)",
+           "table.num_tokens = num_tokens", r"it only shrinks"),
     # -- phase 3 ---------------------------------------------------------------------------------
     Mutant("match_prefix", "no token left to compute", "range((len(token_ids) - 1) // bs)", "range(len(token_ids) // bs)",
            r"must give 1 block, got 2: at least one token is left to compute"),
@@ -216,6 +234,10 @@ class MutantLoop:
                     if bad is not None:
                         session._setupstate.teardown_exact(None)
                         break
+            for module in {item.module for item in items}:   # caches a test module keeps (_LLMS, ...)
+                for name, value in vars(module).items():
+                    if name.startswith("_") and name.isupper() and isinstance(value, dict):
+                        value.clear()
             self._write(mutant=m.id, done=True)
         return True
 
