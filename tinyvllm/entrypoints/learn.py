@@ -334,7 +334,7 @@ def report(phase: int, cases: list[Case], blank_tasks: set[str], out, log: Path 
     print(f"  other checks of phase {phase}: {sum(c.outcome == 'passed' for c in others)} passed, "
           f"{n_failed} failed{why}, {sum(c.outcome == 'skipped' for c in others)} skipped", file=out)
     for c in own_failures[:8]:
-        print(f"    {c.id}: {c.message}" + (f" while running {c.id}" if c.crashed else ""), file=out)
+        print(f"    {c.id}: {c.message}", file=out)
     if len(own_failures) > 8:
         print(f"    ... and {len(own_failures) - 8} more (see {log})", file=out)
     ok = (all(s in ("passed", "not run") for _, s, _ in results) and not n_failed

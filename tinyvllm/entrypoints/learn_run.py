@@ -166,11 +166,12 @@ def _case(r: dict) -> Case:
                 tuple(r["blanks"]))
 
 
-def run(cmd: list[str], cwd: Path, env: dict, log, workdir: Path, timeout: int = 0) -> Run:
+def run(cmd: list[str], cwd: Path, env: dict, log, workdir: Path, timeout: int = 0,
+        kill_grace: float = KILL_GRACE) -> Run:
     """Run pytest's `cmd` (without --record) in `cwd` until every check it collects has ended or
     crashed: after a crash, a fresh process runs the checks that had not run. `log`: a file the
     processes' output goes to (None: the terminal). `timeout`: the check timeout (s) the child
-    enforces itself; a check still running KILL_GRACE s past it is killed from here."""
+    enforces itself; a check still running `kill_grace` s past it is killed from here."""
     record, skip, hits = workdir / "record.jsonl", workdir / "skip.json", workdir / "hits.txt"
     env = {**env, HITS_ENV: str(hits)}
     cases: list[Case] = []
@@ -182,7 +183,7 @@ def run(cmd: list[str], cwd: Path, env: dict, log, workdir: Path, timeout: int =
         proc = subprocess.Popen([*cmd, f"--record={record}", f"--record-skip={skip}"], cwd=cwd, env=env,
                                 stdout=log, stderr=subprocess.STDOUT if log is not None else None,
                                 start_new_session=True)
-        hung = _wait(proc, record, timeout)
+        hung = _wait(proc, record, timeout, kill_grace)
         ended, started = _read(record)
         cases += [_case(r) for r in ended]
         done += [r["end"] for r in ended]
@@ -203,8 +204,8 @@ def run(cmd: list[str], cwd: Path, env: dict, log, workdir: Path, timeout: int =
                        f"the process crashed {len(crashes)} times; the checks after the last crash did not run")
 
 
-def _wait(proc: subprocess.Popen, record: Path, timeout: int) -> float | None:
-    """Wait for the child; kill it if one check runs KILL_GRACE s past `timeout` (0: never).
+def _wait(proc: subprocess.Popen, record: Path, timeout: int, kill_grace: float) -> float | None:
+    """Wait for the child; kill it if one check runs `kill_grace` s past `timeout` (0: never).
     Returns how long the check had run when it was killed (None: it ended by itself)."""
     while True:
         try:
@@ -217,7 +218,7 @@ def _wait(proc: subprocess.Popen, record: Path, timeout: int) -> float | None:
         ended, started = _read(record)
         ended_ids = {r["end"] for r in ended}
         running = [t for n, t in started.items() if n not in ended_ids]
-        if running and time.time() - running[-1] > timeout + KILL_GRACE:
+        if running and time.time() - running[-1] > timeout + kill_grace:
             took = time.time() - running[-1]
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
