@@ -403,3 +403,28 @@ def test_remove_row_with_the_moved_row_left_stale_is_reported_as_remove_row(tmp_
     assert status["remove_row"].startswith("failed: test_swap_copies_valid_tokens_only: the request moved from the "
                                            "last row into the hole must be found there"), report
     assert not [t for t, st in status.items() if t != "remove_row" and st.startswith("failed")], report
+
+
+@pytest.mark.parametrize("set_by_user", [None, "0"])
+def test_the_checks_run_in_checked_mode_unless_the_user_says_otherwise(tmp_path, monkeypatch, set_by_user):
+    """learn check's pytest runs with TINYVLLM_CHECK_KERNELS=1 (a bookkeeping slip in a task is an
+    error naming it, not a crash), unless the learner set the variable; the workspace variable is
+    left out (the run points at the copy by --workspace)."""
+    from tinyvllm.entrypoints import learn_run
+
+    seen: dict = {}
+
+    def run(cmd, cwd, env, log, workdir, timeout=0, **kw):
+        seen.update(env)
+        return learn_run.Run(cases=[], crashes=[], returncode=3, note="stopped here by the test")
+
+    monkeypatch.setattr(learn_run, "run", run)
+    if set_by_user is None:
+        monkeypatch.delenv("TINYVLLM_CHECK_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("TINYVLLM_CHECK_KERNELS", set_by_user)
+    monkeypatch.setenv("TINYVLLM_WORKSPACE", str(tmp_path))
+    (tmp_path / learn.phase_package(2)).mkdir()
+    assert learn.check(2, tmp_path, out=io.StringIO()) == 3
+    assert seen["TINYVLLM_CHECK_KERNELS"] == (set_by_user or "1")
+    assert "TINYVLLM_WORKSPACE" not in seen

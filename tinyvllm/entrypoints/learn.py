@@ -274,6 +274,7 @@ def check(phase: int, folder: Path, pytest_args: list[str] = (), out=None, verbo
           file=out, flush=True)
     env = dict(os.environ)
     env.pop("TINYVLLM_WORKSPACE", None)
+    env.setdefault("TINYVLLM_CHECK_KERNELS", "1")  # checked mode: a bookkeeping slip in a task is an error naming it, never a crash
     with tempfile.TemporaryDirectory() as tmp, open(log, "w") as f:
         ran = learn_run.run(cmd, REPO, env, None if verbose else f, Path(tmp), timeout)
     if not ran.cases:
