@@ -9,32 +9,157 @@ reference tests. The folder travels to subprocesses (server and interpreter test
 $TINYVLLM_WORKSPACE, which `phases/__init__.py` reads.
 
 A phase may teach a module of the foundation too (`FOUNDATION_COPIES`): phase 1 sets up the one
-sampler every phase uses, so a copy of phase 1 holds `sampler.py`, and while it is there
-`import tinyvllm.sampler` loads the learner's, as every phase built on the learner's phase 1
-runs the learner's engine loop.
+sampler every phase uses, so a copy of phase 1 holds `sampler.py` (and the C file it builds), and
+while it is there `import tinyvllm.sampler` loads the learner's, as every phase built on the
+learner's phase 1 runs the learner's engine loop.
+
+The exercise markers are read here too (`regions`): `tinyvllm learn` blanks and grades what they
+mark. While `tinyvllm learn check` grades a copy ($TINYVLLM_LEARN_HITS names a file), a task still
+blank is *probed*: its body runs the reference's, after writing the task's name to that file. So a
+check that needs three unwritten tasks names all three in one run (the learner's report lists
+what each task waits on at once), and a written task is graded beside the others' reference
+bodies instead of stopping at the first blank.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.abc
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
 ENV_VAR = "TINYVLLM_WORKSPACE"
+HITS_ENV = "TINYVLLM_LEARN_HITS"   # set by tinyvllm learn check: probe blank tasks, note them here
 REFERENCE = Path(__file__).resolve().parent
 # phase package -> the foundation modules its copy holds (as <name>.py beside the phase's modules)
 FOUNDATION_COPIES: dict[str, tuple[str, ...]] = {"p01_naive_attention": ("tinyvllm.sampler",)}
+# foundation module -> the files beside it that it loads (its C kernel): they travel with it
+FOUNDATION_DATA: dict[str, tuple[str, ...]] = {"tinyvllm.sampler": ("cpu_argmax.c",)}
+
+START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<name>\w+) \((?P<stars>\d) stars?\): (?P<task>.+)$")
+_HINT = re.compile(r"^[ \t]*# hint: (?P<hint>.+)$")
+_CHECKS = re.compile(r"^[ \t]*# checked by: (?P<checks>.+)$")
+# What a blank task raises; the grader finds the task's name in a failure by this pattern.
+BLANK_RAISED = re.compile(r"exercise (\w+) is not written yet")
+
+
+def regions(source: str) -> list[tuple[dict, int, int]]:
+    """(fields, first line of the marker, line of the end marker) for every exercise in `source`,
+    0-based. The fields are the marker's name, stars, task, hint, checks and indent."""
+    lines = source.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        m = START.match(line)
+        if not m:
+            continue
+        hint = _HINT.match(lines[i + 1]) if i + 1 < len(lines) else None
+        checks = _CHECKS.match(lines[i + 2]) if i + 2 < len(lines) else None
+        if not (hint and checks):
+            raise ValueError(f"exercise {m['name']}: the marker needs '# hint:' and '# checked by:' lines after it")
+        end = next((j for j in range(i + 3, len(lines))
+                    if lines[j].strip() == f"# <<< exercise {m['name']}"), None)
+        if end is None:
+            raise ValueError(f"exercise {m['name']}: no '# <<< exercise {m['name']}' line closes it")
+        found.append((dict(m.groupdict(), hint=hint["hint"], checks=checks["checks"]), i, end))
+    return found
+
+
+def is_blank(body: list[str]) -> bool:
+    """The body `tinyvllm learn start` wrote: one raise naming the task."""
+    return len(body) == 1 and bool(BLANK_RAISED.search(body[0]))
 
 
 def foundation_files(package: str) -> list[Path]:
-    """The reference files of the foundation modules that a copy of phase `package` holds."""
-    return [REFERENCE.parent / (module.replace(".", "/") + ".py") for module in FOUNDATION_COPIES.get(package, ())]
+    """The reference files of the foundation modules that a copy of phase `package` holds, and the
+    files they load."""
+    files = []
+    for module in FOUNDATION_COPIES.get(package, ()):
+        path = REFERENCE.parent / (module.replace(".", "/") + ".py")
+        files += [path] + [path.with_name(name) for name in FOUNDATION_DATA.get(module, ())]
+    return files
+
+
+# -- probing the blank tasks while a copy is graded --------------------------------------------------
+
+def blank_hit(name: str) -> None:
+    """A probed blank task ran (its reference body follows): note its name for the grader."""
+    path = os.environ.get(HITS_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(name + "\n")
+
+
+def _statements_in(tree: ast.Module, first: int, last: int) -> list[ast.stmt]:
+    """The statements of `tree` from line `first` to `last` (1-based) in one block, outermost first."""
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if isinstance(block, list):
+                inside = [s for s in block if isinstance(s, ast.stmt) and first <= s.lineno and s.end_lineno <= last]
+                if inside:
+                    return inside
+    return []
+
+
+def probed(source: str, reference: str) -> ast.Module:
+    """`source` (a learner's module) parsed, with each blank task's raise replaced by a note of the
+    task (`blank_hit`) and the reference's body, whose lines all point at the raise's line."""
+    tree = ast.parse(source)
+    bodies = {f["name"]: (i, end) for f, i, end in regions(reference)}
+    lines = source.splitlines()
+    ref = ast.parse(reference)
+    for f, i, end in regions(source):
+        if f["name"] not in bodies or not is_blank(lines[i + 3:end]):
+            continue
+        line = i + 4                                           # the raise, 1-based
+        ref_first, ref_end = bodies[f["name"]]
+        body = [ast.parse(f"__import__('phases.workspace').workspace.blank_hit({f['name']!r})").body[0],
+                *_statements_in(ref, ref_first + 4, ref_end)]
+        for stmt in body:
+            for node in ast.walk(stmt):
+                if "lineno" in node._attributes:
+                    node.lineno = node.end_lineno = line
+        for node in ast.walk(tree):
+            for field in ("body", "orelse", "finalbody"):
+                block = getattr(node, field, None)
+                if isinstance(block, list):
+                    for k, stmt in enumerate(block):
+                        if isinstance(stmt, ast.Raise) and stmt.lineno == line:
+                            block[k:k + 1] = body
+    return tree
+
+
+class ProbingLoader(importlib.abc.SourceLoader):
+    """Loads a learner's module whose blank tasks run the reference bodies (`probed`). No bytecode
+    is read or written for it: what runs depends on the reference too."""
+
+    def __init__(self, path: Path, reference: Path):
+        self.path, self.reference = path, reference
+
+    def get_filename(self, fullname):
+        return str(self.path)
+
+    def get_data(self, path):
+        return Path(path).read_bytes()
+
+    def source_to_code(self, data, path, *, _optimize=-1):
+        return compile(probed(data.decode(), self.reference.read_text()), path, "exec", dont_inherit=True)
+
+
+def _spec(fullname: str, path: Path, reference: Path, **kwargs):
+    """A module's spec; with $TINYVLLM_LEARN_HITS set and a blank task in it, a probing one."""
+    if (os.environ.get(HITS_ENV) and path.suffix == ".py" and reference.is_file()
+            and BLANK_RAISED.search(path.read_text())):
+        return importlib.util.spec_from_file_location(fullname, path, loader=ProbingLoader(path, reference), **kwargs)
+    return importlib.util.spec_from_file_location(fullname, path, **kwargs)
 
 
 class WorkspaceFinder(importlib.abc.MetaPathFinder):
-    """Finds `phases.pNN_name` in the workspace folder when the learner has a copy of it."""
+    """Finds `phases.pNN_name` (and its modules) in the workspace folder when the learner has a
+    copy of it."""
 
     def __init__(self, folder: Path, modules: dict[str, Path] | None = None):
         self.folder = folder
@@ -42,16 +167,19 @@ class WorkspaceFinder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self.modules:
-            return importlib.util.spec_from_file_location(fullname, self.modules[fullname])
+            reference = REFERENCE.parent / (fullname.replace(".", "/") + ".py")
+            return _spec(fullname, self.modules[fullname], reference)
         top, _, name = fullname.partition(".")
-        if top != "phases" or not name or "." in name:
-            return None  # only the phase packages themselves; their modules follow __path__
-        copy = self.folder / name
-        if not (copy / "__init__.py").is_file():
+        package, _, module = name.partition(".")
+        if top != "phases" or not package or not (self.folder / package / "__init__.py").is_file():
             return None
-        return importlib.util.spec_from_file_location(
-            fullname, copy / "__init__.py",
-            submodule_search_locations=[str(copy), str(REFERENCE / name)])
+        copy = self.folder / package
+        if not module:
+            return importlib.util.spec_from_file_location(
+                fullname, copy / "__init__.py", submodule_search_locations=[str(copy), str(REFERENCE / package)])
+        if "." in module or not (copy / f"{module}.py").is_file():
+            return None  # tools/, tests: the reference's, found through __path__
+        return _spec(fullname, copy / f"{module}.py", REFERENCE / package / f"{module}.py")
 
 
 def use_workspace(folder: str | os.PathLike) -> list[str]:

@@ -238,7 +238,21 @@ def render_rungs(spec: dict) -> str:
     header = ["phase", "with", "workload", "over", "tok/s below", "tok/s", "speedup"] + ([] if one else ["measured on"])
     first = load(_rung_reports(spec)[0])
     caption = f"*Measured on a {machine_line(first['machine'], first.get('limits'))}.*\n\n" if one else ""
-    return caption + _markdown(header, body) + "\n"
+    return caption + _markdown(header, body) + "\n" + _repeated(rows)
+
+
+def _repeated(rows: list[dict]) -> str:
+    """A line under a ladder for each engine that two rungs measured (each rung is a run of its
+    own): the same engine, settings and workload give two numbers, and the table says so."""
+    seen: dict[tuple, list[str]] = {}
+    for r in rows:
+        for e, tok_s in ((r["new"], r["tok_s"]), (r["old"], r["old_tok_s"])):
+            key = (e["label"], _settings(e) or "default settings", r["workload"], r["machine"])
+            seen.setdefault(key, []).append(_num(tok_s))
+    lines = [f"*{label[0].upper() + label[1:]} with {settings}, {workload}: in {len(runs)} rungs, each measured in a "
+             f"run of its own, at {' and '.join(runs)} output tok/s.*\n"
+             for (label, settings, workload, _), runs in seen.items() if len(set(runs)) > 1]
+    return ("\n" + "".join(lines)) if lines else ""
 
 
 def _rung_reports(spec: dict) -> list[str]:

@@ -1,6 +1,7 @@
 """Bad input raises a clear error naming the problem, and the same LLM then still generates
 correctly: nothing is lost, nothing is left half-queued."""
 
+import re
 import shutil
 
 import pytest
@@ -141,7 +142,7 @@ class _StepFails(Exception):
 
 
 @pytest.mark.parametrize("phase", phase_params())
-def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(phase, tiny_model_dir, monkeypatch):
+def test_a_failed_forward_aborts_the_call_and_the_next_gets_the_same_tokens(phase, tiny_model_dir, monkeypatch):
     """An error inside a step (here the model's forward, once) reaches the caller; every request
     of the call is aborted and its blocks freed, and the next call gets the same tokens as
     before."""
@@ -186,13 +187,30 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(phase, tiny_mo
         raise _StepFails("the batch failed")
 
     monkeypatch.setattr(engine.runner, "execute", fails)
-    with pytest.raises(StepError, match="the batch failed.*1 request\\(s\\) were aborted") as e:
+    try:
         engine.step()
-    assert e.value.request_ids == ["a"] and isinstance(e.value.__cause__, _StepFails)
-    assert "'a'" not in str(e.value) and " a " not in str(e.value)
+    except StepError as e:
+        error = e
+    except _StepFails:
+        raise AssertionError("expected a StepError, the runner's exception escaped the step: step() must catch "
+                             "what execute, sample or update raise, abort the plan's requests and raise "
+                             "StepError(their ids, e) from e") from None
+    else:
+        raise AssertionError("the runner raised, and step() returned: expected a StepError")
+    assert re.search(r"the batch failed.*1 request\(s\) were aborted", str(error)), (
+        f"a StepError says what failed and how many requests were aborted: {error}")
+    assert error.request_ids == ["a"] and isinstance(error.__cause__, _StepFails), (
+        f"the StepError names the requests of the failed step, ['a'] (b only waited), and is raised from the "
+        f"runner's exception: request_ids {error.request_ids}, cause {error.__cause__!r}")
+    assert "'a'" not in str(error) and " a " not in str(error)
+    assert "a" not in engine.groups, "a failed step's requests are aborted: 'a' is still in the engine"
     monkeypatch.setattr(engine.runner, "execute", execute)
     while engine.has_unfinished_requests():
         outs = engine.step()
-    assert [o.request_id for o in outs] == ["b"] and len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
+    assert [o.request_id for o in outs] == ["b"] and len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens, (
+        f"after the failed step, b (only waiting then) runs to the end: the last outputs are "
+        f"{[(o.request_id, len(o.outputs[0].token_ids)) for o in outs]}")
     if engine.allocator is not None:
-        assert engine.allocator.num_free_blocks == engine.allocator.num_blocks
+        a = engine.allocator
+        assert a.num_free_blocks == a.num_blocks, (
+            f"{a.num_blocks - a.num_free_blocks} KV blocks are still held after the failed step and b's end")

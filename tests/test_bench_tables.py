@@ -100,3 +100,75 @@ def test_an_amx_cpu_is_a_kind_of_its_own_in_every_report():
     zen4 = {"cpu": "AMD EPYC", "cpu_kind": "avx512_vnni", "cores": 2, "cpu_flags": sorted(avx512),
             "cpu_microarchitecture": "Zen 4"}
     assert bench_tables.machine_line(zen4, None) == "2-core AMD EPYC Zen 4 (avx512_vnni)"
+
+
+def _tables():
+    """(page, spec, body) of every bench-table on every page."""
+    for page in bench_tables.pages():
+        for m in bench_tables.BLOCK.finditer(page.read_text()):
+            yield page.relative_to(REPO), m["spec"], m["body"]
+
+
+def _is_accuracy(spec_text: str) -> bool:
+    """A table of perplexities (`tinyvllm bench accuracy`): numbers of the model, not of a machine's
+    speed, whose reports record no machine."""
+    spec = bench_tables.parse_spec(spec_text)
+    return bool(spec["reports"]) and all("results" in (r := bench_tables.load(n)) and "machine" not in r
+                                         for n in spec["reports"])
+
+
+def test_every_table_names_its_machine():
+    """Each table of measured speeds says where it was measured: one machine in a line above it,
+    or a column naming each row's (a ladder of several machines)."""
+    unnamed = [f"{page}: {spec.strip()[:80]}" for page, spec, body in _tables()
+               if "*Measured on " not in body and "| measured on |" not in body and not _is_accuracy(spec)]
+    assert not unnamed, "tables that do not name their machine:\n" + "\n".join(unnamed)
+
+
+# The pages a learner reads in order: the front page, the home page and the lessons. The
+# benchmarks page and the lab notes keep many sessions side by side, each table with its machine.
+LEARNER_PAGES = ("README.md", "docs/index.md", "phases/p")
+
+
+def _numbers_on_the_learners_path() -> dict[tuple, set]:
+    """(machine, workload, engine, its settings) -> {(output tok/s shown, where)} over the tables
+    of the learner's pages; the rows of one ladder apart (each rung is a run of its own, and the
+    ladder says so under it)."""
+    seen: dict[tuple, set] = {}
+    for page, spec_text, body in _tables():
+        if not str(page).startswith(LEARNER_PAGES):
+            continue
+        spec = bench_tables.parse_spec(spec_text)
+        if spec.get("rungs"):
+            for r in bench_tables.rungs(spec):
+                for e, tok_s in ((r["new"], r["tok_s"]), (r["old"], r["old_tok_s"])):
+                    key = (r["machine"], r["workload"], e["name"], bench_tables._settings(e))
+                    seen.setdefault(key, set()).add((bench_tables._num(tok_s), f"{page}, a ladder"))
+            continue
+        reports = {name: bench_tables.load(name) for name in spec["reports"]}
+        shown = [(name, e) for name, r in reports.items() for e in r.get("engines", [])]
+        if spec.get("engines"):   # only the rows the table shows: `name` or `name@report`
+            wanted = [item.partition("=")[0].strip().partition("@") for item in spec["engines"]]
+            shown = [(n, e) for n, e in shown if any(e["name"] == w and src in ("", n) for w, _, src in wanted)]
+        for name, e in shown:
+            report = reports[name]
+            key = (bench_tables.short_machine(report["machine"]), bench_tables._workload_line(report), e["name"],
+                   bench_tables._settings(e))
+            seen.setdefault(key, set()).add((bench_tables._num(e["output_tok_per_s"]), f"{page}, {name}"))
+    return seen
+
+
+def test_one_workload_on_one_machine_shows_one_number_on_the_learner_s_path():
+    """The README, the home page and the lessons never give two numbers for one engine on one
+    workload on one machine (a lesson shows the README's run, or one on a machine its table
+    names); two rungs of one ladder that ran the same engine are said to be two runs under it."""
+    clashes = []
+    for (machine, workload, engine, settings), shown in _numbers_on_the_learners_path().items():
+        numbers = {n for n, _ in shown}
+        in_a_ladder = {n for n, w in shown if w.endswith("a ladder")}   # runs a ladder shows, and says so
+        if len(numbers) > 1 and not numbers <= in_a_ladder:
+            clashes.append(f"{engine} ({settings or 'default settings'}), {workload}, on {machine}: "
+                           + "; ".join(f"{n} in {w}" for n, w in sorted(shown)))
+    assert not clashes, "one workload, one machine, several numbers:\n" + "\n".join(clashes)
+    ladder = (REPO / "README.md").read_text()
+    assert "in 2 rungs, each measured in a run of its own, at 113.4 and 104.5 output tok/s" in ladder

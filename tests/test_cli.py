@@ -1,5 +1,6 @@
 """The command line: generate and chat on a tiny model, --help, and a clear error for bad input."""
 
+import io
 import re
 import subprocess
 import sys
@@ -20,6 +21,49 @@ def test_generate(tiny_model_dir, capsys):
                  "--max-tokens", "5", "--ignore-eos"]) == 0
     out = capsys.readouterr()
     assert "hello" in out.out and "tok/s" in out.err
+
+
+def test_generate_streams_into_a_pipe(tiny_model_dir, monkeypatch):
+    """Piped, stdout is block-buffered: generate flushes after every step, so a reader sees the
+    header, the prompt and the text so far before the last token is made, not all at the end."""
+    import tinyvllm.entrypoints.llm as llm_module
+
+    events: list[tuple[str, object]] = []
+
+    class Pipe(io.StringIO):
+        def flush(self):
+            events.append(("flush", self.getvalue()))
+
+    run = llm_module.LLM._run
+
+    def recorded_run(self, *args, **kwargs):
+        for out in run(self, *args, **kwargs):
+            events.append(("output", out.finished))
+            yield out
+
+    monkeypatch.setattr(llm_module.LLM, "_run", recorded_run)
+    monkeypatch.setattr(sys, "stdout", Pipe())
+    assert main(["generate", "--model", str(tiny_model_dir), "--phase", "1", "--prompt", "hello",
+                 "--max-tokens", "6", "--ignore-eos"]) == 0
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("output") == 6 and kinds == ["output", "flush"] * 6   # a flush after every step
+    before_last = [text for kind, text in events[:-2] if kind == "flush"]
+    assert before_last[0].startswith("--- 'hello'\nhello") and "(length)" not in before_last[-1]
+    assert events[-1][1].endswith("\n--- (length)\n")
+
+
+def test_generate_prints_completions_in_order_as_they_stream(tiny_model_dir, capsys):
+    """Two prompts of two completions each, run together: printed prompt by prompt, completion by
+    completion, each whole, the text generate() returns."""
+    params = SamplingParams(temperature=1, seed=0, max_tokens=4, ignore_eos=True, n=2)
+    refs = LLM(str(tiny_model_dir), phase=3).generate(["hello", "world"], params, use_tqdm=False)
+    assert main(["generate", "--model", str(tiny_model_dir), "--phase", "3", "--prompt", "hello",
+                 "--prompt", "world", "--n", "2", "--temperature", "1", "--seed", "0", "--max-tokens", "4",
+                 "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    expected = "".join(f"--- completion {c.index + 1}/2 {r.prompt!r}\n{r.prompt}{c.text}\n--- ({c.finish_reason})\n"
+                       for r in refs for c in r.outputs)
+    assert out == expected
 
 
 def test_chat_one_turn(tiny_model_dir, capsys):

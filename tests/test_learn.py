@@ -111,6 +111,19 @@ def test_a_copy_stands_in_for_the_reference_phase(tmp_path):
     assert out[3] == str(REPO / "phases" / "p02_paged_kv" / "test_p02_checkpoint.py")
 
 
+def test_a_copy_holds_every_file_its_code_loads(tmp_path):
+    """A module that loads a file beside it (a C kernel: `Path(__file__).with_name("x.c")`, `HERE /
+    "x.c"`) finds it in the learner's copy too: `learn start` copies it."""
+    for phase in phases.PHASES:
+        copy = learn.start(phase, tmp_path, out=io.StringIO())
+        for module in copy.glob("*.py"):
+            text = module.read_text()
+            for name in re.findall(r'(?:with_name\(|HERE / )"([\w.]+)"', text):
+                assert (copy / name).is_file(), f"phase {phase}: {module.name} loads {name}, which its copy lacks"
+            assert "parents[2]" not in text, (f"phase {phase}: {module.name} finds the repository from its own path, "
+                                             "which in a learner's copy is elsewhere (phases.workspace.REFERENCE)")
+
+
 def test_phase_1_s_copy_holds_the_sampler_every_phase_uses(tmp_path):
     """The sampler is the foundation's, taught in phase 1: a copy of phase 1 holds sampler.py, and
     with it `tinyvllm.sampler` is the learner's, for every phase (the engine's samplers included)."""
@@ -120,11 +133,12 @@ def test_phase_1_s_copy_holds_the_sampler_every_phase_uses(tmp_path):
     assert "exercise draw is not written yet" in (copy / "sampler.py").read_text()
     code = ("import tinyvllm.sampler as s, phases.p03_continuous_batching as p3, inspect\n"
             "from phases.p01_naive_attention.recipe import Sampler\n"
-            "print(s.__file__)\nprint(inspect.getfile(Sampler))\nprint(p3.__file__)\n")
+            "print(s.__file__)\nprint(inspect.getfile(Sampler))\nprint(p3.__file__)\nprint(s.ARGMAX.source.is_file())\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                          env=dict(os.environ, TINYVLLM_WORKSPACE=str(tmp_path))).stdout.split()
     assert out[0] == out[1] == str(copy / "sampler.py")
     assert out[2] == str(REPO / "phases" / "p03_continuous_batching" / "__init__.py")
+    assert out[3] == "True", "the copied sampler's C kernel (cpu_argmax.c) is beside it"
     learn.solve(1, tmp_path, "draw", out=io.StringIO())
     assert learn.unwritten(1, tmp_path) == {e.name for e in learn.exercises(1)} - {"draw"}
 
@@ -184,6 +198,60 @@ def test_the_report_gives_the_speed_checkpoint_s_verdict():
             assert "Every task of phase 2 passes" in out.getvalue()
         else:
             assert rc == 1 and f"[FAIL] speed (too slow): {speed.format(ratio)}" in out.getvalue()
+    # an engine that failed before its speed was measured is not "too slow"
+    broken = learn.Case("test_throughput_checkpoint", "t::test_throughput_checkpoint[phase2-vs-1-0]", "failed",
+                        "RuntimeError: phase2: the engine still has requests from an earlier run", "")
+    out = io.StringIO()
+    assert learn.report(2, passed + [broken], {"allocate"}, out) == 1
+    assert "too slow" not in out.getvalue()
+    assert "[FAIL] speed (not measured: first make allocate pass): RuntimeError: phase2: the engine" in out.getvalue()
+
+
+def _cases(outcomes: dict[str, str], message: str = "wrong") -> list:
+    return [learn.Case(t, f"t::{t}", o, message if o == "failed" else "", "") for t, o in outcomes.items()]
+
+
+def test_a_task_whose_body_is_the_reference_is_never_failed_because_of_another():
+    """preempt written wrong, schedule filled by `learn solve`: the checks both name fail, and
+    only preempt is failed for them (its own check that names it alone failed too); with
+    preempt's checks all shared, still only the task the learner wrote is blamed."""
+    tasks = learn.exercises(3)
+    solved = {"schedule", "match_prefix", "cache_full_blocks"}
+    outcomes = {t: "passed" for e in tasks for t in e.checks}
+    outcomes.update(test_preemption_takes_the_newest_first="failed", test_heavy_preemption_keeps_outputs="failed",
+                    test_seeded_sampling_survives_preemption="failed")
+    status = {e.name: (s, d) for e, s, d in learn.grade(tasks, _cases(outcomes), set(), solved)}
+    assert status["preempt"][0] == "failed" and status["preempt"][1].startswith("test_preemption_takes_the_newest_first")
+    assert status["schedule"] == ("waits", "its checks fail because of preempt")
+    assert status["match_prefix"] == ("waits", "its checks fail because of preempt")
+    assert status["cache_full_blocks"][0] == "passed"
+    outcomes["test_seeded_sampling_survives_preemption"] = "passed"
+    status = {e.name: s for e, s, _ in learn.grade(tasks, _cases(outcomes), set(), solved)}
+    assert status["preempt"] == "failed" and status["schedule"] == "waits"
+    # nobody wrote schedule's checks' other tasks: a failure there is schedule's own
+    status = {e.name: s for e, s, _ in learn.grade(tasks, _cases(outcomes), set(), solved - {"schedule"})}
+    assert status["preempt"] == status["schedule"] == "failed"
+
+
+def test_the_first_failure_is_the_one_the_marker_lists_first_and_a_crash_last():
+    tasks = learn.exercises(2)
+    prepare = next(e for e in tasks if e.name == "prepare_inputs")
+    outcomes = {t: "passed" for e in tasks for t in e.checks}
+    cases = _cases(outcomes)
+    late, first = prepare.checks[-1], prepare.checks[0]
+    for c in cases:
+        if c.test == late:
+            c.outcome, c.message, c.crashed = "failed", "the process crashed (signal 11)", True
+        if c.test == prepare.checks[1]:
+            c.outcome, c.message = "failed", "tokens differ"
+    cases.sort(key=lambda c: c.test != late)      # the crash ran first
+    status = {e.name: (s, d) for e, s, d in learn.grade(tasks, cases, set(), {e.name for e in tasks} - {"prepare_inputs"})}
+    assert status["prepare_inputs"] == ("failed", f"{prepare.checks[1]}: tokens differ")
+    for c in cases:
+        c.outcome = "passed" if c.test != late else c.outcome
+    status = {e.name: (s, d) for e, s, d in learn.grade(tasks, cases, set(), {e.name for e in tasks} - {"prepare_inputs"})}
+    assert status["prepare_inputs"] == ("failed", f"the process crashed (signal 11) while checking prepare_inputs: t::{late}")
+    assert first != late
 
 
 def test_one_blank_task_fails_that_task_only(tmp_path):
@@ -219,5 +287,144 @@ def test_learn_commands(tmp_path, capsys):
     assert "no exercise 'frees'" in capsys.readouterr().err
     assert cli_main(["learn", "check", "3", "--dir", str(tmp_path)]) == 2
     assert "tinyvllm learn start 3" in capsys.readouterr().err
-    assert cli_main(["learn", "list", "2"]) == 0
-    assert [ln.split()[2] for ln in capsys.readouterr().out.splitlines()] == [e.name for e in learn.exercises(2)]
+    assert cli_main(["learn", "list", "2", "--dir", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[2] for ln in lines] == [e.name for e in learn.exercises(2)]
+    # each task where it is in the learner's copy (not the reference, which is the answer)
+    copy = tmp_path.resolve() / "p02_paged_kv"
+    for ln, e in zip(lines, learn.exercises(2)):
+        where = ln.split()[4] if ln.split()[3].startswith("*") else ln.split()[3]
+        path, line = where.rsplit(":", 1)
+        assert Path(path).resolve() == copy / e.file, ln
+        assert f"# >>> exercise {e.name} " in (copy / e.file).read_text().splitlines()[int(line) - 1], ln
+    assert cli_main(["learn", "list", "3", "--dir", str(tmp_path)]) == 0
+    assert "(after tinyvllm learn start 3)" in capsys.readouterr().out
+
+
+_FAKE_CHECKS = """
+import os, signal, time
+
+def test_a():
+    pass
+
+def test_b():
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+def test_c():
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGALRM])   # as C code that never returns to Python
+    time.sleep(60)
+
+def test_d():
+    assert 1 == 2, "d is wrong"
+"""
+
+
+def test_a_check_that_crashes_or_hangs_is_attributed_and_the_rest_run(tmp_path):
+    """A check that kills its own process (SIGSEGV) or hangs where Python cannot stop it is
+    recorded as failed, with how the process ended; the checks after it run in a fresh process."""
+    from tinyvllm.entrypoints import learn_run
+
+    (tmp_path / "test_fake.py").write_text(_FAKE_CHECKS)
+    cmd = [sys.executable, "-m", "pytest", "test_fake.py", "-p", "tinyvllm.entrypoints.learn_run", "-q",
+           "-p", "no:cacheprovider", f"--rootdir={tmp_path}", "-p", "no:faulthandler"]
+    work = tmp_path / "work"
+    work.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with open(tmp_path / "log", "w") as log:
+        ran = learn_run.run(cmd, tmp_path, env, log, work, timeout=1, kill_grace=2)
+    got = {c.test: (c.outcome, c.message, c.crashed) for c in ran.cases}
+    assert got["test_a"] == ("passed", "", False)
+    assert got["test_b"] == ("failed", "the process crashed (signal 11)", True)
+    assert got["test_c"][0] == "failed" and got["test_c"][2] and "hung (no answer for" in got["test_c"][1]
+    assert got["test_d"] == ("failed", "d is wrong", False)
+    assert [c.test for c in ran.cases] == ["test_a", "test_b", "test_c", "test_d"] and len(ran.crashes) == 2
+    assert not ran.note
+
+
+def _phase_copy(tmp_path, phase, blank=(), change=None) -> Path:
+    """A copy of `phase` with every task solved but those in `blank`; `change(task)` -> (old, new)
+    pieces of the reference body to swap, for the tasks it names."""
+    learn.start(phase, tmp_path, out=io.StringIO())
+    for e in learn.exercises(phase):
+        if e.name not in blank:
+            learn.solve(phase, tmp_path, e.name, out=io.StringIO())
+        if change and e.name in change:
+            path = tmp_path / e.package / e.file
+            old, new = change[e.name]
+            assert path.read_text().count(old) == 1, old
+            path.write_text(path.read_text().replace(old, new))
+    return tmp_path
+
+
+def _grade(phase, folder, *pytest_args) -> tuple[int, dict[str, str], str]:
+    out = io.StringIO()
+    rc = learn.check(phase, folder, list(pytest_args), out=out, timeout=120)
+    report = out.getvalue()
+    return rc, {m.group(1): m.group(2) for m in re.finditer(r"\] (\w+)\s+\*+\s+(.*)", report)}, report
+
+
+def test_a_wrong_task_is_graded_beside_blank_ones_that_are_all_named(tmp_path):
+    """Phase 3 with schedule and match_prefix blank and preempt written with the back of the
+    waiting queue (issue 74's slip): preempt fails, saying where a preempted sequence goes, though
+    the tasks it runs with are blank (each blank runs its reference body while graded); a task
+    that needs both blanks names both at once."""
+    folder = _phase_copy(tmp_path, 3, blank={"schedule", "match_prefix"},
+                         change={"preempt": ("self.waiting.appendleft(seq)", "self.waiting.append(seq)")})
+    rc, status, report = _grade(3, folder, "-k", "preemption_takes or prefix_cache")
+    assert rc == 1
+    assert status["preempt"].startswith("failed: test_preemption_takes_the_newest_first: a preempted sequence "
+                                        "goes back to the front of the waiting queue"), report
+    assert status["schedule"].startswith("not written") and status["match_prefix"].startswith("not written"), report
+    assert status["cache_full_blocks"] == "waits: its checks need match_prefix, schedule first", report
+
+
+def test_a_check_that_crashes_the_process_fails_its_task_and_the_rest_run(tmp_path):
+    """free written so that it kills the process (as a bad index fed to a C kernel does): its
+    check is reported as the crash, naming free; allocate, filled by `learn solve`, is not
+    failed for it; write_kv's check runs after, in a fresh process, and passes."""
+    crash = "__import__('os').kill(__import__('os').getpid(), 11)"
+    folder = _phase_copy(tmp_path, 2, change={"free": ("self.release_block(block_id)", crash)})
+    rc, status, report = _grade(2, folder, "-k", "allocator_never_leaks or kv_write_puts")
+    assert rc == 1
+    assert status["free"].startswith("failed: the process crashed (signal 11) while checking free: "
+                                     "phases/p02_paged_kv/test_p02_checkpoint.py::test_allocator_never_leaks"), report
+    assert status["allocate"] == "waits: its checks fail because of free", report
+    assert status["write_kv"].startswith("passed"), report
+    assert "The process crashed (signal 11) while running" in report
+
+
+@pytest.mark.slow  # phase 7's engines: ~20 s
+def test_remove_row_with_the_moved_row_left_stale_is_reported_as_remove_row(tmp_path):
+    """Issue 79's slip: the request moved into the hole keeps its old row_of entry. The report
+    fails remove_row, about the moved row; the tasks whose checks it breaks wait for it."""
+    folder = _phase_copy(tmp_path, 7, change={"remove_row": ("            self.row_of[self.seqs[r].seq_id] = r\n", "")})
+    rc, status, report = _grade(7, folder, "-k", "swap_copies or shrink_grow or bucket_for")
+    assert rc == 1
+    assert status["remove_row"].startswith("failed: test_swap_copies_valid_tokens_only: the request moved from the "
+                                           "last row into the hole must be found there"), report
+    assert not [t for t, st in status.items() if t != "remove_row" and st.startswith("failed")], report
+
+
+@pytest.mark.parametrize("set_by_user", [None, "0"])
+def test_the_checks_run_in_checked_mode_unless_the_user_says_otherwise(tmp_path, monkeypatch, set_by_user):
+    """learn check's pytest runs with TINYVLLM_CHECK_KERNELS=1 (a bookkeeping slip in a task is an
+    error naming it, not a crash), unless the learner set the variable; the workspace variable is
+    left out (the run points at the copy by --workspace)."""
+    from tinyvllm.entrypoints import learn_run
+
+    seen: dict = {}
+
+    def run(cmd, cwd, env, log, workdir, timeout=0, **kw):
+        seen.update(env)
+        return learn_run.Run(cases=[], crashes=[], returncode=3, note="stopped here by the test")
+
+    monkeypatch.setattr(learn_run, "run", run)
+    if set_by_user is None:
+        monkeypatch.delenv("TINYVLLM_CHECK_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("TINYVLLM_CHECK_KERNELS", set_by_user)
+    monkeypatch.setenv("TINYVLLM_WORKSPACE", str(tmp_path))
+    (tmp_path / learn.phase_package(2)).mkdir()
+    assert learn.check(2, tmp_path, out=io.StringIO()) == 3
+    assert seen["TINYVLLM_CHECK_KERNELS"] == (set_by_user or "1")
+    assert "TINYVLLM_WORKSPACE" not in seen

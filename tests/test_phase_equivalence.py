@@ -7,6 +7,7 @@ import pytest
 
 from conftest import phase_params
 from tinyvllm import SamplingParams
+from tinyvllm.testing import token_difference
 
 
 _PHASE1_TOKENS: dict = {}  # (model, batch, length) -> phase 1's greedy tokens
@@ -35,7 +36,9 @@ def test_greedy_equals_phase1(phase, batch, length, model_fixture, request, make
                                for p in prompts]
     ref = _PHASE1_TOKENS[key]
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == ref, token_difference(got, ref, f"phase {phase}'s greedy tokens against phase 1's (each prompt alone), "
+                                   f"{batch} prompts of up to {length} tokens")
 
 
 @pytest.mark.parametrize("model_fixture", ["tiny_model_dir", "tiny_qwen3_dir"])
@@ -47,4 +50,5 @@ def test_seeded_sampling_equals_phase1(phase, model_fixture, request, make_llm):
               for i in range(len(prompts))]
     ref = make_llm(model, 1).generate(prompts, params, use_tqdm=False)
     outs = make_llm(model, phase).generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    got, want = [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_ids for o in ref]
+    assert got == want, token_difference(got, want, f"phase {phase}'s seeded samples against phase 1's")

@@ -22,7 +22,11 @@ def hf_logprobs(tiny_model_dir):
 
 def _check(out, hf, k):
     plp = out.prompt_logprobs
-    assert len(plp) == len(PROMPT) and plp[0] is None
+    assert plp is not None, ("prompt_logprobs=2 was asked, and the output has none: the runner returns the logits of "
+                             "the prompt rows it computed (prompt_logits), which the sampler turns into logprobs")
+    assert len(plp) == len(PROMPT) and plp[0] is None, (
+        f"one entry per prompt token, None for the first (nothing before it): {len(plp)} entries for {len(PROMPT)} tokens "
+        f"(the runner returns the logits of the prompt rows it computed, prompt_logits; the sampler makes these of them)")
     for i in range(1, len(PROMPT)):
         row, token = hf[i - 1], PROMPT[i]
         assert token in plp[i] and len(plp[i]) in (k, k + 1)

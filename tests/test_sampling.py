@@ -98,7 +98,8 @@ def test_sampler_matches_distribution():
     for _ in range(3000):
         t, _ = Sampler()(probs.log()[None], [seq])
         counts[t[0]] += 1
-    assert torch.allclose(counts / 3000, probs, atol=0.03)
+    assert torch.allclose(counts / 3000, probs, atol=0.03), (
+        f"3000 draws from probabilities {probs.tolist()} came out {(counts / 3000).tolist()}")
 
 
 def test_penalties_and_min_tokens():
@@ -178,6 +179,8 @@ def test_draw_is_inverse_transform_sampling_from_each_rows_generator():
             want = int((cdf <= u * cdf[-1]).sum())
             assert got[r] == want, (f"row {r}: u = {u:.3f} from its own generator, cumulative "
                                     f"probabilities {cdf.tolist()}: token {want}, not {got[r]}")
+        assert got[3] == 0, (f"row 3 has nothing to draw from (all zero): it takes its most likely token, "
+                             f"greedy_tokens' answer 0 (the first of equal values), not {got[3]}")
         for r, s in enumerate(seeds):  # one number per row and call: a seeded request's next draw depends on it
             fresh = torch.Generator().manual_seed(s)
             torch.rand(1, generator=fresh)
@@ -192,9 +195,11 @@ def test_sampler_never_draws_a_zero_probability_token(u, monkeypatch):
     probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0], [0.0, 0.0, 1e-8, 0.0, 0.0]])
     monkeypatch.setattr(torch, "rand", lambda *a, **kw: torch.full((1,), u))
     toks = Sampler.draw(probs, [torch.Generator(), torch.Generator()])
-    assert probs[0, toks[0]] > 0 and toks[1] == 2
+    assert probs[0, toks[0]] > 0 and toks[1] == 2, (
+        f"u = {u}: drew tokens {toks} from rows {probs.tolist()}, one of probability 0 (the search must find the "
+        f"first token whose cumulative probability is above u * total, with u * total kept below the total)")
     if u == 0.5:
-        assert toks[0] == 3  # 0.5 is past the first quarter
+        assert toks[0] == 3, f"u = 0.5 is past the first quarter of row 0: token 3, not {toks[0]}"
 
 
 def test_greedy_tokens_is_argmax_ties_nan_and_inf_included():

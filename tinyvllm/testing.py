@@ -228,6 +228,16 @@ def make_on_codes(source: str | os.PathLike, folder: str | os.PathLike) -> Path:
     return folder
 
 
+def token_difference(got: list[list[int]], want: list[list[int]], what: str) -> str:
+    """Where two runs' token lists first differ, in words, for a check's failure: `what` says which
+    runs they are (the request and the token where they part, and the tokens from there)."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            k = next((j for j, (x, y) in enumerate(zip(g, w)) if x != y), min(len(g), len(w)))
+            return f"{what}: request {i}'s tokens differ from token {k} on: {g[k:k + 4]} instead of {w[k:k + 4]}"
+    return f"{what}: {len(got)} requests finished, {len(want)} expected"
+
+
 def resident_bytes() -> int:
     """This process's resident memory now (Linux's /proc/self/statm)."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

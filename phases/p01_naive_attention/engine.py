@@ -130,7 +130,7 @@ class Engine:
         go on."""
         # >>> exercise engine_step (2 stars): The engine's step: the scheduler's plan, the runner on it, the sampler on the runner's rows, the scheduler's update, and the outputs of the requests that got tokens.
         # hint: an empty plan (nothing scheduled) gives []; if execute, sample or update raises, abort plan.request_ids() and raise StepError(ids, e) from e; self.outputs(sampled) builds the outputs.
-        # checked by: test_greedy_matches_transformers, test_every_step_recomputes_the_whole_sequence, test_a_failed_step_aborts_its_requests_and_the_engine_goes_on
+        # checked by: test_every_step_recomputes_the_whole_sequence, test_a_failed_step_aborts_its_requests_and_the_engine_goes_on, test_greedy_matches_transformers
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []

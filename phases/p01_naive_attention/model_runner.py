@@ -27,7 +27,7 @@ class RecomputeRunner:
         """The logits of the scheduled sequence's last position, (1, V)."""
         # >>> exercise recompute_step (1 star): Run the model over every token of the plan's one sequence, and return the logits of its last row.
         # hint: plan.scheduled holds one (seq, n); torch.arange(n) gives the positions; NaiveAttention() is the attention; compute_logits on hidden[-1:]; prompt_logits(...) for prompt logprobs.
-        # checked by: test_every_step_recomputes_the_whole_sequence, test_greedy_matches_transformers
+        # checked by: test_every_step_recomputes_the_whole_sequence, test_greedy_matches_transformers, test_prompt_logprobs_equal_transformers
         (seq, n), = plan.scheduled
         ids = torch.tensor(plan.new_token_ids(seq, n), device=self.device)   # (T,)
         positions = torch.arange(n, device=self.device)                      # (T,)

@@ -61,7 +61,7 @@ class ModelRunner:
         """The flat tokens of the batch, their positions, their cache slots and how they group."""
         # >>> exercise prepare_inputs (2 stars): Turn a plan of (sequence, num_new) into the flat input_ids, positions and cache slots, and the AttentionMetadata.
         # hint: plan.new_token_ids(seq, n) gives a sequence's new tokens, which start at its num_computed_tokens; its slot for position p is block_table.slot(p, block_size); seq_lens count the tokens after this step.
-        # checked by: test_greedy_equals_phase1, test_seeded_sampling_equals_phase1, test_greedy_matches_transformers
+        # checked by: test_prepare_flattens_the_plan, test_greedy_equals_phase1, test_seeded_sampling_equals_phase1, test_greedy_matches_transformers
         bs = self.block_size
         input_ids, positions, slots, query_lens, seq_lens = [], [], [], [], []
         for seq, n in plan.scheduled:

@@ -121,7 +121,7 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size
     """
     # >>> exercise decode_gather (2 stars): For B decoding sequences: the block ids to gather (each sequence padded to the longest's blocks) and the additive mask (0 on real tokens, -inf past each length).
     # hint: max_blocks = ceil(max_seq_len / block_size); block_tables[:, :max_blocks].flatten(); a slot t of row b is past the end when t >= seq_lens[b].
-    # checked by: test_paged_attention_equals_naive, test_greedy_equals_phase1
+    # checked by: test_decode_gather_pads_each_sequence_to_the_longest, test_paged_attention_equals_naive, test_greedy_equals_phase1
     max_blocks = -(-max_seq_len // block_size)
     block_ids = block_tables[:, :max_blocks].flatten()
     past_end = torch.arange(max_blocks * block_size, device=seq_lens.device)[None, :] >= seq_lens[:, None]

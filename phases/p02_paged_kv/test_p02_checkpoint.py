@@ -16,6 +16,7 @@ from phases.p01_naive_attention import causal_attention
 from conftest import BAD_STEPS
 from phases.p02_paged_kv import (AttentionMetadata, BlockAllocator, BlockTable, KVCache, PagedAttention,
                                  check_metadata, paged_attention)
+from phases.p02_paged_kv.paged_attention import decode_gather
 from tinyvllm import LLM, SamplingParams
 from tinyvllm.testing import resident_bytes
 
@@ -59,7 +60,63 @@ def test_paged_attention_equals_naive(seed):
     meta = AttentionMetadata.build(slots, q_lens, seq_lens, tables, torch.device("cpu"))
     check_metadata(meta, num_blocks, block_size)   # a well-formed step passes checked mode
     out = paged_attention(torch.cat(queries), k_cache, v_cache, meta)
-    torch.testing.assert_close(out, torch.cat(refs), atol=1e-5, rtol=1e-5)
+    for b, ref in enumerate(refs):   # sequence by sequence, so a failure says which
+        mine = out[meta.query_start_loc[b]: meta.query_start_loc[b + 1]]
+        err = (mine - ref).abs().max().item()
+        kind = "decode" if q_lens[b] == 1 else f"{q_lens[b]} queries"
+        stale = (" (the slots no sequence owns hold +-1e30: a slot past the sequence's length, or of another "
+                 "sequence's block, was attended)" if not err < 1e20 else "")
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=1e-5, msg=(
+            f"sequence {b} ({kind} over {seq_lens[b]} keys, blocks of {block_size}): largest error {err:.3g} "
+            f"against phase 1's attention over its keys{stale}"))
+
+
+def test_decode_gather_pads_each_sequence_to_the_longest():
+    """Three decoding sequences of 5, 9 and 1 tokens in blocks of 4: each gathers the longest's
+    3 blocks (its table's first 3 entries, padding included), and the mask hides every slot at or
+    past its length."""
+    tables = torch.tensor([[7, 2, 9, 0], [4, 5, 6, 0], [3, 0, 0, 0]])
+    lengths = (5, 9, 1)
+    block_ids, mask = decode_gather(tables, torch.tensor(lengths), 4, torch.float32, max_seq_len=9)
+    assert block_ids.tolist() == [7, 2, 9, 4, 5, 6, 3, 0, 0], (
+        f"the blocks to gather are each sequence's first ceil(9 / 4) = 3 table entries, one sequence after "
+        f"another: expected [7, 2, 9, 4, 5, 6, 3, 0, 0], got {block_ids.tolist()}")
+    assert mask.shape == (3, 1, 1, 12), (f"the mask is (B, 1, 1, 3 blocks x 4 slots) = (3, 1, 1, 12), "
+                                         f"got {tuple(mask.shape)}")
+    for b, length in enumerate(lengths):
+        row = mask[b, 0, 0]
+        seen = [t for t in range(12) if row[t] == 0]
+        assert seen == list(range(length)) and bool((row[length:] == float("-inf")).all()), (
+            f"sequence {b} has {length} tokens: slots 0..{length - 1} are attended (mask 0) and slots {length}..11 "
+            f"hidden (-inf); the mask attends slots {seen}")
+
+
+def test_prepare_flattens_the_plan():
+    """A chunk of 3 tokens after 5 cached ones and a decode after 9: the flat tokens, their
+    positions and slots (through each block table, blocks of 4), the query and sequence lengths."""
+    from phases.p02_paged_kv.model_runner import ModelRunner
+    from tinyvllm.step import SchedulerOutput
+
+    def seq(tokens, computed, blocks):
+        table = BlockTable()
+        table.block_ids, table.num_tokens = blocks, len(tokens)
+        return SimpleNamespace(token_ids=tokens, num_computed_tokens=computed, block_table=table)
+
+    chunk, decode = seq(list(range(100, 110)), 5, [6, 1, 3]), seq(list(range(200, 210)), 9, [2, 8, 5])
+    plan = SchedulerOutput()
+    plan.scheduled += [(chunk, 3), (decode, 1)]
+    inputs = ModelRunner(None, None, 4, torch.device("cpu")).prepare(plan)
+    got = inputs.input_ids.tolist()
+    assert got == [105, 106, 107, 209], f"the new tokens follow each sequence's computed ones: expected [105, 106, 107, 209], got {got}"
+    got = inputs.positions.tolist()
+    assert got == [5, 6, 7, 9], (f"positions continue after the computed tokens (5 and 9): expected [5, 6, 7, 9], "
+                                 f"got {got}")
+    got = inputs.meta.slot_mapping.tolist()
+    assert got == [5, 6, 7, 21], (f"position p's slot is block_ids[p // 4] * 4 + p % 4: positions 5, 6, 7 of "
+                                  f"blocks [6, 1, 3] and 9 of [2, 8, 5] give [5, 6, 7, 21], got {got}")
+    assert inputs.meta.query_start_loc == [0, 3, 4], f"query lengths 3 and 1: query_start_loc [0, 3, 4], got {inputs.meta.query_start_loc}"
+    assert inputs.meta.seq_lens == [8, 10], (f"seq_lens count each sequence's tokens after this step (5 + 3, 9 + 1): "
+                                             f"expected [8, 10], got {inputs.meta.seq_lens}")
 
 
 @pytest.mark.parametrize("fault", sorted(BAD_STEPS))
@@ -148,26 +205,40 @@ def test_allocator_never_leaks_or_double_books(block_size, num_blocks, ops):
     tables = [BlockTable() for _ in range(8)]
     for op, i, n in ops:
         t = tables[i]
+        before = t.num_tokens
         if op == "alloc":
             if alloc.blocks_needed(t.num_tokens + n) - len(t) <= alloc.num_free_blocks:
                 alloc.allocate(t, n)
+                assert t.num_tokens == before + n, (
+                    f"allocate({n} tokens) on a table of {before} must leave it holding {before + n} tokens, "
+                    f"it holds {t.num_tokens}")
             else:
-                with pytest.raises(RuntimeError):
+                try:
                     alloc.allocate(t, n)
+                except RuntimeError:
+                    pass
+                else:
+                    raise AssertionError(f"allocate({n} tokens) on a table of {before} needs more blocks than the "
+                                         f"{alloc.num_free_blocks} free: it must raise RuntimeError")
         elif op == "append":
             if alloc.can_append_slot(t):
                 slot = alloc.append_slot(t)
                 assert slot // block_size == t.block_ids[-1]
         else:
             alloc.free(t)
+            assert not t.block_ids and t.num_tokens == 0, (
+                f"free must empty the table: it still holds {len(t.block_ids)} blocks and {t.num_tokens} tokens")
         owned = [b for t in tables for b in t.block_ids]
-        assert len(owned) == len(set(owned)), "a block has two owners"
-        assert set(owned).isdisjoint(alloc.free_block_ids)
+        assert len(owned) == len(set(owned)), f"a block has two owners after {op}: {sorted(owned)}"
+        assert set(owned).isdisjoint(alloc.free_block_ids), (
+            f"a block both owned and free after {op}: {sorted(set(owned) & set(alloc.free_block_ids))}")
         assert len(owned) + alloc.num_free_blocks == num_blocks, (
             f"a block leaked after {op}: tables own {len(owned)} blocks and {alloc.num_free_blocks} are "
             f"free, but the pool has {num_blocks}")
         for t in tables:  # waste is less than one block per sequence
-            assert len(t) == -(-t.num_tokens // block_size)
+            assert len(t) == -(-t.num_tokens // block_size), (
+                f"after {op}, a table of {t.num_tokens} tokens holds {len(t)} blocks of {block_size}: it needs "
+                f"exactly ceil({t.num_tokens} / {block_size}) = {-(-t.num_tokens // block_size)}")
     for t in tables:
         alloc.free(t)
     assert alloc.num_free_blocks == num_blocks and sorted(alloc.free_block_ids) == list(range(num_blocks)), (
@@ -204,7 +275,9 @@ def test_small_pool_runs_batches_one_after_another(tiny_model_dir):
     assert ["0", "1"] in batches and ["2", "3"] in batches
     assert not any(set(b) & {"0", "1"} and set(b) & {"2", "3"} for b in batches)
     outs = llm.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in outs]
+    want = [r.outputs[0].token_ids for r in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want, f"4 requests through a pool of 6 blocks give other tokens than phase 1: {got} vs {want}"
 
 
 def test_request_that_never_fits_is_rejected(tiny_model_dir):

@@ -11,6 +11,7 @@ from conftest import BAD_STEPS
 from phases.p02_paged_kv import BlockAllocator, BlockTable
 from phases.p03_continuous_batching import PrefixCachingBlockAllocator, Scheduler, SequenceStatus
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.testing import token_difference
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -46,6 +47,12 @@ def _all_blocks_free(engine):
     return a.num_free_blocks == a.num_blocks and not any(a.ref_counts)
 
 
+def _held(engine) -> str:
+    a = engine.allocator
+    return (f"{a.num_blocks - a.num_free_blocks} of {a.num_blocks} KV blocks are still held after every request "
+            f"finished (blocks with a reference: {[b for b, n in enumerate(a.ref_counts) if n]})")
+
+
 def _run(engine, prompts, params, order, arrive_every=1):
     """Add requests in `order`, a new one every `arrive_every` steps, and run to the end."""
     pending = list(order)
@@ -68,10 +75,10 @@ def test_any_arrival_order_equals_transformers_and_phase2(seed, tiny_model_dir, 
     order = list(range(len(prompts)))
     random.Random(seed).shuffle(order)
     got = _run(engine, prompts, GREEDY, order, arrive_every=seed + 1)
-    assert got == hf_tokens
-    phase2 = make_llm(tiny_model_dir, 2).generate(prompts, GREEDY, use_tqdm=False)
-    assert got == [o.outputs[0].token_ids for o in phase2]
-    assert _all_blocks_free(engine)
+    assert got == hf_tokens, token_difference(got, hf_tokens, f"arrival order {order}, against transformers")
+    phase2 = [o.outputs[0].token_ids for o in make_llm(tiny_model_dir, 2).generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == phase2, token_difference(got, phase2, f"arrival order {order}, against phase 2")
+    assert _all_blocks_free(engine), _held(engine)
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -80,9 +87,11 @@ def test_heavy_preemption_keeps_outputs(prefix_caching, tiny_model_dir, prompts,
     engine = LLM(str(tiny_model_dir), phase=3, num_kv_blocks=12, block_size=8,
                  enable_prefix_caching=prefix_caching).llm_engine
     got = _run(engine, prompts, GREEDY, range(len(prompts)), arrive_every=1)
-    assert got == hf_tokens
-    assert engine.get_stats()["num_preemptions"] >= 5
-    assert _all_blocks_free(engine)
+    assert got == hf_tokens, token_difference(got, hf_tokens, "12 blocks of 8 shared by 10 requests (preempted often), "
+                                     "against transformers")
+    assert engine.get_stats()["num_preemptions"] >= 5, (
+        f"10 requests in 12 blocks of 8 must preempt at least 5 times, counted {engine.get_stats()['num_preemptions']}")
+    assert _all_blocks_free(engine), _held(engine)
 
 
 def test_seeded_sampling_survives_preemption(tiny_model_dir, prompts):
@@ -90,15 +99,18 @@ def test_seeded_sampling_survives_preemption(tiny_model_dir, prompts):
     roomy = LLM(str(tiny_model_dir), phase=3).generate(prompts, params, use_tqdm=False)
     tight_llm = LLM(str(tiny_model_dir), phase=3, num_kv_blocks=12, block_size=8)
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
-    assert tight_llm.llm_engine.get_stats()["num_preemptions"] > 0
-    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+    assert tight_llm.llm_engine.get_stats()["num_preemptions"] > 0, "12 blocks of 8 for 10 requests must preempt"
+    tight, roomy = [o.outputs[0].token_ids for o in tight], [o.outputs[0].token_ids for o in roomy]
+    assert tight == roomy, token_difference(tight, roomy, "seeded sampling, preempted (12 blocks) against not preempted: a "
+                                   "preempted request recomputes its tokens and draws on from its own generator")
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16, 64])
 def test_chunked_prefill_any_chunk_size(chunk, tiny_model_dir, prompts, hf_tokens):
     engine = LLM(str(tiny_model_dir), phase=3, max_num_batched_tokens=chunk).llm_engine
-    assert _run(engine, prompts, GREEDY, range(len(prompts))) == hf_tokens
-    assert _all_blocks_free(engine)
+    got = _run(engine, prompts, GREEDY, range(len(prompts)))
+    assert got == hf_tokens, token_difference(got, hf_tokens, f"max_num_batched_tokens={chunk}, against transformers")
+    assert _all_blocks_free(engine), _held(engine)
 
 
 def test_long_prompt_does_not_stall_running_requests(tiny_model_dir):
@@ -125,16 +137,29 @@ def test_prefix_cache_full_hit_on_block_multiple(tiny_model_dir):
     first = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     n_first = sum(computed)
     computed.clear()
+    ids = prompt["prompt_token_ids"]
+    hit = engine.allocator.match_prefix(ids)
+    assert len(hit) == 1, (f"match_prefix of the cached 32-token prompt (2 full blocks of 16) must give 1 block, "
+                           f"got {len(hit)}: at least one token is left to compute, for the last token's logits")
+    whole = ids + first.outputs[0].token_ids   # 56 tokens: 3 full blocks, the third filled by generated tokens
+    assert len(engine.allocator.match_prefix(whole)) == 3, (
+        f"the first request's 56 tokens are cached as 3 full blocks of 16 (each key chains the hash of the one "
+        f"before; the third block filled while decoding): match_prefix of them gives "
+        f"{len(engine.allocator.match_prefix(whole))} blocks")
     second = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     hook.remove()
-    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids, (
+        f"the same prompt again, from the prefix cache, gives other tokens: {second.outputs[0].token_ids} "
+        f"instead of {first.outputs[0].token_ids}")
     assert second.outputs[0].token_ids == off.generate(prompt, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     # the first block is a hit; the last block is recomputed to get the last token's logits
-    assert second.num_cached_tokens == 16 and first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 16 and first.num_cached_tokens == 0, (
+        f"cached tokens: {first.num_cached_tokens} for the first request (expected 0), "
+        f"{second.num_cached_tokens} for the same prompt again (expected 16: its first block)")
     assert sum(computed) == n_first - 16
     stats = engine.get_stats()
     assert stats["prefix_cache_queries"] == 64 and stats["prefix_cache_hits"] == 16
-    assert _all_blocks_free(engine)
+    assert _all_blocks_free(engine), _held(engine)
 
 
 def test_prefix_cache_shares_a_system_prompt(tiny_model_dir):
@@ -144,8 +169,11 @@ def test_prefix_cache_shares_a_system_prompt(tiny_model_dir):
     ref = LLM(str(tiny_model_dir), phase=1).generate(prompts, GREEDY, use_tqdm=False)
     llm.generate(prompts[:1], GREEDY, use_tqdm=False)
     outs = llm.generate(prompts[1:], GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref[1:]]
-    assert all(o.num_cached_tokens == 64 for o in outs)
+    got, want = [o.outputs[0].token_ids for o in outs], [o.outputs[0].token_ids for o in ref[1:]]
+    assert got == want, token_difference(got, want, "requests sharing a cached 64-token system prompt, against phase 1")
+    assert all(o.num_cached_tokens == 64 for o in outs), (
+        f"each later request shares the cached 64-token system prompt (4 chained blocks of 16): cached tokens "
+        f"{[o.num_cached_tokens for o in outs]}, expected 64 each")
     # the shared blocks are counted once: the tokens stored never exceed the slots reserved
     stats = llm.llm_engine.get_stats()
     assert stats["peak_kv_tokens_used"] <= stats["peak_kv_tokens_reserved"]
@@ -190,7 +218,8 @@ class _Group:
 
 
 class _Seq:
-    def __init__(self, n_prompt):
+    def __init__(self, n_prompt, name=""):
+        self.name = name
         self.token_ids = list(range(1, n_prompt + 1))
         self.num_computed_tokens = 0
         self.block_table = None
@@ -221,12 +250,16 @@ def _step(s):
 
 def test_token_budget_and_chunks():
     s = _sched(budget=32)
-    a, b = _Seq(20), _Seq(20)
+    a, b = _Seq(20, "a"), _Seq(20, "b")
     s.add(a), s.add(b)
     out = _step(s)
-    assert [(x, n) for x, n in out.scheduled] == [(a, 20), (b, 12)] and out.num_batched_tokens == 32
+    assert [(x.name, n) for x, n in out.scheduled] == [("a", 20), ("b", 12)] and out.num_batched_tokens == 32, (
+        f"a step's budget is 32 tokens: a's 20-token prompt, then a chunk of 12 of b's; scheduled "
+        f"{[(x.name, n) for x, n in out.scheduled]}")
     out = _step(s)  # a decodes (1 token), b finishes its prompt (8)
-    assert [(x, n) for x, n in out.scheduled] == [(a, 1), (b, 8)]
+    assert [(x.name, n) for x, n in out.scheduled] == [("a", 1), ("b", 8)], (
+        f"the next step: a decodes 1 token, b computes the last 8 of its prompt; scheduled "
+        f"{[(x.name, n) for x, n in out.scheduled]}")
 
 
 def test_the_default_budget_follows_the_device_and_the_cpu_kind():
@@ -253,33 +286,54 @@ def test_the_default_budget_follows_the_device_and_the_cpu_kind():
 
 def test_no_chunking_waits_for_room():
     s = _sched(budget=32, chunked=False)
-    a, b = _Seq(20), _Seq(20)
+    a, b = _Seq(20, "a"), _Seq(20, "b")
     s.add(a), s.add(b)
-    assert [x for x, _ in _step(s).scheduled] == [a]  # b does not fit the rest of the budget
-    assert [x for x, _ in _step(s).scheduled] == [a, b]
+    got = [(x.name, n) for x, n in _step(s).scheduled]
+    assert got == [("a", 20)], (f"without chunked prefill, b's 20-token prompt waits for a step with room for all "
+                                f"of it (a took 20 of 32): scheduled {got}")
+    got = [(x.name, n) for x, n in _step(s).scheduled]
+    assert got == [("a", 1), ("b", 20)], f"the next step: a decodes, b's whole prompt fits; scheduled {got}"
 
 
 def test_max_num_seqs():
     s = _sched(max_seqs=2, budget=100)
-    seqs = [_Seq(3) for _ in range(3)]
+    seqs = [_Seq(3, name) for name in "abc"]
     for x in seqs:
         s.add(x)
-    assert [x for x, _ in _step(s).scheduled] == seqs[:2]
+    got = _names(x for x, _ in _step(s).scheduled)
+    assert got == ["a", "b"], f"max_num_seqs=2: two sequences run at most, the first two to arrive; scheduled {got}"
     assert seqs[2].status == SequenceStatus.WAITING
     seqs[0].finish_reason = "stop"
     s.finish(seqs[0])
-    assert [x for x, _ in _step(s).scheduled] == [seqs[1], seqs[2]]  # the freed seat, at once
+    got = _names(x for x, _ in _step(s).scheduled)
+    assert got == ["b", "c"], f"a finished, so its seat goes to c at once: scheduled {got}"
+
+
+def _names(seqs) -> list[str]:
+    return [x.name for x in seqs]
 
 
 def test_preemption_takes_the_newest_first():
     s = _sched(blocks=3, block_size=4, budget=100)
-    a, b, c = _Seq(4), _Seq(3), _Seq(3)
-    for x in (a, b, c):
+    a, b, c, d = _Seq(4, "a"), _Seq(3, "b"), _Seq(3, "c"), _Seq(3, "d")
+    for x in (a, b, c, d):
         s.add(x)
-    _step(s)  # a, b, c hold one block each (a's is full)
+    _step(s)  # a, b, c hold one block each (a's is full); d waits for a block
+    assert _names(s.running) == ["a", "b", "c"] and _names(s.waiting) == ["d"], (
+        f"3 blocks of 4 hold a, b and c, and d waits: running {_names(s.running)}, waiting {_names(s.waiting)}")
     out = _step(s)  # a needs a second block: c (newest) is preempted, not b
-    assert out.preempted == [c] and c.status == SequenceStatus.PREEMPTED and s.waiting[0] is c
-    assert c.num_computed_tokens == 0 and len(c.token_ids) == 4  # its sampled token is kept
+    assert out.preempted == [c], f"a needs a block: the newest running sequence, c, must be preempted, got {_names(out.preempted)}"
+    assert c.status == SequenceStatus.PREEMPTED, f"a preempted sequence's status must be PREEMPTED, got {c.status.name}"
+    assert c not in s.running, f"a preempted sequence must leave the running list: running {_names(s.running)}"
+    assert _names(s.waiting) == ["c", "d"], (
+        "a preempted sequence goes back to the front of the waiting queue, before d that never ran: "
+        f"waiting is {_names(s.waiting)}")
+    assert c.num_computed_tokens == 0, (
+        f"a preempted sequence must restart from 0 computed tokens (its KV blocks are gone), got {c.num_computed_tokens}")
+    assert len(c.token_ids) == 4  # its sampled token is kept
+    assert s.allocator.num_free_blocks == 0 and len(a.block_table) == 2, (
+        f"c's block must be free for a's second: a holds {len(a.block_table)} blocks")
+    assert s.num_preemptions == 1, f"the scheduler counts each preemption (num_preemptions): got {s.num_preemptions}"
     assert [x for x, _ in out.scheduled] == [a, b]
 
 

@@ -183,7 +183,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     """
     # >>> exercise prefill_attention (3 stars): A prefill chunk's attention through PyTorch's fused SDPA: Tq queries that are the last Tq of Tk keys, causal, grouped-query heads; after cached keys, two maskless calls merged by their log-sum-exps on a CPU.
     # hint: SDPA wants (1, heads, T, d): transpose and add a batch dimension; with Tq == Tk is_causal=True works. With Tk > Tq on a CPU: FLASH over the Tk - Tq cached keys (no mask) and over the chunk's own Tq keys (is_causal), then lerp(own, past, sigmoid(lse_past - lse_own)) in float32; elsewhere a lower-right mask, tril(diagonal=Tk - Tq). enable_gqa=True.
-    # checked by: test_cpu_path_equals_phase3_attention, test_cpu_engine_equals_phase3_with_chunks_and_prefix_hits, test_a_chunk_after_cached_keys_merges_two_maskless_calls
+    # checked by: test_a_chunk_after_cached_keys_merges_two_maskless_calls, test_cpu_path_equals_phase3_attention, test_cpu_engine_equals_phase3_with_chunks_and_prefix_hits
     tq, tk = q.shape[0], k.shape[0]
     # SDPA wants (batch, heads, tokens, d); its CPU flash kernel takes the 4-D form (a 3-D input
     # goes to the slower unfused path): a batch of one, and transposed views, no copies

@@ -65,15 +65,53 @@ def test_cpu_path_equals_phase3_attention(monkeypatch, batch, bs, d, group, kvh,
     ref = paged_attention(q, k_cache, v_cache, meta)
     out = cpu_paged_attention(q, k, v, k_cache, v_cache, meta, c_prefill=prefill == "c")
     # float32, one fused kernel against another order of the same sums: a few ulps
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5, msg=lambda m: (
+        f"blocks of {bs}, d={d}, {group} query heads per KV head, prompts through "
+        f"{'cpu_attention.c' if prefill == 'c' else 'prefill_attention'}, against phase 3's attention: {m}"))
+
+
+def _keys_part(q, k, v, causal: bool):
+    """Attention of q over keys k, v (float64), and each row's log-sum-exp of scores: (Tq, H, d),
+    (1, H, Tq). `causal`: query i sees keys 0..i (upper-left)."""
+    h, kvh, d = q.shape[1], k.shape[1], q.shape[2]
+    kk, vv = (x.double().repeat_interleave(h // kvh, 1) for x in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * d ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[1:], dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), vv), torch.logsumexp(scores, dim=-1)[None]
+
+
+def _what_it_equals(q, k, v, out, tol) -> str:
+    """The common mistake whose result `out` is, if it is one of them ('' otherwise)."""
+    def merged(own, lse_own, past, lse_past):   # the cached part weighs sigmoid(lse_past - lse_own)
+        return torch.lerp(own, past, torch.sigmoid(lse_past - lse_own)[0].transpose(0, 1)[..., None])
+
+    c = k.shape[0] - q.shape[0]
+    own, lse_own = _keys_part(q, k[c:], v[c:], causal=True)
+    loose, lse_loose = _keys_part(q, k[c:], v[c:], causal=False)
+    mistakes = {"the chunk's own keys seen without the causal mask": loose}
+    if c:
+        past, lse_past = _keys_part(q, k[:c], v[:c], causal=False)
+        bent, lse_bent = _keys_part(q, k[:c], v[:c], causal=True)
+        mistakes = {"the chunk's own keys seen without the causal mask": merged(loose, lse_loose, past, lse_past),
+                    "only the chunk's own keys attended (the cached keys left out)": own,
+                    "only the cached keys attended": past,
+                    "the cached keys masked causally (every query sees all of them)": merged(own, lse_own, bent, lse_bent),
+                    "the two parts' weights swapped (the cached part weighs sigmoid(lse_past - lse_own))":
+                        merged(own, lse_past, past, lse_own)}
+    for why, want in mistakes.items():
+        if torch.allclose(out.double(), want, atol=tol, rtol=tol, equal_nan=True):
+            return f"; it is what {why} gives"
+    return ""
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("tq,tk", [(7, 40), (1, 9), (16, 17)])
+@pytest.mark.parametrize("tq,tk", [(7, 40), (1, 9), (16, 17), (9, 9)])
 def test_a_chunk_after_cached_keys_merges_two_maskless_calls(monkeypatch, dtype, tol, tq, tk):
     """On a CPU a chunk after cached keys builds no mask: the cached keys in one fused call, the
     chunk's own causally in another, merged by their log-sum-exps; the same attention as SDPA
-    over a lower-right mask, computed in float64."""
+    over a lower-right mask, computed in float64 (and a prompt with no cached keys before it, in
+    one causal call)."""
     g = torch.Generator().manual_seed(tq * tk)
     q = torch.randn(tq, 6, 32, generator=g).to(dtype)
     k, v = (torch.randn(tk, 2, 32, generator=g).to(dtype) for _ in range(2))
@@ -85,9 +123,14 @@ def test_a_chunk_after_cached_keys_merges_two_maskless_calls(monkeypatch, dtype,
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
                         lambda *a, **kw: masked.append(kw.get("attn_mask")) or sdpa(*a, **kw))
     out = prefill_attention(q, k, v)
-    assert not [m for m in masked if m is not None]
-    assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.double(), ref[0].transpose(0, 1), atol=tol, rtol=tol)
+    assert not [m for m in masked if m is not None], "a chunk on a CPU builds no mask: two maskless fused calls"
+    assert out.dtype == dtype and out.shape == q.shape, (
+        f"the output is the queries' shape and dtype, {tuple(q.shape)} {dtype}: got {tuple(out.shape)} {out.dtype}")
+    want = ref[0].transpose(0, 1)
+    err = (out.double() - want).abs().nan_to_num(float("inf")).max().item()
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol, msg=lambda _: (
+        f"{tq} queries after {tk - tq} cached keys ({dtype}): largest error {err:.3g} against SDPA with a lower-right "
+        f"causal mask (query i sees keys 0..{tk - tq} + i){_what_it_equals(q, k, v, out, tol)}"))
 
 
 def float64_attention(q, k, v):

@@ -42,15 +42,28 @@ def _weights(seed, rows, cols, outlier):
     return w
 
 
+def _off_by_more_than_half_a_step(w, back, step, rule: str) -> str:
+    """The first element that came back further than half a step, in words."""
+    r, c = ((back - w).abs() > step / 2 + 1e-6).nonzero()[0].tolist()
+    return (f"row {r}, column {c}: {w[r, c]:.5f} comes back as {back[r, c]:.5f}, off by {(back - w)[r, c].abs():.2e}, "
+            f"more than half a step ({step[r, c] / 2:.2e}): {rule}")
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10**6), rows=st.integers(1, 9), cols=st.sampled_from([64, 128, 192]),
        outlier=st.booleans())
 def test_int8_round_trip_within_half_a_step(seed, rows, cols, outlier):
     w = _weights(seed, rows, cols, outlier)
     q, scale = quantize_int8(w)
-    assert q.dtype == torch.int8 and scale.shape == (rows,)
-    err = (dequantize_int8(q, scale) - w).abs()
-    assert (err <= scale[:, None] / 2 + 1e-7).all()
+    assert q.dtype == torch.int8 and scale.shape == (rows,), (
+        f"int8: q is int8 of w's shape and scale has one value per row, ({rows},): got {q.dtype}, {tuple(scale.shape)}")
+    assert torch.allclose(scale, w.abs().amax(1) / 127), (
+        f"each row's scale is its own largest magnitude over 127: expected {(w.abs().amax(1) / 127).tolist()[:4]}..., "
+        f"got {scale.tolist()[:4]}...")
+    back = dequantize_int8(q, scale)
+    step = scale[:, None].expand_as(w)
+    assert ((back - w).abs() <= step / 2 + 1e-7).all(), _off_by_more_than_half_a_step(
+        w, back, step, "q = round(w / scale), clamped to [-127, 127]")
 
 
 @settings(max_examples=25, deadline=None)
@@ -59,12 +72,17 @@ def test_int8_round_trip_within_half_a_step(seed, rows, cols, outlier):
 def test_int4_round_trip_within_half_a_step(seed, rows, cols, group, outlier):
     w = _weights(seed, rows, cols, outlier)
     q, scale, zero = quantize_int4(w, group)
-    assert int(q.max()) <= 15 and scale.shape == (rows, cols // group) and zero.shape == scale.shape
+    assert int(q.max()) <= 15 and scale.shape == (rows, cols // group) and zero.shape == scale.shape, (
+        f"int4, groups of {group}: levels 0..15 and a scale and zero per row and group, ({rows}, {cols // group}): "
+        f"levels up to {int(q.max())}, scale {tuple(scale.shape)}, zero {tuple(zero.shape)}")
     packed = pack_int4(q)
-    assert packed.shape == (rows, cols // 2)
-    err = (dequantize_int4(packed, scale, zero) - w).abs().reshape(rows, cols // group, group)
+    assert packed.shape == (rows, cols // 2), f"two columns a byte: ({rows}, {cols // 2}), got {tuple(packed.shape)}"
+    back = dequantize_int4(packed, scale, zero)
+    step = scale.repeat_interleave(group, dim=1)
     # half a step, plus a float32 rounding of the range (scale ~ 1e-2, values ~ 1)
-    assert (err <= scale[..., None] / 2 + 1e-6).all()
+    assert ((back - w).abs() <= step / 2 + 1e-6).all(), _off_by_more_than_half_a_step(
+        w, back, step, "a group's levels 0..15 span its minimum to its maximum: scale = (max - min) / 15, "
+        "q = round((w - min) / scale), packed with column 2j in the low nibble")
 
 
 def test_int4_groups_beat_one_scale_per_row_with_an_outlier_column():
@@ -81,7 +99,9 @@ def test_int4_groups_beat_one_scale_per_row_with_an_outlier_column():
 def test_int4_packed_layout():
     q = torch.tensor([[1, 2, 15, 0], [7, 8, 3, 12]], dtype=torch.uint8)
     packed = pack_int4(q)
-    assert packed.tolist() == [[1 | 2 << 4, 15], [7 | 8 << 4, 3 | 12 << 4]]
+    want = [[1 | 2 << 4, 15], [7 | 8 << 4, 3 | 12 << 4]]
+    assert packed.tolist() == want, (f"each row's columns 2j and 2j+1 share a byte, 2j in the low nibble: "
+                                     f"{q.tolist()} packs to {want}, got {packed.tolist()}")
     assert torch.equal(unpack_int4(packed), q)
 
 
@@ -317,11 +337,14 @@ def test_quantized_kv_write_stores_values_and_scales_in_their_slots(fmt):
         q, scale = quantize_kv(x, fmt)
         values = cache.kv[1, which].view(-1, 2, 8)
         scales = cache.scales[1, which].view(-1, 2)
+        other = quantize_kv(v if which == 0 else k, fmt)[0]
         for i, slot in enumerate(slots):
             name = f"token {i}'s {'KV'[which]}, slot {slot} (block {slot // 4}, offset {slot % 4})"
-            assert torch.equal(values[slot].view(stored_as).float(), q[i].float()), (
-                f"{name}: the stored values are not quantize_kv's" + (" (fp8 is stored as its bytes: "
-                                                                      "q.view(cache.kv.dtype))" if fmt != "int8" else ""))
+            stored = values[slot].view(stored_as).float()
+            assert torch.equal(stored, q[i].float()), (
+                f"{name}: the stored values are not quantize_kv's"
+                + (f" (they are the {'VK'[which]} of the token)" if torch.equal(stored, other[i].float()) else "")
+                + (" (fp8 is stored as its bytes: q.view(cache.kv.dtype))" if fmt != "int8" else ""))
             assert torch.equal(scales[slot], scale[i]), f"{name}: the stored scales are not quantize_kv's"
         others = torch.ones(12, dtype=torch.bool)
         others[slots] = False

@@ -15,7 +15,7 @@ def truncate_table(allocator: BlockAllocator, table: BlockTable, num_tokens: int
     """Shrink `table` to `num_tokens` slots: blocks left with no slot go back to the pool."""
     # >>> exercise truncate_table (1 star): Roll a block table back to `num_tokens` slots: blocks left with no slot go back to the pool.
     # hint: keep = blocks_needed(num_tokens); release_block the blocks past it, the last first; num_tokens can only shrink.
-    # checked by: test_abort_mid_speculation_frees_every_block, test_ngram_greedy_same_tokens_as_phase5
+    # checked by: test_truncate_table_gives_back_the_blocks_past_the_tokens, test_abort_mid_speculation_frees_every_block, test_ngram_greedy_same_tokens_as_phase5
     keep = allocator.blocks_needed(num_tokens)
     while len(table.block_ids) > keep:
         allocator.release_block(table.block_ids.pop())

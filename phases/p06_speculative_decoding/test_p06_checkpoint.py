@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.testing import make_tiny_llama
+from tinyvllm.testing import make_tiny_llama, token_difference
 
 from .ngram_proposer import NgramProposer
 from .test_p06_rejection_sampler import chi2_critical
@@ -97,14 +97,47 @@ SETUPS = {
 def test_ngram_proposer_proposes_what_followed_the_earliest_longest_match():
     """Greedy output is the same whatever the proposer guesses, so the proposer's own rule is
     checked here: the longest n-gram first, its earliest occurrence, up to k tokens after it."""
+    def proposes(min_n, max_n, tokens, k, want, rule):
+        got = NgramProposer(min_n, max_n).propose(tokens, k)
+        assert got == want, f"{rule}: NgramProposer({min_n}, {max_n}).propose({tokens}, k={k}) must be {want}, got {got}"
+
     seq = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]  # the last 3 tokens occur at 0 and at 6
-    assert NgramProposer(1, 3).propose(seq, 2) == [4, 5], "the earliest match proposes what followed it"
-    assert NgramProposer(1, 3).propose(seq, 10) == [4, 5, 9, 1, 2, 3, 7, 8, 1, 2], "up to k tokens"
-    assert NgramProposer(1, 3).propose([5, 2, 3, 6, 1, 2, 3], 2) == [6, 1], "the longest n that matches"
-    assert NgramProposer(1, 3).propose([7, 1, 8, 1], 2) == [8, 1]
-    assert NgramProposer(2, 3).propose([7, 1, 8, 1], 2) == [], "no n-gram shorter than prompt_lookup_min"
-    assert NgramProposer(1, 3).propose([1, 2, 3, 4], 3) == [], "no match, no proposal"
-    assert NgramProposer(1, 3).propose(seq, 0) == [] and NgramProposer(1, 3).propose([4], 3) == []
+    proposes(1, 3, seq, 2, [4, 5], "the earliest match (of [1, 2, 3] at 0 and at 6) proposes what followed it")
+    proposes(1, 3, seq, 10, [4, 5, 9, 1, 2, 3, 7, 8, 1, 2], "up to k tokens")
+    proposes(1, 3, [5, 2, 3, 6, 1, 2, 3], 2, [6, 1], "the longest n that matches ([2, 3], not [3])")
+    proposes(1, 3, [3, 8, 2, 3, 9, 2, 3], 2, [9, 2],
+             "the longest n that matches first ([2, 3] at 2), before a shorter one ([3] at 0)")
+    proposes(1, 3, [7, 1, 8, 1], 2, [8, 1], "a 1-gram when no longer one matches")
+    proposes(2, 3, [7, 1, 8, 1], 2, [], "no n-gram shorter than prompt_lookup_min")
+    proposes(1, 3, [1, 2, 3, 4], 3, [], "no match, no proposal")
+    proposes(1, 3, seq, 0, [], "k = 0: nothing")
+    proposes(1, 3, [4], 3, [], "a single token has nothing before it to match")
+
+
+def test_truncate_table_gives_back_the_blocks_past_the_tokens():
+    """A table of 10 tokens in blocks of 4 (3 blocks) rolled back to 5 keeps 2 blocks and frees
+    the last; to 8 it stays at 5 tokens (it only shrinks); to 4, 1 block."""
+    from phases.p02_paged_kv import BlockAllocator, BlockTable
+
+    from .rollback import truncate_table
+
+    alloc, table = BlockAllocator(8, 4), BlockTable()
+    alloc.allocate(table, 10)
+    first, last = table.block_ids[:2], table.block_ids[2]
+    truncate_table(alloc, table, 5)
+    assert table.block_ids == first and table.num_tokens == 5, (
+        f"10 tokens rolled back to 5 (blocks of 4): the first 2 blocks {first} stay and num_tokens is 5; "
+        f"the table holds {table.block_ids}, num_tokens {table.num_tokens}")
+    assert alloc.num_free_blocks == 6 and last in alloc.free_block_ids, (
+        f"block {last}, left with no token, goes back to the pool: {alloc.num_free_blocks} of 8 blocks are free, not 6")
+    truncate_table(alloc, table, 8)
+    assert table.block_ids == first and table.num_tokens == 5, (
+        f"rolled 'back' to 8 tokens, a table of 5 stays as it is (it only shrinks): blocks {table.block_ids}, "
+        f"num_tokens {table.num_tokens}")
+    truncate_table(alloc, table, 4)
+    assert table.block_ids == first[:1] and table.num_tokens == 4 and alloc.num_free_blocks == 7, (
+        f"to 4 tokens: one full block kept, the second freed; the table holds {table.block_ids}, num_tokens "
+        f"{table.num_tokens}, {alloc.num_free_blocks} blocks free")
 
 
 @pytest.mark.parametrize("setup", list(SETUPS))
@@ -116,7 +149,8 @@ def test_ngram_greedy_same_tokens_as_phase5(loopy_dir, setup):
     spec = llm(loopy_dir, 6, speculative_config=NGRAM, **args)
     spec.llm_engine.reset_stats()
     outs = spec.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outs] == ref
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == ref, token_difference(got, ref, f"{setup}: phase 6 with n-gram drafts against phase 5")
     stats = spec.llm_engine.get_stats()
     assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
     # per request, in RequestOutput.metrics, adding up to the engine's counts
@@ -124,7 +158,10 @@ def test_ngram_greedy_same_tokens_as_phase5(loopy_dir, setup):
     assert sum(o.metrics.spec_num_accepted_tokens for o in outs) == stats["spec_num_accepted_tokens"]
     if setup.startswith("preemption"):
         assert stats["num_preemptions"] > 0
-    assert _all_blocks_free(spec.llm_engine)
+    a = spec.llm_engine.allocator
+    assert _all_blocks_free(spec.llm_engine), (
+        f"{setup}: {a.num_blocks - a.num_free_blocks} of {a.num_blocks} KV blocks are still held after every request "
+        f"finished")
 
 
 @pytest.mark.parametrize("draft", ["another model", "the target itself"])
@@ -249,7 +286,10 @@ def test_abort_mid_speculation_frees_every_block(loopy_dir, config):
     assert engine.has_unfinished_requests()
     engine.abort_request(["r0", "r1", "r2"])
     assert not engine.has_unfinished_requests()
-    assert _all_blocks_free(engine)
+    a = engine.allocator
+    assert _all_blocks_free(engine), (
+        f"every request aborted mid-speculation: {a.num_blocks - a.num_free_blocks} of {a.num_blocks} KV blocks are "
+        f"still held (the rejected drafts' blocks go back to the pool when their table is rolled back)")
 
 
 # -- sampling: the same distribution -----------------------------------------------------------

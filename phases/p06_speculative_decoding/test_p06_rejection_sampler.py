@@ -89,11 +89,15 @@ def sample_positions(p, q, fixed, sampler=rejection_sample, n=N, seed=0):
 def test_every_emitted_position_is_distributed_as_the_target(case):
     p, q, fixed = CASES[case]
     counts = sample_positions(p, q, fixed)
+    k = p.shape[0] - 1
     for j in range(p.shape[0]):
         if counts[j].sum() < 200:  # too few draws reached this position to test it
             continue
         ok, stat = chi2_matches(counts[j], p[j])
-        assert ok, f"{case}: position {j}: chi2 {stat:.1f} over {int(counts[j].sum())} draws"
+        where = "the bonus token, all drafts accepted" if j == k else f"after {j} accepted drafts"
+        assert ok, (f"{case}: position {j} ({where}): {_same_as_a_mistake(p, q, fixed, counts)}token frequencies "
+                    f"{[round(x, 3) for x in (counts[j] / counts[j].sum()).tolist()]}, the target's "
+                    f"{[round(x, 3) for x in p[j].tolist()]} (chi2 {stat:.1f} over {int(counts[j].sum())} draws)")
     if case.startswith("draft close"):
         assert counts[2].sum() > 1000, "the bonus token (after all drafts accepted) must be tested"
 
@@ -122,11 +126,27 @@ def _mutant(p, drafts, q, g, residual_from_p=False, bonus_row=-1, accept_q_over_
     return out
 
 
+MISTAKES = {"residual_from_p": ("a rejected draft's replacement drawn from p, not from max(0, p - q)",
+                                {"residual_from_p": True}),
+            "bonus_row": ("the bonus token drawn from another row than the last target row", {"bonus_row": -2}),
+            "accept_q_over_p": ("a draft accepted with probability min(1, q/p), not min(1, p/q)",
+                                {"accept_q_over_p": True})}
+
+
+def _same_as_a_mistake(p, q, fixed, counts) -> str:
+    """'it draws exactly what <a mistake> draws; ' when the same seed gives the same counts."""
+    for why, kwargs in MISTAKES.values():
+        def mutant(p, drafts, q, g, kwargs=kwargs):
+            return _mutant(p, drafts, q, g, **kwargs)
+        if torch.equal(sample_positions(p, q, fixed, sampler=mutant), counts):
+            return f"it draws exactly what {why} draws; "
+    return ""
+
+
 @pytest.mark.parametrize("mutation", ["residual_from_p", "bonus_row", "accept_q_over_p"])
 def test_the_test(mutation):
     """The same test fails each one-line mistake on at least one case."""
-    kwargs = {"residual_from_p": dict(residual_from_p=True), "bonus_row": dict(bonus_row=-2),
-              "accept_q_over_p": dict(accept_q_over_p=True)}[mutation]
+    kwargs = MISTAKES[mutation][1]
 
     def mutant(p, drafts, q, g):
         return _mutant(p, drafts, q, g, **kwargs)

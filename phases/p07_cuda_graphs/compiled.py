@@ -64,6 +64,7 @@ from torch import nn
 from phases.p04_triton_kernels.cpu_attention import attention_row
 from phases.p05_quantization import QuantizedLinear
 from phases.p05_quantization.lossless import LosslessLinear
+from phases.workspace import REFERENCE
 from tinyvllm.ckernel import torch_extension
 from tinyvllm.download import cache_dir, private_dir
 from phases.p04_triton_kernels.cpu_layers import CpuLinear, bfloat16_weights
@@ -178,7 +179,8 @@ def use_inductor_cache() -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(private_dir(cache_dir() / "inductor"))
 
 
-SOURCES = (Path(__file__).parents[2] / "tinyvllm", Path(__file__).parents[1])
+# tinyvllm and the phases; and, where this file is a learner's copy, the folder of their copies
+SOURCES = tuple(dict.fromkeys((REFERENCE.parent / "tinyvllm", REFERENCE, Path(__file__).resolve().parents[1])))
 
 
 def compile_key(model: nn.Module) -> str:
@@ -339,7 +341,7 @@ class CompiledDecodeRunner(DecodeRunner):
         b = self.buf if buf is None else buf
         # >>> exercise compiled_run (2 stars): Run the graph made for this bucket's shape on the first `bucket` rows of b, with this step's attention and the model's opaque layers in the thread's forward context while it runs.
         # hint: self.graphs[bucket == 1] (batch 1 has a graph of its own, every larger bucket shares one whose batch dimension is dynamic); record bucket == 1 in shapes_seen; set _STEP.attention = self.attention(b.metadata(bucket)) and _STEP.layers = self.opaque_layers, and the same step to the C++ kernels with use_step(self.native_layers, _STEP.attention); both taken back in a finally (use_step(None)); call graph(self.model, ids, positions) under torch.inference_mode().
-        # checked by: test_compiled_step_gives_eager_tokens, test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket, test_every_engine_of_a_process_runs_its_own_graphs
+        # checked by: test_compiled_run_calls_the_graph_of_its_shape_in_the_step_s_context, test_compiled_step_gives_eager_tokens, test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket, test_every_engine_of_a_process_runs_its_own_graphs
         ids, positions = b.input_ids[:bucket], b.positions[:bucket]
         graph = self.graphs[bucket == 1]
         self.shapes_seen.add(bucket == 1)

@@ -44,7 +44,7 @@ def bucket_for(n: int, sizes: list[int]) -> int:
     """The smallest bucket that holds n rows."""
     # >>> exercise bucket_for (1 star): The smallest bucket (a captured batch size) that holds n rows.
     # hint: the sizes are sorted; past the largest, a ValueError naming it.
-    # checked by: test_every_bucket_gives_eager_tokens, test_shrink_grow_cross_buckets_and_preempt
+    # checked by: test_bucket_for_is_the_smallest_that_holds_n, test_every_bucket_gives_eager_tokens, test_shrink_grow_cross_buckets_and_preempt
     for s in sizes:
         if s >= n:
             return s
@@ -74,7 +74,7 @@ class StaticDecodeBuffers:
         block_table (n, M), num_blocks (n,)); rows n..bucket-1 padded to the scratch block."""
         # >>> exercise fill_buffers (2 stars): Copy a batch's first n rows into the static buffers, and pad rows n .. bucket - 1 so they touch only the scratch block.
         # hint: a row's query is its token at position num_computed; its slot comes from its block table; a padded row is token 0 at position 0, written to the scratch block's first slot, attending to it alone.
-        # checked by: test_padding_writes_only_the_scratch_block, test_padded_rows_never_change_real_rows, test_every_bucket_gives_eager_tokens
+        # checked by: test_fill_copies_each_row_and_pads_to_the_scratch_block, test_padding_writes_only_the_scratch_block, test_padded_rows_never_change_real_rows, test_every_bucket_gives_eager_tokens
         n, bs = len(num_computed), self.block_size
         pos = num_computed                                            # the query's position
         ids = token_ids.gather(1, pos[:, None])[:, 0]

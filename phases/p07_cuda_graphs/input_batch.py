@@ -105,7 +105,7 @@ class InputBatch:
         object: its blocks are copied again from the first."""
         # >>> exercise update_row (3 stars): Bring a request's row up to date with only what changed: new tokens, new blocks, the computed count.
         # hint: usually one new token and at most one new block; a re-admitted request (after preemption) has a new table object: copy its blocks from the first.
-        # checked by: test_swap_copies_valid_tokens_only, test_shrink_grow_cross_buckets_and_preempt, test_every_bucket_gives_eager_tokens
+        # checked by: test_update_copies_what_changed_and_a_new_table_from_its_first_block, test_swap_copies_valid_tokens_only, test_shrink_grow_cross_buckets_and_preempt, test_every_bucket_gives_eager_tokens
         r = self.row_of[seq.seq_id]
         old, n = int(self.num_tokens[r]), seq.num_tokens
         if n > old:  # usually one token: the one sampled last step

@@ -23,6 +23,7 @@ import torch
 from phases.p05_quantization.quant import QuantizedLinear
 from phases.p07_cuda_graphs.decode_runner import bucket_for, default_capture_sizes
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.testing import token_difference
 
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven",
            "tiny", "paged attention", "graphs and buckets", "z y x"]
@@ -53,6 +54,50 @@ def test_default_capture_sizes():
     assert [bucket_for(n, [1, 2, 4, 8]) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
 
 
+def test_bucket_for_is_the_smallest_that_holds_n():
+    for sizes in ([1, 2, 4, 8], [3, 5, 16]):
+        for n in range(1, sizes[-1] + 1):
+            want = min(s for s in sizes if s >= n)
+            try:
+                got = bucket_for(n, sizes)
+            except ValueError as e:
+                raise AssertionError(f"bucket_for({n}, {sizes}) must be {want}, the smallest bucket that holds "
+                                     f"{n} rows; it raised: {e}") from None
+            assert got == want, f"bucket_for({n}, {sizes}) must be {want}, the smallest bucket that holds {n} rows, got {got}"
+    with pytest.raises(ValueError, match="largest bucket"):
+        bucket_for(9, [1, 2, 4, 8])
+
+
+def test_fill_copies_each_row_and_pads_to_the_scratch_block():
+    """Two rows in a bucket of 4, blocks of 4, scratch block 9. Row 0: 6 tokens, 5 computed, so its
+    query is token 5 at position 5, in slot 3 * 4 + 1 of its table [7, 3]; row 1: 3 tokens, 2
+    computed, slot 5 * 4 + 2. Rows 2 and 3: token 0 at position 0, written to the scratch block's
+    first slot and attending to it alone."""
+    from phases.p07_cuda_graphs.decode_runner import StaticDecodeBuffers
+
+    b = StaticDecodeBuffers(max_rows=4, max_blocks=3, block_size=4, scratch_block=9, device=torch.device("cpu"))
+    b.input_ids.fill_(-1), b.positions.fill_(-1), b.slot_mapping.fill_(-1), b.block_tables.fill_(-1)  # an earlier step's
+    token_ids = torch.tensor([[10, 11, 12, 13, 14, 15, 0, 0], [20, 21, 22, 0, 0, 0, 0, 0]])
+    b.fill(token_ids, torch.tensor([5, 2]), torch.tensor([[7, 3, 0], [5, 0, 0]]), torch.tensor([2, 1]), bucket=4)
+    got = {"input_ids": b.input_ids.tolist(), "positions": b.positions.tolist(), "slot_mapping": b.slot_mapping.tolist(),
+           "seq_lens": b.seq_lens.tolist()}
+    want = {"input_ids": [15, 22, 0, 0], "positions": [5, 2, 0, 0], "slot_mapping": [13, 22, 36, 36],
+            "seq_lens": [6, 3, 1, 1]}
+    why = {"input_ids": "each row's query is its token at position num_computed; a padded row's is token 0",
+           "positions": "a row's query sits at position num_computed; a padded row's at 0",
+           "slot_mapping": "position p's slot is block_table[p // 4] * 4 + p % 4; a padded row's the scratch "
+                           "block's first, 9 * 4",
+           "seq_lens": "a row attends to num_computed + 1 keys, its query's included; a padded row to 1"}
+    for name in want:
+        assert got[name] == want[name], f"{name}: {why[name]}: expected {want[name]}, got {got[name]}"
+    assert b.block_tables[:2, :2].tolist() == [[7, 3], [5, 0]] and b.block_tables[2:, 0].tolist() == [9, 9], (
+        f"block_tables: the rows' tables (their used columns), and the scratch block first for a padded row: "
+        f"got {b.block_tables.tolist()}")
+    assert (b.num_blocks_used, b.max_seq_len) == (2, 6), (
+        f"num_blocks_used is the most blocks a real row uses (2), max_seq_len its longest length after the step "
+        f"(6): got {b.num_blocks_used}, {b.max_seq_len}")
+
+
 @pytest.mark.parametrize("n", range(1, 9))
 def test_every_bucket_gives_eager_tokens(make_llm, tiny_model_dir, n):
     from phases.p07_cuda_graphs.fused import decode_forward
@@ -61,7 +106,8 @@ def test_every_bucket_gives_eager_tokens(make_llm, tiny_model_dir, n):
     eager = make_llm(tiny_model_dir, 7, max_num_seqs=8, enforce_eager=True)
     assert fast.llm_engine.runner.decode_runner.model_forward.func is decode_forward  # the leaner forward runs
     before = fast.llm_engine.runner.num_static_steps
-    assert tokens(fast, PROMPTS[:n], GREEDY) == tokens(eager, PROMPTS[:n], GREEDY)
+    got, want = tokens(fast, PROMPTS[:n], GREEDY), tokens(eager, PROMPTS[:n], GREEDY)
+    assert got == want, token_difference(got, want, f"{n} requests, static decode steps against enforce_eager")
     assert fast.llm_engine.runner.num_static_steps - before >= GREEDY.max_tokens - 1  # the decodes ran static
 
 
@@ -110,7 +156,10 @@ def test_padding_writes_only_the_scratch_block(tiny_model_dir, padded, monkeypat
     scratch_block = engine.runner.buffers.scratch_block
     assert scratch_block == engine.kv_cache.num_blocks - 1 == engine.allocator.num_blocks  # never handed out
     scratch = set(range(scratch_block * bs, (scratch_block + 1) * bs))
-    assert set(changed) - scratch == real
+    assert set(changed) - scratch == real, (
+        f"a decode step writes each real row's slot {sorted(real)} and, for padded rows, only the scratch block "
+        f"(slots {min(scratch)}..{max(scratch)}): it also wrote slots {sorted(set(changed) - scratch - real)}"
+        f"{' and missed ' + str(sorted(real - set(changed))) if real - set(changed) else ''}")
     assert bool(set(changed) & scratch) == padded  # the padded rows did write, there
     engine.abort_request([f"pad{i}" for i in range(3)])
 
@@ -120,7 +169,8 @@ def test_padded_rows_never_change_real_rows(make_llm, tiny_model_dir, monkeypatc
     padded = make_llm(tiny_model_dir, 7, max_num_seqs=8, cudagraph_capture_sizes=(8,))
     pad_like_a_cuda_graph(padded, monkeypatch)
     for n in (1, 3, 5):
-        assert tokens(padded, PROMPTS[:n], GREEDY) == tokens(exact, PROMPTS[:n], GREEDY)
+        got, want = tokens(padded, PROMPTS[:n], GREEDY), tokens(exact, PROMPTS[:n], GREEDY)
+        assert got == want, token_difference(got, want, f"{n} requests padded to a bucket of 8, against buckets of their size")
 
 
 def test_shrink_grow_cross_buckets_and_preempt(make_llm, tiny_model_dir):
@@ -137,7 +187,10 @@ def test_shrink_grow_cross_buckets_and_preempt(make_llm, tiny_model_dir):
         eager = LLM(str(tiny_model_dir), phase=7, max_num_seqs=8, enforce_eager=True,
                     **{k: (v + 1 if k == "num_kv_blocks" else v) for k, v in kw.items()}).llm_engine
         got, want = drive(fast, schedule), drive(eager, schedule)
-        assert len(want) == 11 and got == want
+        assert len(want) == 11 and got == want, (
+            f"requests finishing and arriving across buckets{', preempted' if kw else ''}: "
+            + token_difference([got.get(k, []) for k in sorted(want)], [want[k] for k in sorted(want)],
+                               "static steps against enforce_eager (requests in the order " + ", ".join(sorted(want)) + ")"))
         assert fast.runner.num_static_steps > 10
         if kw:
             assert fast.scheduler.num_preemptions > 0

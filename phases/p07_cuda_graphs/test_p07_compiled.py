@@ -32,6 +32,7 @@ from phases.p07_cuda_graphs.compiled import CompiledDecodeRunner
 from phases.p07_cuda_graphs.decode_runner import DecodeRunner
 from phases.p07_cuda_graphs.cpu_step import CStep
 from tinyvllm import LLM, SamplingParams, platform
+from tinyvllm.testing import token_difference
 
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -55,6 +56,56 @@ def tokens(llm, prompts, params=GREEDY):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def test_compiled_run_calls_the_graph_of_its_shape_in_the_step_s_context(monkeypatch):
+    """`CompiledDecodeRunner.run` with stand-in graphs (nothing compiled): batch 1 calls its own
+    graph, a larger bucket the dynamic one, on the first `bucket` rows of the buffers, under
+    inference mode, with the step's attention and layers in the forward context (and the same
+    step handed to the C++ kernels) while the graph runs, and all of it taken back after."""
+    import threading
+    from types import SimpleNamespace
+
+    from phases.p07_cuda_graphs.decode_runner import StaticDecodeBuffers
+
+    seen, handed = [], []
+
+    def graph(name):
+        def call(model, ids, positions):
+            seen.append((name, ids.tolist(), positions.tolist(), getattr(compiled._STEP, "attention", None),
+                         getattr(compiled._STEP, "layers", None), torch.is_inference_mode_enabled()))
+            return torch.zeros(len(ids), 5)
+        return call
+
+    monkeypatch.setattr(compiled, "use_step", lambda layers, attention=None: handed.append((layers, attention)))
+    buf = StaticDecodeBuffers(max_rows=8, max_blocks=2, block_size=4, scratch_block=3, device=torch.device("cpu"))
+    buf.input_ids.copy_(torch.arange(100, 108)), buf.positions.copy_(torch.arange(8))
+    ready = threading.Event()
+    ready.set()
+    runner = SimpleNamespace(graphs={True: graph("batch 1"), False: graph("dynamic")}, shapes_seen=set(),
+                             attention=lambda meta: ("attention", len(meta.slot_mapping)), opaque_layers="layers",
+                             native_layers="native", model="model", c_step=None, ready=ready, buf=buf)
+    for bucket, name in ((1, "batch 1"), (3, "dynamic")):
+        seen.clear(), handed.clear()
+        monkeypatch.setattr(compiled._STEP, "layers", None, raising=False)   # what an earlier step left
+        logits = CompiledDecodeRunner.run(runner, bucket, buf)
+        assert [s[0] for s in seen] == [name], (
+            f"a step of {bucket} row(s) calls the graph of its shape, self.graphs[bucket == 1] (the {name} graph), "
+            f"once: called {[s[0] for s in seen]}")
+        _, ids, positions, attention, layers, inference = seen[0]
+        assert ids == list(range(100, 100 + bucket)) and positions == list(range(bucket)), (
+            f"the graph takes the first {bucket} rows of the buffers' input_ids and positions: got ids {ids}")
+        assert attention == ("attention", bucket) and layers == "layers", (
+            f"while the graph runs, the forward context holds this step's attention, self.attention(b.metadata("
+            f"bucket)), and the model's layers, self.opaque_layers: it held {attention!r} and {layers!r}")
+        assert inference, "the graph runs under torch.inference_mode()"
+        assert handed == [("native", ("attention", bucket)), (None, None)], (
+            f"the C++ kernels get the same step, use_step(self.native_layers, _STEP.attention), and it is taken back "
+            f"after the graph, use_step(None), even if the graph raised: use_step was called with {handed}")
+        assert getattr(compiled._STEP, "attention", None) is None, "after the step, _STEP.attention is taken back"
+        assert logits.shape[0] == bucket
+    assert runner.shapes_seen == {True, False}, (
+        f"run records each shape it ran, bucket == 1, in shapes_seen: {runner.shapes_seen}")
+
+
 @pytest.mark.kinds
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_compiled_step_gives_eager_tokens(make_llm, tiny_model_dir, quantization):
@@ -65,8 +116,15 @@ def test_compiled_step_gives_eager_tokens(make_llm, tiny_model_dir, quantization
     assert isinstance(engine.runner.decode_runner, CompiledDecodeRunner)
     before = engine.runner.num_static_steps
     assert graphs_made(engine.runner.decode_runner) == (2, {True, False})        # made at start
-    assert tokens(compiled, PROMPTS[:1]) == tokens(eager, PROMPTS[:1])          # batch 1
-    assert tokens(compiled, PROMPTS) == tokens(eager, PROMPTS)                  # buckets 8, 4, 2, 1
+    for prompts in (PROMPTS[:1], PROMPTS):                                    # batch 1; buckets 8, 4, 2, 1
+        try:
+            got = tokens(compiled, prompts)
+        except RuntimeError as e:
+            raise AssertionError(
+                f"the compiled step raised on {len(prompts)} requests: {str(e).splitlines()[0]} (a step runs the "
+                "graph of its shape, self.graphs[bucket == 1], on the first `bucket` rows of the buffers)") from e
+        want = tokens(eager, prompts)
+        assert got == want, token_difference(got, want, f"{len(prompts)} requests, compiled steps against eager ones")
     assert engine.runner.num_static_steps - before >= 2 * (GREEDY.max_tokens - 1)   # the decodes ran compiled
     assert engine.runner.decode_runner.shapes_seen == {True, False}, "run must record bucket == 1 in shapes_seen"
     assert graphs_made(engine.runner.decode_runner) == (2, {True, False}), NEW_GRAPH
@@ -88,9 +146,13 @@ def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm,
         kv_eager = engine.kv_cache.kv.clone()
         engine.kv_cache.kv.copy_(kv)                # ... undone: the compiled step writes them again
         got = runner.run(bucket)
-        assert got.shape == want.shape
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=1e-5, atol=1e-5)
+        assert got.shape == want.shape, (
+            f"bucket {bucket}: the compiled step gives logits for the bucket's first {bucket} rows of the buffers, "
+            f"{tuple(want.shape)}; got {tuple(got.shape)}")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, bucket=bucket: f"bucket {bucket}: the compiled step's logits against the eager step's: {m}")
+        torch.testing.assert_close(engine.kv_cache.kv, kv_eager, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m, bucket=bucket: f"bucket {bucket}: the K/V the compiled step wrote against the eager step's: {m}")
     assert graphs_made(runner) == (2, {True, False}), NEW_GRAPH   # the two graphs of the start
     engine.abort_request([f"r{i}" for i in range(len(PROMPTS))])
 

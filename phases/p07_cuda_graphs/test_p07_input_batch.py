@@ -132,12 +132,50 @@ TestInputBatch.settings = settings(max_examples=60, stateful_step_count=30, dead
 
 def test_swap_copies_valid_tokens_only():
     b = InputBatch(4, 1000, 250, 1000)
-    seqs = [FakeSeq(n, SamplingParams(temperature=0)) for n in (900, 5, 7)]
+    seqs = [FakeSeq(900, SamplingParams(temperature=0)), FakeSeq(5, SamplingParams(temperature=0.7, top_k=5)),
+            FakeSeq(7, SamplingParams(temperature=1.3, top_p=0.9, min_p=0.1))]
     b.sync(seqs)
+    moved = seqs[2]
     b.remove(seqs[0].seq_id)            # row 2 (7 tokens, 2 blocks) moves into row 0
-    assert b.elements_copied == 7 + 2
-    assert b.token_ids[0, :7].tolist() == seqs[2].token_ids
-    assert b.row_of == {seqs[2].seq_id: 0, seqs[1].seq_id: 1}
+    assert b.row_of == {moved.seq_id: 0, seqs[1].seq_id: 1}, (
+        f"the request moved from the last row into the hole must be found there: row_of should be "
+        f"{{{moved.seq_id}: 0, {seqs[1].seq_id}: 1}} (the removed request gone, the moved one at row 0), got {b.row_of}")
+    assert b.num_reqs == 2 and b.seqs[0] is moved and b.seqs[2] is None, (
+        f"2 rows are left, row 0 holding the moved request and row 2 empty: num_reqs {b.num_reqs}, "
+        f"seqs {[s.seq_id if s is not None else None for s in b.seqs[:3]]}")
+    assert b.elements_copied == 7 + 2, (
+        f"a swap copies only the moved row's valid elements, its 7 tokens and 2 blocks: {b.elements_copied} copied")
+    assert b.token_ids[0, :7].tolist() == moved.token_ids and b.block_table[0, :2].tolist() == moved.block_table.block_ids, (
+        "row 0 holds the moved request's tokens and blocks")
+    want = (7, 6, 2, 1.3, 0, 0.9, 0.1)
+    got = (int(b.num_tokens[0]), int(b.num_computed[0]), int(b.num_blocks[0]), round(float(b.temperature[0]), 4),
+           int(b.top_k[0]), round(float(b.top_p[0]), 4), round(float(b.min_p[0]), 4))
+    assert got == want, (f"every per-row field moves with the request: row 0's (num_tokens, num_computed, num_blocks, "
+                         f"temperature, top_k, top_p, min_p) should be {want}, got {got}")
+    assert b.generators[0] is moved.generator, "row 0's generator is the moved request's"
+
+
+def test_update_copies_what_changed_and_a_new_table_from_its_first_block():
+    """A row brought up to date after 3 new tokens (one new block), then after a preemption and
+    re-admission: a new table object, whose blocks are copied again from the first."""
+    b = InputBatch(4, 64, 16, 1000)
+    seq = FakeSeq(6, SamplingParams(temperature=0))
+    b.sync([seq])
+    seq.token_ids += [11, 12, 13]
+    seq.grow()                                   # 9 tokens, 3 blocks, 8 computed
+    b.sync([seq])
+    row = (b.token_ids[0, :int(b.num_tokens[0])].tolist(), b.block_table[0, :int(b.num_blocks[0])].tolist(),
+           int(b.num_computed[0]))
+    assert row[0] == seq.token_ids, f"the row's tokens are the request's, new ones included: {row[0]} vs {seq.token_ids}"
+    assert row[1] == seq.block_table.block_ids, f"the row's blocks are the table's, the new one included: {row[1]} vs {seq.block_table.block_ids}"
+    assert row[2] == seq.num_computed_tokens, f"num_computed follows the request's: {row[2]} vs {seq.num_computed_tokens}"
+    seq.block_table = BlockTable()               # preempted and re-admitted: other blocks, in a new table
+    seq.grow()
+    b.sync([seq])
+    blocks = b.block_table[0, :int(b.num_blocks[0])].tolist()
+    assert blocks == seq.block_table.block_ids, (
+        f"a re-admitted request has a new table object: its blocks are copied from the first, "
+        f"{seq.block_table.block_ids}; the row holds {blocks}")
 
 
 def test_checked_batch_names_the_row_a_slip_left_behind():

@@ -66,7 +66,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # >>> exercise row_parallel (1 star): The product of this rank's columns, summed over the ranks.
         # hint: self.linear gives this rank's partial (N, out); the group's all_reduce sums it over the ranks, in place.
-        # checked by: test_two_ranks_give_one_rank_tokens, test_row_parallel_sums_the_partial_products
+        # checked by: test_row_parallel_linear_sums_its_partial_product, test_two_ranks_give_one_rank_tokens, test_row_parallel_sums_the_partial_products
         return self.group.all_reduce(self.linear(x))
         # <<< exercise row_parallel
 

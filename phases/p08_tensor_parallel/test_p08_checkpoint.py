@@ -50,15 +50,20 @@ def one_rank(tiny_model_dir):
                                                             (6, 3, 3), (4, 4, 1), (12, 2, 4)])
 def test_head_ranges_cover_every_head_once(num_heads, num_kv_heads, world):
     group = num_heads // num_kv_heads
+    where = f"{num_heads} query heads over {num_kv_heads} KV heads, {world} ranks"
     q_seen, kv_seen = [], set()
     for rank in range(world):
         (q0, q1), (k0, k1) = head_ranges(num_heads, num_kv_heads, rank, world)
-        assert q1 > q0 and k1 > k0
+        assert q1 > q0 and k1 > k0, f"{where}: rank {rank} holds no heads: query {q0}..{q1 - 1}, KV {k0}..{k1 - 1}"
         q_seen += range(q0, q1)
         kv_seen |= set(range(k0, k1))
         # every query head of this rank sits with its own KV head
-        assert all(k0 <= q // group < k1 for q in range(q0, q1))
-    assert sorted(q_seen) == list(range(num_heads)) and kv_seen == set(range(num_kv_heads))
+        strays = [q for q in range(q0, q1) if not k0 <= q // group < k1]
+        assert not strays, (f"{where}: rank {rank} holds query heads {q0}..{q1 - 1} and KV heads {k0}..{k1 - 1}; query "
+                            f"head q needs KV head q // {group}, so {strays} are on a rank without their KV head")
+    assert sorted(q_seen) == list(range(num_heads)) and kv_seen == set(range(num_kv_heads)), (
+        f"{where}: every query head on exactly one rank, every KV head on some rank: the ranks hold query heads "
+        f"{sorted(q_seen)} and KV heads {sorted(kv_seen)}")
 
 
 def test_shard_ranges_split_evenly():
@@ -80,6 +85,22 @@ class _OneRankOfMany(TensorParallelGroup):
     def all_reduce(self, x):
         self.parts.append(x.clone())
         return x
+
+
+def test_row_parallel_linear_sums_its_partial_product():
+    """A rank's RowParallelLinear: its partial product x_r @ W_r^T (+ bias) goes through the
+    group's all_reduce once, which here hands back this rank's part."""
+    from phases.p08_tensor_parallel.layers import RowParallelLinear
+
+    linear, x, group = nn.Linear(6, 4), torch.randn(3, 6), _OneRankOfMany()
+    with torch.no_grad():
+        out, want = RowParallelLinear(linear, group)(x), linear(x)
+    assert len(group.parts) == 1, (f"the partial product goes through the group's all_reduce once (the sum over "
+                                   f"ranks): all_reduce was called {len(group.parts)} times")
+    assert group.parts[0].shape == want.shape and torch.allclose(group.parts[0], want), (
+        f"what is summed over the ranks is this rank's partial product, self.linear(x) {tuple(want.shape)}: "
+        f"all_reduce got a {tuple(group.parts[0].shape)} tensor" + (" (the input?)" if group.parts[0].shape == x.shape else ""))
+    assert torch.allclose(out, want), "the layer returns what all_reduce gives back"
 
 
 def test_vocab_parallel_embedding_sums_to_the_whole_table():
@@ -114,8 +135,11 @@ def test_column_parallel_keeps_its_output_columns():
         o0, o1 = shard_range(10, rank, 3)
         layer = copy.deepcopy(full)
         _keep_rows(layer, o0, o1)
-        assert layer.out_features == o1 - o0, "out_features must say how many outputs the shard has"
-        assert layer.weight.shape == (o1 - o0, 6) and layer.bias.shape == (o1 - o0,)
+        assert layer.weight.shape == (o1 - o0, 6) and layer.bias.shape == (o1 - o0,), (
+            f"rank {rank} keeps outputs {o0}..{o1 - 1}: weight ({o1 - o0}, 6) and bias ({o1 - o0},), got "
+            f"{tuple(layer.weight.shape)} and {tuple(layer.bias.shape)}")
+        assert layer.out_features == o1 - o0, (f"out_features must say how many outputs the shard has, {o1 - o0}: "
+                                               f"got {layer.out_features}")
         assert layer.weight.untyped_storage().nbytes() == (o1 - o0) * 6 * 4, (
             "the shard's weight still holds the whole matrix's memory: clone the rows it keeps")
         assert not layer.weight.requires_grad

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from phases.workspace import REFERENCE
 from tinyvllm.config import EngineConfig
 from tinyvllm.platform import resolve_device
 from tinyvllm.secret_env import child_env
@@ -49,7 +50,7 @@ from .parallel import (LOOPBACK, RUN_ID_BYTES, TOKEN_ENV, available_cores, host_
 from .rendezvous import beat_until_done, join, write_ready
 
 PARENT_POLL_S = 0.5   # how often a worker looks whether its parent is still there
-REPO = Path(__file__).resolve().parents[2]
+REPO = REFERENCE.parent   # the repository (this file may be a learner's copy, elsewhere)
 
 
 def threads_per_rank(world: int) -> int:

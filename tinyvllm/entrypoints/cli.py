@@ -1,6 +1,6 @@
 """The `tinyvllm` command: generate, chat, download, bench.
 
-    tinyvllm generate --prompt "The capital of France is" --max-tokens 16
+    tinyvllm generate --prompt "The capital of France is" --max-tokens 16   # streams, piped too
     tinyvllm generate --prompt "Once upon a time" --n 2 --temperature 0.8 --seed 0 --logprobs 3
     tinyvllm chat                          # interactive; streams the reply as it is generated
     tinyvllm chat --message "Hi"           # one turn, then exit
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="complete one or more prompts and print the results")
+    g = sub.add_parser("generate", help="complete one or more prompts, printing each completion as it is generated")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     _add_engine_args(g)
     _add_sampling_args(g, max_tokens=64, completions=True)
@@ -167,32 +167,62 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _generate(llm, prompts: list[str], params: SamplingParams) -> int:
+def _generate(llm, prompts: list[str], params: SamplingParams, out=None) -> int:
+    """Print every completion as it is generated: each one's header, then the prompt and the
+    text as it grows, flushed at every step (piped, stdout is block-buffered: without a flush a
+    reader would see nothing until the end), then its finish reason. The completions print in
+    order, prompt by prompt; one that runs while an earlier one is printing shows what it has when
+    its turn comes, then streams on."""
+    out = out or sys.stdout
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    dt = time.perf_counter() - t0
-    n = 0
-    for out in outs:
-        for c in out.outputs:
-            n += len(c.token_ids)
-            which = f" completion {c.index + 1}/{len(out.outputs)}" if len(out.outputs) > 1 else ""
-            print(f"---{which} {out.prompt!r} ({c.finish_reason})\n{out.prompt}{c.text}")
+    request_ids = llm._add_requests(prompts, params)
+    order = [(rid, i) for rid in request_ids for i in range(params.n)]   # completions, as printed
+    latest: dict = {}                                                   # request id -> newest output
+    k, shown, n = 0, None, 0   # the completion printing, how much of its text is out (None: not begun)
+
+    def advance() -> None:
+        nonlocal k, shown, n
+        while k < len(order):
+            rid, i = order[k]
+            if rid not in latest:
+                break
+            o = latest[rid]
+            c = o.outputs[i]
+            if shown is None:
+                which = f" completion {i + 1}/{params.n}" if params.n > 1 else ""
+                out.write(f"---{which} {o.prompt!r}\n{o.prompt}")
+                shown = 0
+            out.write(c.text[shown:])
+            shown = len(c.text)
+            if c.finish_reason is None:
+                break
+            out.write(f"\n--- ({c.finish_reason})\n")
             if c.logprobs is not None:
-                _print_logprobs(c, params.logprobs, llm.get_tokenizer())
+                _print_logprobs(c, params.logprobs, llm.get_tokenizer(), out)
+            n += len(c.token_ids)
+            k, shown = k + 1, None
+        out.flush()
+
+    for o in llm._run(len(request_ids), use_tqdm=False):
+        latest[o.request_id] = o
+        advance()
+    dt = time.perf_counter() - t0
     print(f"[phase {llm.phase}: {n} tokens in {dt:.2f} s, {n / dt:.1f} tok/s]", file=sys.stderr)
     return 0
 
 
-def _print_logprobs(c, k: int, tokenizer) -> None:
+def _print_logprobs(c, k: int, tokenizer, out=None) -> None:
     """A table, one row per generated token: its id and text, log-probability, probability and
     rank (1 = the most likely), then the step's k most likely tokens (--logprobs k), each as
-    id 'text' logprob."""
+    id 'text' logprob; on `out` (default: standard output)."""
+    out = out or sys.stdout
+
     def text(tid: int, lp) -> str:
         return repr(lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid]))
 
-    print(f"logprobs (cumulative {c.cumulative_logprob:.3f}):")
+    print(f"logprobs (cumulative {c.cumulative_logprob:.3f}):", file=out)
     print(f"  {'step':>4}  {'id':>6}  {'token':<14} {'logprob':>8} {'prob':>6} {'rank':>5}"
-          + (f"  top {k}" if k else ""))
+          + (f"  top {k}" if k else ""), file=out)
     for i, (tid, step) in enumerate(zip(c.token_ids, c.logprobs)):
         lp = step[tid]
         line = (f"  {i:>4}  {tid:>6}  {text(tid, lp):<14} {lp.logprob:>8.3f} "
@@ -200,7 +230,7 @@ def _print_logprobs(c, k: int, tokenizer) -> None:
         if k:
             top = sorted(step.items(), key=lambda item: item[1].rank)[:k]
             line += "  " + ", ".join(f"{t} {text(t, o)} {o.logprob:.3f}" for t, o in top)
-        print(line)
+        print(line, file=out)
 
 
 def stream_reply(llm, messages: list[dict], params: SamplingParams, out=None):

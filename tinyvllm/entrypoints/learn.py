@@ -22,25 +22,19 @@ import argparse
 import ast
 import difflib
 import os
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
 import phases
-from phases.workspace import foundation_files
+from phases.workspace import BLANK_RAISED, foundation_files, is_blank
+from phases.workspace import regions as _regions
+from tinyvllm.entrypoints.learn_run import Case
 
 REPO = Path(phases.__file__).resolve().parent.parent
 DEFAULT_WORKSPACE = REPO / "workspace"
-_START = re.compile(r"^(?P<indent>[ \t]*)# >>> exercise (?P<name>\w+) \((?P<stars>\d) stars?\): (?P<task>.+)$")
-_HINT = re.compile(r"^[ \t]*# hint: (?P<hint>.+)$")
-_CHECKS = re.compile(r"^[ \t]*# checked by: (?P<checks>.+)$")
-# What a blank task raises; `check` finds the task's name in a failure by this pattern.
-_BLANK_RAISED = re.compile(r"exercise (\w+) is not written yet")
 
 
 @dataclass(frozen=True)
@@ -78,26 +72,6 @@ def phase_files(phase: int) -> list[Path]:
     if {p.name for p in foundation} & {p.name for p in files}:
         raise ValueError(f"phase {phase}: a foundation module it teaches has the name of one of its own")
     return files + foundation
-
-
-def _regions(source: str) -> list[tuple[dict, int, int]]:
-    """(fields, first line of the marker, line of the end marker) for every exercise in `source`,
-    0-based. The fields are the marker's name, stars, task, hint, checks and indent."""
-    lines = source.splitlines()
-    found = []
-    for i, line in enumerate(lines):
-        m = _START.match(line)
-        if not m:
-            continue
-        hint, checks = _HINT.match(lines[i + 1]), _CHECKS.match(lines[i + 2])
-        if not (hint and checks):
-            raise ValueError(f"exercise {m['name']}: the marker needs '# hint:' and '# checked by:' lines after it")
-        end = next((j for j in range(i + 3, len(lines))
-                    if lines[j].strip() == f"# <<< exercise {m['name']}"), None)
-        if end is None:
-            raise ValueError(f"exercise {m['name']}: no '# <<< exercise {m['name']}' line closes it")
-        found.append((dict(m.groupdict(), hint=hint["hint"], checks=checks["checks"]), i, end))
-    return found
 
 
 def exercises(phase: int | None = None) -> list[Exercise]:
@@ -187,89 +161,102 @@ def _dir_flag(folder: Path) -> str:
     return "" if folder.resolve() == DEFAULT_WORKSPACE.resolve() else f" --dir {folder}"
 
 
-@dataclass
-class Case:
-    """One test case's outcome from pytest's JUnit XML report."""
-    test: str        # the test function's name, parameters left off
-    id: str          # the full test id
-    outcome: str     # passed, failed or skipped
-    message: str     # the first line of what went wrong ('' when it passed)
-    text: str        # the whole failure text (tracebacks, a subprocess's stderr)
-    speed: str = ""  # a throughput checkpoint's verdict
-
-
-def _read_report(path: Path) -> list[Case]:
-    cases = []
-    for tc in ET.parse(path).getroot().iter("testcase"):
-        bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
-        outcome = "failed" if bad is not None else "skipped" if tc.find("skipped") is not None else "passed"
-        message = text = ""
-        if bad is not None:
-            text = (bad.get("message") or "") + "\n" + (bad.text or "")
-            message = _plain(bad.get("message") or bad.text or "")
-        props = {p.get("name"): p.get("value") for p in tc.iter("property")}
-        name = tc.get("name", "")
-        cases.append(Case(name.split("[")[0], f"{tc.get('classname')}::{name}", outcome, message,
-                          text, props.get("speed", "")))
-    return cases
-
-
-def _plain(message: str) -> str:
-    """A failure's first line, without pytest's decoration."""
-    first = next((ln.strip() for ln in message.splitlines() if ln.strip()), "")
-    for prefix in ("AssertionError: ", "failed on setup with ", '"'):
-        first = first.removeprefix(prefix)
-    first = first.removesuffix('"')
-    return first if len(first) <= 240 else first[:237] + "..."
-
-
-def _blanks_hit(case: Case, names: set[str]) -> list[str]:
-    return sorted({n for n in _BLANK_RAISED.findall(case.text) if n in names})
-
-
 def unwritten(phase: int, folder: Path) -> set[str]:
     """The tasks whose body in the learner's copy is still the blank raise."""
+    return {e.name for e, body in _copied_bodies(phase, folder) if body is not None and is_blank(body)}
+
+
+def as_reference(phase: int, folder: Path) -> set[str]:
+    """The tasks whose body in the learner's copy is the reference's (`learn solve` put it there, or
+    the learner wrote the same lines): a failure of their checks comes from another task."""
+    def lines(body):
+        return [ln.rstrip() for ln in body if ln.strip()]
+    return {e.name for e, body in _copied_bodies(phase, folder)
+            if body is not None and lines(body) == lines(_body((REPO / e.path).read_text(), e.name))}
+
+
+def _copied_bodies(phase: int, folder: Path):
     copy = folder / phase_package(phase)
-    names = set()
     for e in exercises(phase):
         path = copy / e.file
-        body = _body(path.read_text(), e.name) if path.exists() else None
-        if body is not None and len(body) == 1 and _BLANK_RAISED.search(body[0]):
-            names.add(e.name)
-    return names
+        yield e, (_body(path.read_text(), e.name) if path.exists() else None)
 
 
-def grade(tasks: list[Exercise], cases: list[Case], blank_tasks: set[str] = frozenset()
-          ) -> list[tuple[Exercise, str, str]]:
+def _blanks_raised(case: Case, names: set[str]) -> list[str]:
+    """The blank tasks whose raise is in a failure's text (a blank not probed: in a Triton kernel)."""
+    return sorted({n for n in BLANK_RAISED.findall(case.text) if n in names}) if case.outcome == "failed" else []
+
+
+def _entered(case: Case, names: set[str]) -> set[str]:
+    """The blank tasks a check needed: probed (their reference body ran) or raised."""
+    return (set(case.blanks) & names) | set(_blanks_raised(case, names))
+
+
+def grade(tasks: list[Exercise], cases: list[Case], blank_tasks: set[str] = frozenset(),
+          reference_tasks: set[str] = frozenset()) -> list[tuple[Exercise, str, str]]:
     """(task, status, detail) per task; status is passed, failed, not written, waits or not run.
-    `blank_tasks`: those the copy still leaves blank (not written, whatever their checks say)."""
+    `blank_tasks`: those the copy still leaves blank (not written, whatever their checks say);
+    `reference_tasks`: those whose body is the reference's.
+
+    A failed check counts against the tasks it names that the learner wrote (neither blank nor
+    the reference's). When it names several, against those that also fail a check of their own
+    alone; when it names none (every task it names is blank or the reference's), against the
+    written tasks that fail elsewhere: a task filled by `learn solve` is never failed because of
+    another. A task's detail is its first failure in the order its marker lists its checks (a
+    crash last: the checks that ran are more telling). A task waits on every blank task its checks
+    entered, all named at once."""
     names = {e.name for e in tasks}
+    namers = {}
+    for e in tasks:
+        for c in e.checks:
+            namers.setdefault(c, []).append(e.name)
+    written = names - set(blank_tasks) - set(reference_tasks)
+    failed = [c for c in cases if c.outcome == "failed" and not _blanks_raised(c, names)]
+
+    def suspects(c: Case) -> list[str]:
+        return [n for n in namers.get(c.test, []) if n in written]
+
+    definite = {suspects(c)[0] for c in failed if len(suspects(c)) == 1}
+    failing = {n for c in failed for n in suspects(c)}
+
+    def blamed(c: Case) -> set[str]:
+        s = suspects(c)
+        if s:
+            return (set(s) & definite) or set(s)
+        return definite or failing or set(namers.get(c.test, []))
+
     out = []
     for e in tasks:
-        mine = [c for c in cases if c.test in e.checks]
-        failed = [c for c in mine if c.outcome == "failed"]
-        blocked = {n for c in failed for n in _blanks_hit(c, names)}
+        mine = [(k, c) for k, c in enumerate(cases) if c.test in e.checks]
+        needs = set().union(*(_entered(c, names) for _, c in mine)) - {e.name}
+        own = sorted(((c.crashed, e.checks.index(c.test), k), c) for k, c in mine
+                     if c in failed and e.name in blamed(c))
+        others = set().union(*(blamed(c) for _, c in mine if c in failed)) - {e.name}
         if e.name in blank_tasks:
             out.append((e, "not written", e.task))
         elif not mine:
             out.append((e, "not run", "none of its checks ran (" + ", ".join(e.checks) + ")"))
-        elif e.name in blocked:
-            out.append((e, "not written", e.task))
-        elif not failed:
-            out.append((e, "passed", f"{len(mine)} checks"))
+        elif own:
+            c = own[0][1]
+            detail = f"{c.message} while checking {e.name}: {c.id}" if c.crashed else f"{c.test}: {c.message}"
+            out.append((e, "failed", detail))
+        elif needs or others:
+            why = ([f"its checks need {', '.join(sorted(needs))} first"] if needs else []) + (
+                [f"its checks fail because of {', '.join(sorted(others))}"] if others else [])
+            out.append((e, "waits", "; ".join(why)))
         else:
-            own = [c for c in failed if not _blanks_hit(c, names)]
-            if own:
-                out.append((e, "failed", f"{own[0].test}: {own[0].message}"))
-            else:
-                out.append((e, "waits", "its checks need " + ", ".join(sorted(blocked)) + " first"))
+            out.append((e, "passed", f"{len(mine)} checks"))
     return out
 
 
 def check(phase: int, folder: Path, pytest_args: list[str] = (), out=None, verbose: bool = False,
           timeout: int = 240) -> int:
     """Grade the learner's copies in `folder` with phase `phase`'s checkpoint and shared cases;
-    print a report per task. Returns 0 when every task and every other check passed."""
+    print a report per task. Returns 0 when every task and every other check passed. A check that
+    crashes the process fails the task it checks; the checks after it run in a fresh process
+    (tinyvllm/entrypoints/learn_run.py)."""
+    from tinyvllm.entrypoints import learn_run
+
     out = out or sys.stdout
     if not (REPO / "tests").is_dir():
         raise FileNotFoundError(f"tinyvllm learn check needs the repository's tests ({REPO / 'tests'}); "
@@ -278,52 +265,68 @@ def check(phase: int, folder: Path, pytest_args: list[str] = (), out=None, verbo
     if not copy.is_dir():
         raise FileNotFoundError(f"no copy of phase {phase} in {folder}; make one with: "
                                 f"tinyvllm learn start {phase}" + _dir_flag(folder))
-    with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "report.xml"
-        log = folder / f"check-{phase_package(phase)}.log"
-        cmd = [sys.executable, "-m", "pytest", f"phases/{phase_package(phase)}", "tests",
-               "-m", f"phase{phase:02d} and not docs and not notebooks", f"--workspace={folder.resolve()}",
-               f"--junitxml={xml}", f"--check-timeout={timeout}", "-o", "junit_family=xunit1", "-p", "no:cacheprovider", "-q",
-               "--tb=short", *pytest_args]
-        print(f"Grading {copy} with phase {phase}'s checks (the full output goes to {log}) ...", file=out,
-              flush=True)
-        env = dict(os.environ)
-        env.pop("TINYVLLM_WORKSPACE", None)
-        with open(log, "w") as f:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=None if verbose else f,
-                                  stderr=subprocess.STDOUT if not verbose else None)
-        if not xml.exists():
-            print(f"pytest stopped before running any check (exit {proc.returncode}); see {log}", file=out)
-            return proc.returncode or 1
-        cases = _read_report(xml)
-    return report(phase, cases, unwritten(phase, folder), out, log)
+    log = folder / f"check-{phase_package(phase)}.log"
+    cmd = [sys.executable, "-m", "pytest", f"phases/{phase_package(phase)}", "tests",
+           "-m", f"phase{phase:02d} and not docs and not notebooks", f"--workspace={folder.resolve()}",
+           f"--check-timeout={timeout}", "-p", "tinyvllm.entrypoints.learn_run", "-p", "no:cacheprovider",
+           "-q", "--tb=short", *pytest_args]
+    print(f"Grading {_shown(copy)} with phase {phase}'s checks (the full output goes to {_shown(log)}) ...",
+          file=out, flush=True)
+    env = dict(os.environ)
+    env.pop("TINYVLLM_WORKSPACE", None)
+    env.setdefault("TINYVLLM_CHECK_KERNELS", "1")  # checked mode: a bookkeeping slip in a task is an error naming it, never a crash
+    with tempfile.TemporaryDirectory() as tmp, open(log, "w") as f:
+        ran = learn_run.run(cmd, REPO, env, None if verbose else f, Path(tmp), timeout)
+    if not ran.cases:
+        print(f"pytest stopped before running any check ({ran.note or f'exit {ran.returncode}'}); "
+              f"see {_shown(log)}", file=out)
+        return ran.returncode or 1
+    for nodeid, how in ran.crashes:
+        print(f"The process {how} while running {nodeid}; the checks after it ran in a fresh process.", file=out)
+    if ran.note:
+        print(f"Note: {ran.note} (see {_shown(log)}).", file=out)
+    return report(phase, ran.cases, unwritten(phase, folder), out, _shown(log), as_reference(phase, folder), folder)
 
 
-def report(phase: int, cases: list[Case], blank_tasks: set[str], out, log: Path | str = "pytest's output") -> int:
+def report(phase: int, cases: list[Case], blank_tasks: set[str], out, log: Path | str = "pytest's output",
+           reference_tasks: set[str] = frozenset(), folder: Path | None = None) -> int:
     """Print the grade of each of phase `phase`'s tasks, the speed checkpoint's verdict and the
-    other checks, from pytest's `cases` (`log`: where its full output went); 0 when every task
-    and every other check passed."""
+    other checks, from pytest's `cases` (`log`: where its full output went; `folder`: the
+    workspace, whose copy a task to write or fix is pointed at); 0 when every task and every
+    other check passed."""
     tasks = exercises(phase)
-    results = grade(tasks, cases, blank_tasks)
+    names = {e.name for e in tasks}
+    results = grade(tasks, cases, blank_tasks, reference_tasks)
     marks = {"passed": "ok  ", "failed": "FAIL", "not written": "todo", "waits": "wait", "not run": "--  "}
     print(f"\nPhase {phase}, {len(tasks)} tasks:", file=out)
     for e, status, detail in results:
         print(f"  [{marks[status]}] {e.name:<18} {'*' * e.stars:<4} {status}: {detail}", file=out)
+        if folder is not None and status in ("failed", "not written"):
+            print(f"         {'':<18} {'':<4} in {_shown(task_location(e, folder))}", file=out)
     checked = {t for e in tasks for t in e.checks}
     speed = [c for c in cases if c.test == "test_throughput_checkpoint"]
+    failing = [e.name for e, status, _ in results if status in ("failed", "not written", "waits")]
     for c in speed:
-        if c.outcome == "passed":
+        if c.outcome == "passed" and not _entered(c, names):
             print(f"  [ok  ] speed: {c.speed}", file=out)
+        elif c.outcome == "passed":
+            print(f"  [wait] speed: needs {', '.join(sorted(_entered(c, names)))} first", file=out)
         elif c.outcome == "failed":
-            why = "needs " + ", ".join(_blanks_hit(c, {e.name for e in tasks})) if _blanks_hit(c, {e.name for e in tasks}) else "too slow"
-            print(f"  [FAIL] speed ({why}): {c.speed or c.message}", file=out)
+            if _entered(c, names):
+                why, what = "needs " + ", ".join(sorted(_entered(c, names))), c.speed or c.message
+            elif c.speed:  # measured to the end: the ratio is below the claim
+                why, what = "too slow", c.speed
+            else:  # the engine failed before the speed was known
+                why = "not measured" + (f": first make {', '.join(failing)} pass" if failing else "")
+                what = c.message
+            print(f"  [FAIL] speed ({why}): {what}", file=out)
     others = [c for c in cases if c.test not in checked and c not in speed]
     waiting: dict[str, int] = {}
     own_failures = []
     for c in (c for c in others if c.outcome == "failed"):
-        hit = _blanks_hit(c, {e.name for e in tasks})
-        if hit:  # counted once, for the blank it stopped at
-            first = next((n for n in _BLANK_RAISED.findall(c.message) if n in hit), hit[0])
+        hit = sorted(_entered(c, names))
+        if hit:  # counted once, for the first blank it needed
+            first = next((n for n in BLANK_RAISED.findall(c.message) if n in hit), hit[0])
             waiting[first] = waiting.get(first, 0) + 1
         else:
             own_failures.append(c)
@@ -335,11 +338,29 @@ def report(phase: int, cases: list[Case], blank_tasks: set[str], out, log: Path 
         print(f"    {c.id}: {c.message}", file=out)
     if len(own_failures) > 8:
         print(f"    ... and {len(own_failures) - 8} more (see {log})", file=out)
-    other_failed = n_failed
-    ok = all(s in ("passed", "not run") for _, s, _ in results) and not other_failed and all(c.outcome != "failed" for c in speed)
+    ok = (all(s in ("passed", "not run") for _, s, _ in results) and not n_failed
+          and all(c.outcome != "failed" and not _entered(c, names) for c in speed))
     if ok:
         print(f"Every task of phase {phase} passes.", file=out)
     return 0 if ok else 1
+
+
+def task_location(e: Exercise, folder: Path) -> str:
+    """`<copy's file>:<line of the task's marker>`: in the learner's copy, or where `learn start`
+    writes it."""
+    path = folder / e.package / e.file
+    text = path.read_text() if path.exists() else blank((REPO / e.path).read_text())
+    line = next(i for f, i, _ in _regions(text) if f["name"] == e.name) + 1
+    return f"{path}:{line}"
+
+
+def _shown(path) -> str:
+    """A path relative to the current folder when it is under it (what a learner types)."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def diff(phase: int, folder: Path, task: str | None = None, out=None) -> int:
@@ -392,10 +413,14 @@ def solve(phase: int, folder: Path, task: str, out=None) -> None:
                      f"and '# <<< exercise {task}'); put them back, or start over with --force")
 
 
-def list_tasks(phase: int | None, out=None) -> None:
+def list_tasks(phase: int | None, folder: Path = DEFAULT_WORKSPACE, out=None) -> None:
+    """Each task: its phase, name, difficulty, where it is in the learner's copy (or will be, after
+    `learn start`) and what to write."""
     out = out or sys.stdout
     for e in exercises(phase):
-        print(f"phase {e.phase}  {e.name:<18} {'*' * e.stars:<4} {e.path}:{e.line}  {e.task}", file=out)
+        started = "" if (folder / e.package).is_dir() else f" (after tinyvllm learn start {e.phase})"
+        print(f"phase {e.phase}  {e.name:<18} {'*' * e.stars:<4} {_shown(task_location(e, folder))}{started}  {e.task}",
+              file=out)
 
 
 def add_learn_parser(sub) -> None:
@@ -413,8 +438,10 @@ def add_learn_parser(sub) -> None:
                        help=f"the workspace folder (default: {DEFAULT_WORKSPACE})")
         return c
 
-    ls = lsub.add_parser("list", help="every phase's tasks, with their difficulty and file")
+    ls = lsub.add_parser("list", help="every phase's tasks, with their difficulty and place in your copy")
     ls.add_argument("phase", type=int, nargs="?", default=None)
+    ls.add_argument("--dir", type=Path, default=DEFAULT_WORKSPACE,
+                    help=f"the workspace folder (default: {DEFAULT_WORKSPACE})")
     command("start", "copy phase N into the workspace with its tasks left to write").add_argument(
         "--force", action="store_true", help="overwrite an existing copy (your work in it is lost)")
     c = command("check", "grade your copy: each task passed, failed (and why) or not yet written")
@@ -430,7 +457,7 @@ def add_learn_parser(sub) -> None:
 
 def run_learn(a: argparse.Namespace) -> int:
     if a.learn_command == "list":
-        list_tasks(a.phase)
+        list_tasks(a.phase, a.dir)
         return 0
     if a.learn_command == "start":
         start(a.phase, a.dir, force=a.force)

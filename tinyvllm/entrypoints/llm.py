@@ -53,6 +53,18 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate completions for one prompt or a list; returns one RequestOutput per prompt,
         in order. `sampling_params` is one SamplingParams for all, or a list with one each."""
+        request_ids = self._add_requests(prompts, sampling_params)
+        wanted = {rid: i for i, rid in enumerate(request_ids)}
+        results: list[RequestOutput | None] = [None] * len(request_ids)
+        for out in self._run(len(request_ids), use_tqdm):
+            if out.finished and out.request_id in wanted:
+                results[wanted[out.request_id]] = out
+        return results  # type: ignore[return-value]
+
+    def _add_requests(self, prompts: PromptType | Sequence[PromptType],
+                      sampling_params: SamplingParams | Sequence[SamplingParams] | None) -> list[str]:
+        """Validate every prompt, then add them all; their request ids, in order. (`generate`'s
+        first half: `tinyvllm generate` runs the second, `_run`, itself, printing as it goes.)"""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -74,12 +86,7 @@ class LLM:
         groups = [engine.make_request(str(next(self._ids)), p, sp) for p, sp in zip(prompts, params_list)]
         for g in groups:
             engine.add_group(g)
-        wanted = {g.request_id: i for i, g in enumerate(groups)}
-        results: list[RequestOutput | None] = [None] * len(groups)
-        for out in self._run(len(groups), use_tqdm):
-            if out.finished and out.request_id in wanted:
-                results[wanted[out.request_id]] = out
-        return results  # type: ignore[return-value]
+        return [g.request_id for g in groups]
 
     def chat(self, messages: Conversation | list[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -97,6 +104,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, num_requests: int, use_tqdm: bool) -> Iterator[RequestOutput]:
+        """Step the engine until it is empty, yielding every output of every step (a request's
+        newest state, its last one finished); if a step fails, every request is aborted first."""
         engine = self.llm_engine
         bar = None
         if use_tqdm and sys.stderr.isatty():

@@ -110,7 +110,7 @@ def run_in_subprocess(module: str, *args: str, interpret: bool = True) -> dict:
     import subprocess
     from pathlib import Path
 
-    repo = Path(__file__).resolve().parents[2]
+    repo = Path(__file__).resolve().parents[3]   # tools/ -> the phase -> phases/ -> the repository
     env = dict(os.environ, PYTHONPATH=str(repo))
     env.pop("TRITON_INTERPRET", None)
     if interpret:
@@ -141,8 +141,11 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     ref = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta)
     chosen = c["splits"] or choose_num_kv_splits(max_q, len(meta.seq_lens), c["kvh"], max(meta.seq_lens),
                                                  c["bs"], num_sms(torch.device(device)))
-    return dict(max_err=(out.float() - ref).abs().max().item(), tol=TOLERANCE[(device, dtype)],
-                num_kv_splits=chosen)
+    err = (out.float() - ref).abs().nan_to_num(float("inf"))
+    starts = meta.query_start_loc
+    seqs = [(meta.seq_lens[b], starts[b + 1] - starts[b], err[starts[b]: starts[b + 1]].max().item())
+            for b in range(len(meta.seq_lens))]   # (keys, queries, largest error): where it went wrong
+    return dict(max_err=err.max().item(), tol=TOLERANCE[(device, dtype)], num_kv_splits=chosen, bs=c["bs"], seqs=seqs)
 
 
 def run_cache_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
@@ -189,7 +192,15 @@ def run_merge_case(name: str, device: str = "cpu") -> dict:
     ref = (torch.softmax(scores.flatten(2), dim=-1)[..., None] * values.flatten(2, 3)).sum(-2)
     out = torch.full((n, h, d), float("nan"), device=device)
     merge_attn_states(out, part_out.to(device), lse.to(device))
-    return dict(max_err=(out.cpu() - ref).abs().max().item(), tol=1e-5)
+    # what common mistakes give: the weighted sum not divided by the sum of the weights, the
+    # weights exp(lse) without the largest subtracted, every segment weighed the same
+    w = torch.exp(lse - lse.amax(-1, keepdim=True))
+    mistakes = {"not divided by the sum of the weights": (w[..., None] * part_out[..., :d]).sum(-2),
+                "weighed by exp(lse) with no max subtracted (it overflows)":
+                    (torch.exp(lse)[..., None] * part_out[..., :d]).sum(-2) / torch.exp(lse).sum(-1)[..., None],
+                "every segment weighed the same": part_out[..., :d].mean(-2)}
+    like = next((why for why, x in mistakes.items() if torch.allclose(out.cpu(), x, atol=1e-5, equal_nan=True)), "")
+    return dict(max_err=(out.cpu() - ref).abs().nan_to_num(float("inf")).max().item(), tol=1e-5, like=like)
 
 
 def engine_tokens(model_dir: str, phase: int, sampled: bool = True, **engine_args) -> dict:

@@ -144,8 +144,8 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
                              dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
                              prefix_len=args.prefix_len, seed=args.seed)
     engine_names = [f"phase{p}" for p in phase_list] + args.vs
-    print(f"tinyvllm bench {workload.name}: {workload.num_requests} request(s), "
-          f"{workload.num_output_tokens} output tokens; engines: {', '.join(engine_names)}", file=sys.stderr)
+    print(f"tinyvllm bench {workload.name}: {workload.describe()}; engines: {', '.join(engine_names)}",
+          file=sys.stderr)
     runners = load_runners(args.model, phase_list, engine_args, args.vs, args.hf_batch_size,
                            gguf=args.gguf, max_len=workload.max_request_len,
                            peer_pythons={"llamacpp": args.llamacpp_python, "vllm": args.vllm_python},

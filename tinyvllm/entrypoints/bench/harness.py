@@ -1,5 +1,6 @@
 """The benchmark's run order: limits, warm-up, interleaved repeats, then the report.
 
+    load    : the load average; above the cores, a warning (one round shows no spread)
     limits  = measure_limits(...)                     # what the machine can do, measured now
     warm-up : every engine once, on a short version of the workload (not recorded)
     round 1 : engine A, engine B, engine C            # the same requests for each
@@ -25,7 +26,7 @@ from typing import TextIO
 
 import phases
 
-from .machine import MachineLimits, load_average, machine_info, measure_limits
+from .machine import MachineLimits, load_average, load_warning, machine_info, measure_limits
 from .report import (ROUNDS_SPREAD_LIMIT, closest_rounds, rounds_spread, rounds_warning, speedups,
                      summarize)
 from .roofline import decode_roofline, kv_bytes_per_token
@@ -188,7 +189,8 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
     engine runs another round, at most `max_extra_rounds` (default `repeat`; 0: none). Each
     engine's numbers are the medians over its `repeat` closest rounds; an engine whose rounds
     still disagree is marked `rounds_agree: false` in the report, and a warning is written to
-    `log` (default: standard error)."""
+    `log` (default: standard error); so is one, before the first round, when the load average
+    exceeds the cores (`load_warning`), whatever `repeat` is."""
     log = sys.stderr if log is None else log
     check_repeat(repeat)
     check_max_extra_rounds(max_extra_rounds)
@@ -202,6 +204,8 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
     check_fits(workload, runners)
     device, dtype = runners[0].engine.device, runners[0].engine.dtype  # where the engines run
     load_before = load_average()
+    if loaded := load_warning(load_before):   # also with one round, whose spread shows nothing
+        log.write(loaded + "\n")             # (`format_table` says it again under the table)
 
     def alone(r) -> None:
         """Stop every other peer (`PeerRunner.pause`) while `r` is timed; a peer resumes to run."""

@@ -2,6 +2,8 @@
 
 - `machine_info`: CPU model, vendor, generation ("Zen 4"), kind and flags (`tinyvllm.hardware`), cores, torch version,
   device, so a number is never without its machine.
+- `load_average`, `load_warning`: how busy the machine was as a run started, and a warning when
+  other work ran beside it.
 - `measure_limits`: the two numbers a roofline needs, measured at the start of each run rather
   than read from a spec sheet: memory bandwidth (time a large copy) and matmul rate (time a
   large matmul in the engines' dtype). A busy machine measures lower, and so do the engines on
@@ -59,6 +61,27 @@ def load_average() -> float | None:
     """The 1-minute load average: other work on the machine slows every engine, and this says
     whether there was any (the benchmark itself adds one or two)."""
     return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+# How far the 1-minute load average may exceed the cores before a timing is not trusted. The
+# benchmark's own threads count in it (the engines have just loaded, one thread per core): quiet
+# 2-core machines read 2.0 to 2.3 in the committed reports (docs/assets/bench/), and one other
+# busy process adds about 1 (a loaded 2-core machine read 3.3).
+LOAD_LIMIT_PER_CORE = 1.25
+
+
+def load_warning(load: float | None, cores: int | None = None, was: bool = False) -> str:
+    """A warning when the load average exceeds the cores (`LOAD_LIMIT_PER_CORE` times them):
+    other work is running, and a timing taken now says more about it than about the engines.
+    '' when the machine is not loaded or the load is unknown. One round cannot show a loaded
+    machine by its spread, and several rounds may all be slowed alike: this says so from the
+    first. `was`: the past tense, for a report read after the run."""
+    cores = cores or os.cpu_count() or 1
+    if load is None or load <= LOAD_LIMIT_PER_CORE * cores:
+        return ""
+    return (f"WARNING: the load average {'was' if was else 'is'} {load:.2f} on {cores} cores: other work "
+            f"{'ran' if was else 'is running'} beside the benchmark, and numbers measured "
+            f"{'then' if was else 'now'} are not reliable; measure again on an idle machine")
 
 
 @dataclass(slots=True)

@@ -25,6 +25,7 @@ import numpy as np
 
 from tinyvllm.hardware import report_kind
 
+from .machine import load_warning
 from .runners import STATS_KEYS, RunResult
 
 if TYPE_CHECKING:  # matplotlib is optional: imported when a plot is drawn
@@ -180,16 +181,27 @@ def report_to_show(live: dict, committed: str, log: TextIO | None = None) -> dic
     agree = [e.get("rounds_agree") for e in live["engines"]]
     if all(a is True for a in agree):
         return live
-    path = COMMITTED_REPORTS / committed
-    if not path.is_file():
-        raise ValueError(f"committed: no report {committed!r} in {COMMITTED_REPORTS} "
-                         "(the notebooks run from a clone of the repository)")
     limit = live.get("rounds", {}).get("spread_limit", ROUNDS_SPREAD_LIMIT)
     if any(a is False for a in agree):
         why = "; ".join(rounds_warning(e, limit) for e in disagreeing(live))
         log.write(f"This machine is busy: {why}. Numbers measured now cannot back the text.\n")
     else:
         log.write("One round per engine cannot show that the machine was quiet.\n")
+    return committed_report(committed, log)
+
+
+def committed_report(committed: str, log: TextIO | None = None) -> dict:
+    """The committed report `docs/assets/bench/<committed>` (the one a lesson's table comes from),
+    saying on `log` (default: standard output) that it is shown, and the machine it was measured on.
+
+    Raises:
+        ValueError: If the report is not there (a clone of the repository has it).
+    """
+    log = sys.stdout if log is None else log
+    path = COMMITTED_REPORTS / committed
+    if not path.is_file():
+        raise ValueError(f"committed: no report {committed!r} in {COMMITTED_REPORTS} "
+                         "(the notebooks run from a clone of the repository)")
     shown = json.loads(path.read_text())
     m = shown["machine"]
     log.write(f"Shown instead: the committed report docs/assets/bench/{committed}, measured on "
@@ -276,6 +288,8 @@ def format_table(report: dict) -> str:
         limit = report.get("rounds", {}).get("spread_limit", ROUNDS_SPREAD_LIMIT)
         lines += ["", "WARNING: the rounds disagree, the machine was loaded; measure again on an idle machine:"]
         lines += [f"  {rounds_warning(e, limit)}" for e in loose]
+    if loaded := load_warning(m.get("load_average_1min_before"), m["cores"], was=True):
+        lines += ["", loaded]
     return "\n".join(lines)
 
 

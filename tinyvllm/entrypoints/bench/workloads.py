@@ -139,6 +139,20 @@ class Workload:
     def num_prompt_tokens(self) -> int:
         return sum(len(r.prompt_token_ids) for r in self.requests)
 
+    def describe(self) -> str:
+        """The workload in words, as a run starts: `one request of 128 prompt tokens and 32 output
+        tokens`, or how many requests, how they are sent, and their prompt and output lengths."""
+        def span(values: list[int]) -> str:
+            return str(values[0]) if min(values) == max(values) else f"{min(values)}-{max(values)}"
+
+        prompts = [len(r.prompt_token_ids) for r in self.requests]
+        outputs = [r.max_tokens for r in self.requests]
+        if len(self.requests) == 1:
+            return f"one request of {prompts[0]} prompt tokens and {outputs[0]} output tokens"
+        how = "one after another" if self.sequential else "at once"
+        return (f"{len(self.requests)} requests {how}, {span(prompts)} prompt tokens and {span(outputs)} output "
+                f"tokens each ({sum(prompts)} and {sum(outputs)} in all)")
+
     @property
     def max_request_len(self) -> int:
         """The most tokens any one request holds at its end: prompt + max_tokens."""
