@@ -243,6 +243,16 @@ MUTANTS = [
            r"must restart from 0 computed tokens .*got 3"),
     Mutant("preempt", "status left RUNNING", "        seq.status = SequenceStatus.PREEMPTED\n", "",
            r"status must be PREEMPTED, got RUNNING"),
+    # -- phase 9 ---------------------------------------------------------------------------------
+    Mutant("core_message", "an abort ignored", "            self.engine.abort_request(message.request_ids)\n", "",
+           r"the request a stop string ended in the front"),
+    Mutant("core_message", "a record only the core sends not refused",
+           """            self.refuse(f"a {type(message).__name__} message, which only the engine core sends")""",
+           "            pass", r"the bad message was not refused by name"),
+    Mutant("front_outputs", "the core not told of a stop string", "                self._send(Abort([delta.request_id]))",
+           "                pass", r"the request a stop string ended in the front"),
+    Mutant("front_outputs", "finished only when the core says so", "        if finished:\n            del self._open",
+           "        if delta.finished:\n            del self._open", r"the request a stop string ended in the front"),
 ]
 
 

@@ -136,7 +136,7 @@ class EngineCoreProc:
         self.state_changed = True
         # >>> exercise core_message (2 stars): The core's side of one decoded message: a request added, requests aborted (forgetting what was sent of them), a utility called, the loop told to stop; a record only the core sends is refused by its name.
         # hint: self.add(message), self.engine.abort_request(ids) and self.sent, self.call(message), self.stopping, self.refuse(reason).
-        # checked by: test_phase9_gives_phase8_s_outputs, test_a_reused_id_and_an_unknown_abort, test_a_message_that_does_not_decode_is_refused_and_the_requests_go_on
+        # checked by: test_phase9_gives_phase8_s_outputs, test_a_reused_id_and_an_unknown_abort, test_a_message_that_does_not_decode_is_refused_and_the_requests_go_on, test_a_stop_string_ends_the_request_in_the_front_and_the_core
         if isinstance(message, AddRequest):
             self.add(message)
         elif isinstance(message, Abort):

@@ -57,6 +57,7 @@ from pathlib import Path
 
 import zmq
 
+import phases
 from phases.p01_naive_attention import EngineSetup
 from tinyvllm.config import EngineConfig
 from tinyvllm.download import resolve_model
@@ -75,7 +76,7 @@ from .serial import (Abort, AddRequest, BadMessage, Failed, Outputs, Ready, Refu
 logger = logging.getLogger("tinyvllm.engine_core_client")
 POLL_MS = 50                 # a wait for the core looks at its process this often
 SHUTDOWN_TIMEOUT_S = 5.0     # a core that does not stop within this is killed
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(phases.__file__).resolve().parents[1]   # the registry's, also where a learner's copy of this runs
 
 
 @dataclass(slots=True)
@@ -425,7 +426,7 @@ class EngineCoreClient:
         """Add a request's delta to what the front holds of it; queue its RequestOutput."""
         # >>> exercise front_outputs (2 stars): The front's output processing: a request's delta (each sequence's new token ids, logprobs, how the core ended it) taken by its sequences, and its RequestOutput queued as the engine in one process would return it; a request a stop string ended here is aborted in the core.
         # hint: a delta of a request no longer open is dropped; FrontSequence.take and to_output; the request is finished when all its sequences are; the core does not know of a stop string: self._send(Abort([...])).
-        # checked by: test_phase9_gives_phase8_s_outputs, test_preemption_and_prefix_caching_give_phase8_s_tokens, test_ngram_drafts_and_structured_outputs_through_the_split
+        # checked by: test_phase9_gives_phase8_s_outputs, test_preemption_and_prefix_caching_give_phase8_s_tokens, test_ngram_drafts_and_structured_outputs_through_the_split, test_a_stop_string_ends_the_request_in_the_front_and_the_core
         state = self._open.get(delta.request_id)
         if state is None:   # aborted here (or ended by a stop string) after the core had run it
             return

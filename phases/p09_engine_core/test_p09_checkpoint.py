@@ -61,9 +61,25 @@ def _wait_gone(pid: int, seconds: float) -> bool:
 
 
 def _summary(outs):
-    return [(o.request_id, [(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob,
-                             c.logprobs) for c in o.outputs], o.num_cached_tokens, o.prompt_logprobs)
-            for o in outs]
+    """What must be equal exactly: tokens, text, how each ended, the logprobs' tokens and ranks."""
+    def ranks(rows):
+        return None if rows is None else [None if r is None else sorted((t, lp.rank, lp.decoded_token)
+                                                                         for t, lp in r.items()) for r in rows]
+    return [(o.request_id, [(c.token_ids, c.text, c.finish_reason, c.stop_reason, ranks(c.logprobs))
+                            for c in o.outputs], o.num_cached_tokens, ranks(o.prompt_logprobs)) for o in outs]
+
+
+def _logprob_values(outs) -> list[float]:
+    """Every logprob, in order: equal to float32's precision. With the split a sequence a stop
+    string ended runs a step longer in the core (until the front's abort lands), so that step's
+    batch is a row larger; a product's last bits may depend on the rows beside it."""
+    values = []
+    for o in outs:
+        for c in o.outputs:
+            values += [] if c.cumulative_logprob is None else [c.cumulative_logprob]
+            values += [lp.logprob for row in c.logprobs or [] for _, lp in sorted(row.items())]
+        values += [lp.logprob for row in o.prompt_logprobs or [] if row for _, lp in sorted(row.items())]
+    return values
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +117,7 @@ def test_phase9_gives_phase8_s_outputs(split, tiny_model_dir, llm9, monkeypatch)
         assert type(llm.llm_engine).__name__ == "Engine" and llm.llm_engine.phase == 9
     got = llm.generate(PROMPTS, MIXED)
     assert _summary(got) == _summary(want)
+    assert _logprob_values(got) == pytest.approx(_logprob_values(want), rel=1e-5, abs=1e-5)
     assert got[2].outputs[0].stop_reason in ("a", "e")   # a stop string ended one (in the front, with the split)
     assert not llm.llm_engine.has_unfinished_requests()
 
@@ -108,12 +125,19 @@ def test_phase9_gives_phase8_s_outputs(split, tiny_model_dir, llm9, monkeypatch)
 def test_a_stop_string_ends_the_request_in_the_front_and_the_core(llm9):
     """The front finds the stop string (the core sends token ids only) and aborts the request in
     the core, which would otherwise run on to max_tokens."""
+    client = llm9.llm_engine
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=200, ignore_eos=True, stop=["a", "e"])
+    client.reset_stats()
     out = llm9.generate(PROMPTS[1], params)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason in ("a", "e") and len(out.token_ids) < 200
     assert not out.text.endswith(("a", "e"))   # not included: the text is cut where the stop string began
-    state = llm9.llm_engine.snapshot()         # asked after the abort was sent: the core has it
-    assert state["num_running"] == state["num_waiting"] == 0, state
+    state = client.snapshot()                  # asked after the abort was sent: the core has it
+    assert state["num_running"] == state["num_waiting"] == 0, (
+        f"the core still runs the request a stop string ended in the front ({state['num_running']} running, "
+        f"{state['num_waiting']} waiting): no abort reached it, or it did not act on it")
+    peak = client.get_stats()["peak_kv_tokens_used"]   # its prompt and ~10 tokens, a step or two more at most
+    assert peak < 100, (f"the core ran the request a stop string ended in the front on to {peak} tokens: "
+                        f"no abort reached it in time")
 
 
 def test_preemption_and_prefix_caching_give_phase8_s_tokens(tiny_model_dir):
@@ -227,9 +251,10 @@ def test_a_message_that_does_not_decode_is_refused_and_the_requests_go_on(bad, l
     finished = {o.request_id: o.outputs[0].token_ids for o in outs if o.finished}
     assert [finished["r0"], finished["r1"]] == want
     if b"__del__" in bad:   # it decodes, and is answered (to no call waiting) with the refusal
-        assert "no such call '__del__'" in caplog.text, caplog.text
+        assert "no such call '__del__'" in caplog.text, f"the call was not refused by name; the log: {caplog.text!r}"
     else:
-        assert "the engine core refused a message" in caplog.text, caplog.text
+        assert "the engine core refused a message" in caplog.text, (
+            f"the bad message was not refused by name; the front's log: {caplog.text!r}")
 
 
 def test_records_round_trip_and_anything_else_is_refused(monkeypatch):
