@@ -142,7 +142,8 @@ class _StepFails(Exception):
 
 
 @pytest.mark.parametrize("phase", phase_params())
-def test_a_failed_forward_aborts_the_call_and_the_next_gets_the_same_tokens(phase, tiny_model_dir, monkeypatch):
+def test_a_failed_forward_aborts_the_call_and_the_next_gets_the_same_tokens(phase, tiny_model_dir, monkeypatch,
+                                                                            engine_in_this_process):
     """An error inside a step (here the model's forward, once) reaches the caller; every request
     of the call is aborted and its blocks freed, and the next call gets the same tokens as
     before."""
