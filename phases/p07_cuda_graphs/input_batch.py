@@ -134,10 +134,12 @@ class InputBatch:
                                  f"into a freed row must have its new row in row_of)")
         if n != len(seqs) or len(self.row_of) != n:
             raise ValueError(f"InputBatch: {len(seqs)} requests this step, but {n} rows and {len(self.row_of)} in row_of")
-        # each tensor read once, as Python values (one operator each, not one a row)
+        # each tensor read once, as Python values (a few operators in all, not a few a row)
         tokens, computed, blocks = (t[:n].tolist() for t in (self.num_tokens, self.num_computed, self.num_blocks))
         tables = self.block_table[:n, :max(blocks, default=0)].tolist()
-        feed = self.token_ids[torch.arange(n), self.num_computed[:n].clamp(0, self.token_ids.shape[1] - 1)].tolist()
+        width = self.token_ids.shape[1]
+        at = [r * width + min(max(c, 0), width - 1) for r, c in enumerate(computed)]   # each row's next token
+        feed = self.token_ids.take(torch.tensor(at, dtype=torch.int64)).tolist()
         for r, seq in enumerate(self.seqs[:n]):
             ids = seq.block_table.block_ids if seq.block_table is not None else []
             have = (tokens[r], computed[r], tables[r][:blocks[r]], feed[r] if computed[r] < tokens[r] else None)

@@ -115,6 +115,7 @@ class TensorParallelExecutor:
             self.workers = list(self.rendezvous.local.values())
             self.rendezvous.wait_ready()
             group.who_is_gone = self.rendezvous.who_is_gone
+            group.exited_here = self.rendezvous.exited_here
             group.connect(store, token, run_id, address, device)
         except BaseException:
             stop_group(self.workers, None, self.rendezvous_dir)

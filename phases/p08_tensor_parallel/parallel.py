@@ -288,6 +288,9 @@ class TensorParallelGroup:
     lockstep: bool = False
     # on the driver: says which ranks or hosts are gone, when a collective fails (the executor's)
     who_is_gone: Callable[[], str] | None = field(default=None, repr=False)
+    # on the driver: this host's workers that have exited, in words ('' while all run): asked
+    # before each broadcast, whose sends gloo may leave waiting on a rank that is gone
+    exited_here: Callable[[], str] | None = field(default=None, repr=False)
 
     @property
     def is_driver(self) -> bool:
@@ -397,6 +400,11 @@ class TensorParallelGroup:
         return torch.cat(parts, dim=1)
 
     def _broadcast(self, data: torch.Tensor, what: str) -> None:
+        if self.is_driver and self.exited_here is not None and (gone := self.exited_here()):
+            # a root's send to a rank that died between two steps may wait for it forever (gloo
+            # fails a receive whose peer closed, not always a send): refused here, named
+            raise RuntimeError(f"tensor parallel: {what} failed on rank 0: another rank of this engine is "
+                               f"gone ({gone}). The engine cannot run another step; start every host again")
         options = self._long(dist.BroadcastOptions())
         options.rootRank = 0
         self._wait(self.pg.broadcast([data], options), what)

@@ -216,12 +216,16 @@ class Rendezvous:
             parts.append(f"{self.describe_host(host)} is gone: {why}")
         return "; ".join(parts)
 
+    def exited_here(self) -> str:
+        """This host's workers that have exited, in words ('' while every one runs): a poll each."""
+        return "; ".join(f"rank {r} of this host exited with code {p.returncode}" for r, p in self.local.items()
+                         if p.poll() is not None)
+
     def who_is_gone(self) -> str:
         """Which ranks and hosts are gone, once a collective has failed: this host's workers that
         have exited, and the other hosts whose heartbeat does not move within HOST_GONE_AFTER_S
         (or that say a rank of theirs exited)."""
-        parts = [f"rank {r} of this host exited with code {p.returncode}" for r, p in self.local.items()
-                 if p.poll() is not None]
+        parts = [gone] if (gone := self.exited_here()) else []
         self.read_beats()
         last = {h: self.beats.get(h, (0, 0.0))[0] for h in range(1, self.nnodes)}
 
