@@ -58,7 +58,7 @@ GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode
                   "oneDNN", "fbgemm", "Warp", "Structured outputs", "Persistent batch",
                   "Operator dispatch", "Inductor", "GGUF", "Rejection sampling",
                   "Acceptance rate", "Perplexity", "Tensor parallelism", "All-reduce",
-                  "Custom operator", "Guard")
+                  "Custom operator", "Guard", "Engine core", "GIL")
 SOLUTION_TAG = "solution"
 
 
