@@ -9,12 +9,17 @@ import pytest
 from test_docs import browser  # noqa: F401 -- the fixture: a headless Chromium, or a skip with its reason
 from test_server import API_KEY, start_server
 
+from tinyvllm.testing import make_tiny_llama
+
 pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
-def page_server(tiny_model_dir):
-    proc, url = start_server(tiny_model_dir, "--max-num-seqs", "4", "--api-key", API_KEY)
+def page_server(tmp_path_factory):
+    # a tiny model a little wider than the suite's: its steps last long enough that the page's
+    # polls (which the browser queues behind the burst's streams) see the burst running
+    model = make_tiny_llama(tmp_path_factory.mktemp("page-model"), hidden_size=256, num_layers=4)
+    proc, url = start_server(model, "--max-num-seqs", "4", "--api-key", API_KEY)
     yield url
     proc.terminate()
     proc.wait(30)

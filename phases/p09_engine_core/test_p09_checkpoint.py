@@ -452,7 +452,9 @@ def test_tinyvllm_serve_exits_non_zero_when_its_core_dies(tiny_model_dir):
 
 
 FRONT = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # Ctrl-C as at a terminal: a job a shell started in the background begins with SIGINT ignored
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from tinyvllm import LLM
     llm = LLM(sys.argv[1], phase=9, num_kv_blocks=64)
     print(llm.llm_engine.core_pid, llm.llm_engine._core.ipc_dir, flush=True)

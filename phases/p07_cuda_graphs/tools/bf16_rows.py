@@ -31,7 +31,7 @@ from .report import write_report
 def build(model_dir: str | None, rows: int) -> LLM:
     """An eager engine whose float32 products run in bfloat16 from `rows` rows (0: never)."""
     with platform.using(platform.current().with_rules(bf16_products_from_rows=rows)):
-        return LLM(model_dir, compilation_mode=0, enable_prefix_caching=False, device="cpu")
+        return LLM(model_dir, phase=7, compilation_mode=0, enable_prefix_caching=False, device="cpu")
 
 
 def main(argv=None) -> dict:

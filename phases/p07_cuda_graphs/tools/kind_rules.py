@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     engines = {}
     for name, rules in sets.items():
         with platform.using(platform.current().with_rules(**rules_of(rules))):
-            engines[name] = LLM(args.model, compilation_mode=0, device="cpu")
+            engines[name] = LLM(args.model, phase=7, compilation_mode=0, device="cpu")
     rows = [row for batch in args.batch for row in measure(engines, sets, batch, args.rounds)]
     return write_report("kind_rules", argv, {"rows": rows}, args.json)
 

@@ -37,7 +37,7 @@ def child(way: str, tokens: int, model: str | None, quantization: str | None) ->
     if way == "at once":
         compiled.COMPILE_AFTER_STEPS = 1
     kw = {"compilation_mode": 0} if way == "eager" else {}
-    llm = LLM(model, quantization=quantization, **kw)
+    llm = LLM(model, phase=7, quantization=quantization, **kw)
     prompt = [i % llm.llm_engine.model_config.vocab_size for i in range(1000, 1128)]
     runner, ready = llm.llm_engine.runner.decode_runner, []
     start = time.perf_counter()
@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     from phases.p07_cuda_graphs import compiled
     from tinyvllm import LLM
 
-    llm = LLM(args.model, quantization=args.quantization)
+    llm = LLM(args.model, phase=7, quantization=args.quantization)
     if not llm.llm_engine.runner.decode_runner.wait_until_compiled():
         raise SystemExit("the background compile failed: nothing to read")
     del llm
