@@ -66,7 +66,8 @@ RULES: dict[str, Rule] = {
                                     "accuracy-auto-xeon-amx.json); nothing to gain without bfloat16 arithmetic"),
     "amx_product_max_rows": Rule(0, 0, 128, 0, "those bfloat16 products up to this many rows on cpu_amx.c's "
                                  "tiles, which read the weights faster than oneDNN at a decode step's rows "
-                                 "(linear-amx-xeon-amx.txt)"),
+                                 "(linear-amx-xeon-amx.txt); a bfloat16 model's too (dtype=\"bfloat16\": "
+                                 "bf16-latency-vllm-xeon-amx.json, lab note 7)"),
     # -- norms, RoPE, the MLP: phase 4's layers, phase 7's decode step ----------------------------
     "c_rope": Rule(False, False, True, False, "RoPE on float32 rows in one call of cpu_norm.c (lab note 7: a "
                    "2,000-token prompt's first token 0.849 -> 0.820 s)"),

@@ -49,10 +49,10 @@ def amx_lib():
 
 
 def amx_fits(weight: torch.Tensor) -> bool:
-    """`amx_matmul` takes this weight: float32 (O, I) in a CPU's memory, O a multiple of 16 and I
-    of 32 (whole tiles), the library here."""
+    """`amx_matmul` takes this weight: float32 or bfloat16 (O, I) in a CPU's memory, O a multiple
+    of 16 and I of 32 (whole tiles), the library here."""
     return (weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
-            and weight.dtype == torch.float32 and weight.is_cpu and amx_lib() is not None)
+            and weight.dtype in (torch.float32, torch.bfloat16) and weight.is_cpu and amx_lib() is not None)
 
 
 def kept(w: torch.Tensor, name: str, make) -> torch.Tensor:
@@ -66,17 +66,20 @@ def kept(w: torch.Tensor, name: str, make) -> torch.Tensor:
 
 
 def amx_packed(w: torch.Tensor) -> torch.Tensor:
-    """`w` (O, I) float32 as cpu_amx.c's bfloat16 tiles, kept on the tensor (`kept`): rounded by
-    PyTorch, then each 16 outputs' tiles of 32 inputs, a tile 16 pairs of inputs by 16 outputs."""
+    """`w` (O, I) float32 (or bfloat16) as cpu_amx.c's bfloat16 tiles, kept on the tensor (`kept`):
+    rounded by PyTorch, then each 16 outputs' tiles of 32 inputs, a tile 16 pairs of inputs by 16
+    outputs."""
     o, i = w.shape
     return kept(w, "_amx_packed", lambda: w.detach().bfloat16().view(o // 16, 16, i // 32, 16, 2)
                 .permute(0, 2, 3, 1, 4).contiguous())
 
 
 def amx_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (M, I) @ weight (O, I)^T + bias in cpu_amx.c: x rounded to bfloat16, the weight's AMX
-    copy, the sums and the output float32 (where `amx_fits(weight)`)."""
+    """x (M, I) @ weight (O, I)^T + bias in cpu_amx.c: x (float32) rounded to bfloat16, the
+    weight's AMX copy (of a float32 or a bfloat16 weight), the sums and the output float32 (where
+    `amx_fits(weight)`)."""
     x, (o, i) = x.contiguous(), weight.shape
+    bias = bias if bias is None or bias.dtype == torch.float32 else bias.float()
     y, xb = torch.empty(x.shape[0], o), torch.empty(64 * i, dtype=torch.int16)
     AMX.lib.amx_linear(x.data_ptr(), amx_packed(weight).data_ptr(), None if bias is None else bias.data_ptr(),
                        y.data_ptr(), xb.data_ptr(), x.shape[0], o, i)

@@ -152,6 +152,9 @@ class CpuLinear(Linear):
         if (x.device.type != "cpu" or n == 0 or x.dtype != torch.float32
                 or (self.weight.requires_grad and torch.is_grad_enabled())):
             if x.dtype == torch.bfloat16 and x.is_cpu and n and not torch.is_grad_enabled():
+                if (self.weight.dtype == torch.bfloat16 and not torch.compiler.is_compiling()
+                        and n <= self.amx_max_rows()):   # a bfloat16 model's few rows: AMX tiles
+                    return amx_matmul(x.float(), self.weight, self.bias).bfloat16()
                 if self.bf16_onednn and self.weight.dtype == torch.bfloat16:
                     return self.onednn_product(x)
                 if 0 < self.upcast_rows <= n and not torch.compiler.is_compiling():
@@ -200,10 +203,11 @@ class CpuLinear(Linear):
 
     def has_own_product(self) -> bool:
         """Whether `forward` runs a product of its own on this weight (cpu_gemv.c in float32,
-        `upcast_linear` in bfloat16) that a compiler tracing it would not see: phase 7's compiled
-        step calls such a layer as it is."""
+        `upcast_linear` or cpu_amx.c's tiles in bfloat16) that a compiler tracing it would not
+        see: phase 7's compiled step calls such a layer as it is."""
         w = self.weight
-        return bool(self.gemv_max_rows()) or (w.dtype == torch.bfloat16 and w.is_cpu and self.upcast_rows > 0)
+        return bool(self.gemv_max_rows()) or (w.dtype == torch.bfloat16 and w.is_cpu
+                                              and (self.upcast_rows > 0 or self.amx_max_rows() > 0))
 
     def packed_weight(self) -> torch.Tensor:
         """The weight in oneDNN's layout, packed again if the weight was replaced or changed."""

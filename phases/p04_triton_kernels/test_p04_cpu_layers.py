@@ -263,6 +263,28 @@ def test_the_amx_product_sums_bfloat16_operands_in_float32(rows):
                                rtol=1e-5, atol=1e-4)
 
 
+def test_a_bfloat16_model_s_few_rows_take_the_amx_tiles(monkeypatch):
+    """A bfloat16 CpuLinear (a model loaded with dtype="bfloat16") multiplies up to
+    `amx_product_max_rows` rows on cpu_amx.c where the kind has AMX tiles: x's bfloat16 numbers and
+    the weight's, summed in float32, the bias added, rounded once to bfloat16; more rows, or a kind
+    without the tiles, keep the product they had (oneDNN's or PyTorch's)."""
+    torch.manual_seed(0)
+    layer = CpuLinear(320, 96, bias=True).to(torch.bfloat16).requires_grad_(False)
+    calls = []
+    amx = cpu_layers.amx_matmul
+    monkeypatch.setattr(cpu_layers, "amx_matmul", lambda x, w, b: calls.append(len(x)) or amx(x, w, b))
+    most, tiles = layer.amx_max_rows(), platform.current().has({"amx_tile", "amx_bf16"}) and amx_lib() is not None
+    assert most == (platform.current().rule("amx_product_max_rows") if tiles else 0)
+    with torch.inference_mode():
+        for rows in sorted({1, 5, max(most, 1), most + 1}):
+            x = torch.randn(rows, 320, dtype=torch.bfloat16)
+            exact = x.double() @ layer.weight.double().T + layer.bias.double()
+            y = layer(x)
+            assert y.dtype == torch.bfloat16 and y.shape == (rows, 96)
+            torch.testing.assert_close(y.double(), exact, rtol=2 ** -7, atol=2e-2)
+    assert calls == [r for r in sorted({1, 5, max(most, 1), most + 1}) if r <= most]
+
+
 def test_bfloat16_products_take_the_amx_kernel_up_to_its_rows(monkeypatch):
     """A float32 product of `bf16_rows` rows or more runs on cpu_amx.c up to `amx_rows` rows
     (where the weight is its), on oneDNN's bfloat16 product past them, in float32 below
