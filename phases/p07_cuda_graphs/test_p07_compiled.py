@@ -302,8 +302,8 @@ def test_one_row_without_a_graph_of_one_runs_eagerly(tiny_model_dir, platform_ru
 def test_layers_are_opaque_where_a_product_of_their_own_serves_them(make_llm, tiny_model_dir, batch_invariant, dtype):
     """`make_opaque` wraps each float32 `CpuLinear` that runs tinyvllm's own product (cpu_gemv.c:
     where the platform's `gemv_max_rows` says), as cpu_ops.cpp calls it, and each bfloat16 one where
-    `upcast_linear` serves its many rows (`bf16_upcast_from_rows`: cpu_ops.cpp calls it from
-    Python, its row all zeros), and never a subclass with a product of its own (phase 3's
+    `upcast_linear` serves its many rows (`bf16_upcast_from_rows`) or cpu_amx.c its few
+    (`amx_product_max_rows`; cpu_ops.cpp calls either from Python, its row all zeros), and never a subclass with a product of its own (phase 3's
     `BatchInvariantLinear` keeps its bits)."""
     import copy
 
@@ -318,7 +318,8 @@ def test_layers_are_opaque_where_a_product_of_their_own_serves_them(make_llm, ti
     rules = platform.current()
     plain = [m for m in model.modules() if type(m) is CpuLinear]
     served = not batch_invariant and (GEMV.available() and rules.rule("gemv_max_rows") > 0 if dtype == "float32"
-                                      else rules.rule("bf16_upcast_from_rows") > 0)
+                                      else rules.rule("bf16_upcast_from_rows") > 0
+                                      or all(m.amx_max_rows() > 0 for m in plain))
     assert bool(plain) != batch_invariant
     assert compiled.make_opaque(model) == (len(plain) if served else 0)
     rows = model.native_layers
