@@ -34,6 +34,21 @@ from tinyvllm.weights import model_facts, weight_bytes
 from .parts import EngineSetup, Parts
 
 
+def checked_args(request_id: str, params: SamplingParams | None, running) -> SamplingParams:
+    """A request's id and sampling params checked where no part is needed (the default params when
+    none are given): a TypeError or ValueError naming the argument, an id still in `running`
+    refused."""
+    if params is None:
+        params = SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    if not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+    if request_id in running:
+        raise ValueError(f"request_id {request_id!r} is already running")
+    return params
+
+
 class Engine:
     """Runs requests through the parts a recipe built (`phases.make_engine(N)` builds phase N's).
 
@@ -67,14 +82,7 @@ class Engine:
     def make_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                      arrival_time: float | None = None) -> SequenceGroup:
         """Validate a request and build its state, without adding it (raises on bad input)."""
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self.groups:
-            raise ValueError(f"request_id {request_id!r} is already running")
+        params = checked_args(request_id, params, self.groups)
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         grammar = self.check_request(len(ids), params)
         group = SequenceGroup(request_id, text, ids, params, self.tokenizer if self.setup.detokenize else None,

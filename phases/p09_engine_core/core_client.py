@@ -59,6 +59,7 @@ import zmq
 
 import phases
 from phases.p01_naive_attention import EngineSetup
+from phases.p01_naive_attention.engine import checked_args
 from tinyvllm.config import EngineConfig
 from tinyvllm.download import resolve_model
 from tinyvllm.errors import EngineDeadError, StepError
@@ -226,14 +227,7 @@ class EngineCoreClient:
                      arrival_time: float | None = None) -> FrontRequest:
         """Check a request (here, and in the core what needs its parts); raises on bad input."""
         self.check_health()
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
-        if request_id in self._open:
-            raise ValueError(f"request_id {request_id!r} is already running")
+        params = checked_args(request_id, params, self._open)
         text, ids = parse_prompt(prompt, self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         params.check_vocab(self.model_config.vocab_size)   # here too: top_k=2**70 must not reach msgpack
         self._call("check_request", len(ids), serial.params_to_wire(params))
