@@ -207,6 +207,9 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    # phase 10: a KV connector (vLLM's KVTransferConfig as a dict): {"kv_connector": name,
+    # "kv_role": ..., "kv_connector_extra_config": {...}}; None: no connector
+    kv_transfer_config: dict | None = None
     # front door
     disable_log_stats: bool = True
 
@@ -251,6 +254,8 @@ class EngineConfig:
                              f"got {self.compilation_mode!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise TypeError(f"speculative_config must be a dict or None, got {self.speculative_config!r}")
+        if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
+            raise TypeError(f"kv_transfer_config must be a dict or None, got {self.kv_transfer_config!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None:
             if not isinstance(sizes, (list, tuple)) or not sizes:
