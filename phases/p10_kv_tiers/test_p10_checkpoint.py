@@ -106,7 +106,7 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_back_bit_identical(tiny_model_
     run(llm, [[p] for p in others])
     assert _pool_blocks(engine, a) == [], "the other prompts should have evicted the prefix from the pool"
     before = engine.get_stats()
-    assert run(llm, [[a]]) == first
+    again = run(llm, [[a]])
     after = engine.get_stats()
     loaded = _pool_blocks(engine, a)
     assert len(loaded) == 10, f"the prefix should be back in the pool (10 blocks), found {len(loaded)}"
@@ -116,6 +116,7 @@ def test_a_prefix_evicted_from_the_pool_is_loaded_back_bit_identical(tiny_model_
             assert torch.equal(back[layer, :, i], saved[layer, :, i]), (
                 f"layer {layer}'s K/V of block {i} loaded back differ from the block saved "
                 f"(max difference {(back[layer, :, i] - saved[layer, :, i]).abs().max().item():.3g})")
+    assert again == first, f"the prompt gave {again} with its prefix loaded back, {first} when it was computed"
     assert after["kv_offload_loaded_blocks"] - before["kv_offload_loaded_blocks"] == 10
     assert after["prefix_cache_hits"] - before["prefix_cache_hits"] == 40, "the loaded prefix counts as a hit"
 
