@@ -29,6 +29,8 @@ class ConnectorScheduler:
         self.inner, self.connector, self.worker = inner, connector, worker
 
     def __getattr__(self, name):   # the rest (allocator, max_num_seqs, ...) is the inner scheduler's
+        if name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     running = property(lambda self: self.inner.running)
@@ -76,6 +78,8 @@ class ConnectorModelRunner:
         self.inner, self.worker = inner, worker
 
     def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def execute(self, plan: SchedulerOutput):
@@ -92,6 +96,8 @@ class LayerwiseAttention:
         self.backend, self.worker = backend, worker
 
     def __getattr__(self, name):
+        if name == "backend":
+            raise AttributeError(name)
         return getattr(self.backend, name)
 
     def __call__(self, layer_idx: int, q, k, v):
