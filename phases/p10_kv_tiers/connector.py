@@ -104,7 +104,7 @@ class OffloadingConnectorScheduler:
         n = num_external_tokens // self.block_size
         digests = self.block_digests(seq, len(block_ids))
         for i in range(len(block_ids) - n, len(block_ids)):
-            slot = self.store.index[digests[i]]
+            slot = self.store.slot_of(digests[i])
             self.store.pin(slot)
             self.store.touch(digests[i])
             self.loads.append((block_ids[i], slot, self.allocator.block_key[block_ids[i]]))
@@ -114,7 +114,7 @@ class OffloadingConnectorScheduler:
         holds past the pool's become keyed pool blocks (a prefix-cache hit for the scheduler),
         loaded this step; as many as leave the pool room for the rest of its tokens."""
         a, bs = self.allocator, self.block_size
-        if not self.store.open():
+        if self.store.role == "kv_producer" or not self.store.open():
             return
         cached = a.match_prefix(seq.token_ids)
         num_external = self.get_num_new_matched_tokens(seq, len(cached) * bs)
@@ -143,7 +143,7 @@ class OffloadingConnectorScheduler:
         meta = KVConnectorMetadata(loads=[(b, s) for b, s, key in self.loads if a.block_key[b] == key])
         for seq, n in plan.scheduled:
             first, end = seq.num_computed_tokens // bs, min(seq.num_computed_tokens + n, seq.num_tokens) // bs
-            if end <= first or not self.store.open():
+            if end <= first or self.store.role == "kv_consumer" or not self.store.open():
                 continue
             for i, digest in enumerate(self.block_digests(seq, end)[first:], start=first):
                 if digest in self.store.index:

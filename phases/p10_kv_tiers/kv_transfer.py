@@ -10,6 +10,10 @@ vLLM's KVTransferConfig (vllm/config/kv_transfer.py) as a dict, with its names:
                                                 temporary file, gone with the engine)
          "dir": "/tmp"}}                        where the temporary file goes
 
+kv_role "kv_producer" / "kv_consumer": prefill in one engine, decode in another. The producer
+saves every block it computes into `path`, the consumer loads the prompt's blocks from there (on
+one host, a file in /dev/shm is shared memory); both give the same `path` and `cpu_bytes_to_use`.
+
 Anything else is refused, naming the key.
 """
 
@@ -47,9 +51,6 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config['kv_connector'] must be one of {CONNECTORS}, got {connector!r}")
         if role not in KV_ROLES:
             raise ValueError(f"kv_transfer_config['kv_role'] must be one of {KV_ROLES}, got {role!r}")
-        if role != "kv_both":
-            raise ValueError(f"kv_transfer_config['kv_role']={role!r}: prefill and decode in two engines is not "
-                             f"built yet; the OffloadingConnector saves and loads in one engine: 'kv_both'")
         extra = d.get("kv_connector_extra_config") or {}
         if not isinstance(extra, dict):
             raise TypeError(f"kv_transfer_config['kv_connector_extra_config'] must be a dict, got {extra!r}")
@@ -65,6 +66,9 @@ class KVTransferConfig:
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise TypeError(f"kv_transfer_config['kv_connector_extra_config'][{key!r}] must be a str, "
                                 f"got {extra[key]!r}")
+        if role != "kv_both" and extra.get("path") is None:
+            raise ValueError(f"kv_transfer_config['kv_connector_extra_config']['path'] is needed with kv_role={role!r}: "
+                             f"the file the producer writes and the consumer reads (on one host, in /dev/shm)")
         return cls(connector, role, size, extra.get("path"), extra.get("dir"))
 
 

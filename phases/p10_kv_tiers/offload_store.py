@@ -66,10 +66,13 @@ class OffloadStore:
         dtype: the pool's dtype.
         identity: what must match for a block to be reused (model fingerprint, block size, ...).
         path: the file, kept between runs; None: a temporary file in `directory`, gone at exit.
+        role: "kv_both" (this engine's own tier, an LRU), or "kv_producer" / "kv_consumer": one
+            engine writes the file, another reads it, each block in the slot its digest names
+            (direct-mapped: the reader needs no index, a new block replaces whatever was there).
     """
 
     def __init__(self, capacity_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype, identity: dict,
-                 path: str | None = None, directory: str | None = None):
+                 path: str | None = None, directory: str | None = None, role: str = "kv_both"):
         self.block_shape, self.dtype = tuple(block_shape), dtype
         self.block_bytes = math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
         self.slot_bytes = SLOT_HEADER + _round_up(self.block_bytes, 64)
@@ -80,7 +83,8 @@ class OffloadStore:
         self.capacity_bytes = capacity_bytes
         self.identity = {**identity, "block_shape": list(self.block_shape), "dtype": str(dtype),
                          "num_slots": self.num_slots, "slot_bytes": self.slot_bytes}
-        self.path, self.directory = path, directory
+        self.path, self.directory, self.role = path, directory, role
+        self.owner: dict[int, bytes] = {}   # a producer's slot -> the digest it holds
         self.index: OrderedDict[bytes, int] = OrderedDict()   # digest -> slot, least recently used first
         self.free_slots = list(reversed(range(self.num_slots)))
         self.pinned: set[int] = set()     # slots a step loads from: not evicted until it has run
@@ -96,6 +100,9 @@ class OffloadStore:
             self._open()
             self.usable = True
         except OSError as e:
+            if self.role == "kv_consumer":
+                raise ValueError(f"kv_consumer: cannot open the producer's tier file {self.path} ({e}); start the "
+                                 f"kv_producer first, with the same path and cpu_bytes_to_use") from e
             logger.warning("the KV offload tier is off (every request is recomputed): %s", e)
             self.usable = False
         return self.usable
@@ -105,51 +112,59 @@ class OffloadStore:
         if self.path is None:
             fd, name = tempfile.mkstemp(prefix="tinyvllm-kv-tier-", dir=self.directory)
             os.unlink(name)   # private to this engine, gone when it closes
+        elif self.role == "kv_consumer":   # the producer's file, read only where it writes
+            fd = os.open(self.path, os.O_RDWR)
+            problem = self._mismatch(fd, size)
+            if problem:
+                os.close(fd)
+                raise ValueError(f"kv_consumer: {problem}; start both with the same model, block_size and "
+                                 f"cpu_bytes_to_use")
         else:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # one engine per file
+            if self.role != "kv_consumer":
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # one engine writes a file
         except OSError as e:
             os.close(fd)
-            raise OSError(f"{self.path}: another engine uses this tier file") from e
-        reuse = self.path is not None and self._header_matches(fd, size)
+            raise OSError(f"{self.path}: another engine writes this tier file") from e
+        reuse = self.path is not None and (self.role == "kv_consumer" or self._header_matches(fd, size))
         if not reuse:
             os.ftruncate(fd, 0)
             os.posix_fallocate(fd, 0, size)   # the disk space now: a full disk fails here, not in a write
         self.fd = fd
         self.mm = mmap.mmap(fd, size)
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8)
-        if reuse:
+        if reuse and self.role != "kv_consumer":
             self._read_index()
-        else:
+        elif not reuse:
             header = MAGIC + struct.pack("<I", VERSION) + json.dumps(self.identity, sort_keys=True).encode()
             self.mm[:len(header)] = header
 
     def _header_matches(self, fd: int, size: int) -> bool:
         """Whether the file at `self.path` is a tier of this engine's identity and whole; a warning
         naming the difference where it is not (then it is started empty)."""
+        problem = self._mismatch(fd, size) if os.fstat(fd).st_size else "empty"
+        if problem and problem != "empty":
+            logger.warning("%s; refused, started empty", problem)
+        return problem is None
+
+    def _mismatch(self, fd: int, size: int) -> str | None:
+        """What keeps the file at `self.path` from being this engine's tier (None: nothing)."""
         have = os.fstat(fd).st_size
-        if have == 0:
-            return False
         head = os.pread(fd, FILE_HEADER, 0)
         if head[:8] != MAGIC or struct.unpack("<I", head[8:12])[0] != VERSION:
-            logger.warning("KV tier file %s: not a tier file of this version; refused, started empty", self.path)
-            return False
+            return f"KV tier file {self.path}: not a tier file of this version"
         try:
             theirs = json.loads(head[12:].rstrip(b"\0"))
         except ValueError:
-            logger.warning("KV tier file %s: its header does not parse; refused, started empty", self.path)
-            return False
+            return f"KV tier file {self.path}: its header does not parse"
         for key in sorted(self.identity, key=lambda k: (k not in _NAMES, list(_NAMES).index(k) if k in _NAMES else k)):
             if theirs.get(key) != self.identity[key]:
-                logger.warning("KV tier file %s is from another %s (%r, this engine's %r); refused, started empty",
-                               self.path, _NAMES.get(key, key), theirs.get(key), self.identity[key])
-                return False
+                return (f"KV tier file {self.path} is from another {_NAMES.get(key, key)} ({theirs.get(key)!r}, "
+                        f"this engine's {self.identity[key]!r})")
         if have < size:
-            logger.warning("KV tier file %s is truncated (%d bytes, its header says %d); refused, started empty",
-                           self.path, have, size)
-            return False
-        return True
+            return f"KV tier file {self.path} is truncated ({have} bytes, its header says {size})"
+        return None
 
     def _read_index(self) -> None:
         for slot in range(self.num_slots):
@@ -175,19 +190,29 @@ class OffloadStore:
         return os.fstat(self.fd).st_size if self.usable else 0
 
     # -- the scheduler's side: the index and its LRU --------------------------------------------
+    def slot_of(self, digest: bytes) -> int | None:
+        """Where block `digest` is (or would be, in a file one engine writes for another)."""
+        if self.role == "kv_both":
+            return self.index.get(digest)
+        return int.from_bytes(digest[:8], "little") % self.num_slots
+
     def lookup(self, digest: bytes) -> int | None:
         """The slot holding `digest`, its bytes checked against the CRC-32 saved with them; None if
         absent or (with a warning, the slot dropped) damaged."""
-        slot = self.index.get(digest)
+        slot = self.index.get(digest) if self.role != "kv_consumer" else self.slot_of(digest)
         if slot is None:
             return None
         off = self._offset(slot)
         magic, saved, crc, nbytes = _SLOT.unpack_from(self.mm, off - SLOT_HEADER)
+        if self.role == "kv_consumer" and (magic != SLOT_MAGIC or saved != digest):
+            return None   # the producer has not saved this block, or has put another in its slot since
         if magic != SLOT_MAGIC or saved != digest or nbytes != self.block_bytes or \
                 zlib.crc32(memoryview(self.mm)[off:off + nbytes]) != crc:
             logger.warning("KV tier: slot %d does not hold the block saved there (damaged or overwritten); "
                            "its tokens are recomputed", slot)
             self.num_refused += 1
+            if self.role == "kv_consumer":
+                return None
             del self.index[digest]
             self.mm[off - SLOT_HEADER:off] = bytes(SLOT_HEADER)
             self.free_slots.append(slot)
@@ -196,7 +221,8 @@ class OffloadStore:
 
     def touch(self, digest: bytes) -> None:
         """`digest` was used: it leaves the tier last."""
-        self.index.move_to_end(digest)
+        if digest in self.index:
+            self.index.move_to_end(digest)
 
     def discard(self, digest: bytes, slot: int) -> None:
         """Forget a block whose save did not finish; its slot is free again."""
@@ -209,7 +235,16 @@ class OffloadStore:
 
     def allocate(self, digest: bytes) -> int | None:
         """A slot for a new block `digest`: a free one, else the least recently used entry's that no
-        step is loading from (pinned); None when every slot is pinned."""
+        step is loading from (pinned); None when every slot is pinned. A producer's block goes to
+        the slot its digest names, replacing what was there."""
+        if self.role != "kv_both":
+            slot = self.slot_of(digest)
+            replaced = self.owner.pop(slot, None)
+            if replaced is not None:
+                self.index.pop(replaced, None)
+                self.num_evicted += 1
+            self.index[digest], self.owner[slot] = slot, digest
+            return slot
         # >>> exercise tier_lru (2 stars): A slot for a new block: a free slot if there is one, else the slot of the least recently used entry that is not pinned, that entry forgotten.
         # hint: self.index is an OrderedDict, least recently used first; skip pinned slots; the new digest goes in at the most recent end; count evictions in self.num_evicted.
         # checked by: test_the_tier_evicts_its_least_recently_used_block, test_the_tier_never_grows_past_its_bound

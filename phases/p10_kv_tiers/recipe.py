@@ -9,7 +9,9 @@
 The connector is vLLM's OffloadingConnector: every block a step fills is saved to an offload tier
 (offload_store.py: a memory-mapped file of `cpu_bytes_to_use` bytes, least recently used out), and
 a request whose prefix the pool has evicted loads it from there instead of recomputing it. With
-`kv_transfer_config=None` (the default) every part is phase 9's.
+kv_role "kv_producer" one engine only saves into a file and another, "kv_consumer", only loads
+from it: prefill in one engine, decode in the other. With `kv_transfer_config=None` (the default)
+every part is phase 9's.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def make_attention(setup: EngineSetup, parts: Parts):
     kv = parts.kv_cache.kv    # (layers, 2, blocks, block_size, KV heads, head_dim)
     identity = {"model": model_fingerprint(setup.model_path), "block_size": setup.config.block_size}
     store = OffloadStore(config.cpu_bytes_to_use, (kv.shape[0], 2, *kv.shape[3:]), kv.dtype, identity,
-                         config.path, config.directory)
+                         config.path, config.directory, config.kv_role)
+    if config.kv_role != "kv_both":
+        store.open()   # at start: a consumer whose producer's file is missing or another's is refused now
     return ConnectorAttention(inner, OffloadingConnectorWorker(store, kv))
 
 

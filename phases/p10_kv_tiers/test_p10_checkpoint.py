@@ -267,10 +267,73 @@ def test_an_unwritable_tier_turns_the_tier_off_and_requests_go_on(tiny_model_dir
     assert llm.llm_engine.get_stats()["kv_offload_loaded_blocks"] == 0
 
 
+# -- prefill in one engine, decode in another ----------------------------------------------------------
+def role(name: str, path: str, cpu_bytes: int = 1 << 22) -> dict:
+    return {**tier(cpu_bytes, path=path), "kv_role": name}
+
+
+def test_a_producer_prefills_and_a_consumer_decodes_from_its_blocks(tiny_model_dir, tmp_path, in_process):
+    """The producer computes each prompt (one token) and saves its blocks into the shared file;
+    the consumer loads every full block of each prompt from there, computes only the rest, and
+    gives phase 9's tokens. The consumer saves nothing, the producer loads nothing."""
+    path = str(tmp_path / "shared.bin")
+    ps = prompts(4, 41, seed=10)
+    want = run(make(tiny_model_dir, phase=9), [ps])
+    producer = make(tiny_model_dir, kv_transfer_config=role("kv_producer", path))
+    consumer = make(tiny_model_dir, num_kv_blocks=64, kv_transfer_config=role("kv_consumer", path))
+    producer.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1))
+    got = run(consumer, [ps])
+    c, p = consumer.llm_engine.get_stats(), producer.llm_engine.get_stats()
+    assert got == want, f"the consumer gave {got}, phase 9 {want}"
+    assert c["kv_offload_loaded_blocks"] == 4 * 10, f"the consumer should load 10 blocks of each of 4 prompts: {c}"
+    assert c["kv_offload_saved_blocks"] == 0 and p["kv_offload_loaded_blocks"] == 0
+    assert p["kv_offload_saved_blocks"] >= 4 * 10
+
+
+def test_a_producer_and_a_consumer_each_in_an_engine_core_process(tiny_model_dir, tmp_path):
+    """Two engines, two engine core processes, one shared file: the consumer reads what the
+    producer's process wrote."""
+    path = str(tmp_path / "shared.bin")
+    ps = prompts(3, 41, seed=11)
+    want = run(make(tiny_model_dir, phase=9), [[p] for p in ps])
+    producer = make(tiny_model_dir, kv_transfer_config=role("kv_producer", path))
+    consumer = make(tiny_model_dir, kv_transfer_config=role("kv_consumer", path))
+    try:
+        producer.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1))
+        assert run(consumer, [[p] for p in ps]) == want
+        assert consumer.llm_engine.get_stats()["kv_offload_loaded_blocks"] == 3 * 10
+    finally:
+        producer.llm_engine.shutdown()
+        consumer.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("change, error", [
+    ("no producer", r"cannot open the producer's tier file .*start the kv_producer first"),
+    ("block_size", r"kv_consumer: KV tier file .* is from another block size \(4, this engine's 8\)"),
+    ("model", r"kv_consumer: KV tier file .* is from another model \('\w+', this engine's '\w+'\)"),
+    ("cpu_bytes_to_use", r"is from another size \(cpu_bytes_to_use\)"),
+])
+def test_a_consumer_of_another_model_or_block_size_is_refused_at_start(change, error, tiny_model_dir,
+                                                                     tiny_model_dir_llama3, tmp_path, in_process):
+    path = str(tmp_path / "shared.bin")
+    if change != "no producer":
+        make(tiny_model_dir, kv_transfer_config=role("kv_producer", path))
+    model, args = tiny_model_dir, dict(num_kv_blocks=24, block_size=BS, compilation_mode=0)
+    cpu_bytes = 1 << 22
+    if change == "block_size":
+        args["block_size"] = 8
+    elif change == "model":
+        model = tiny_model_dir_llama3
+    elif change == "cpu_bytes_to_use":
+        cpu_bytes = 1 << 21
+    with pytest.raises(ValueError, match=error):
+        LLM(str(model), phase=10, kv_transfer_config=role("kv_consumer", path, cpu_bytes), **args)
+
+
 @pytest.mark.parametrize("args, error", [
     (dict(kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"}), r"\['kv_connector'\] must be"),
-    (dict(kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_producer"}),
-     r"'kv_producer': prefill and decode in two engines is not built yet"),
+    (dict(kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_consumer"}),
+     r"\['path'\] is needed with kv_role='kv_consumer'"),
     (dict(kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "both"}), r"\['kv_role'\] must be"),
     (dict(kv_transfer_config={"kv_connector": "OffloadingConnector", "rank": 0}), r"unknown key\(s\) \['rank'\]"),
     (dict(kv_transfer_config=tier(num_cpu_blocks=8)), r"kv_connector_extra_config'\]: unknown key\(s\) \['num_cpu_blocks'\]"),
