@@ -3,7 +3,8 @@ prefix has left the pool, and degrades to recomputing, never to a failed request
 
 - Tokens: phase 10 with the tier gives phase 9's greedy tokens while prefixes cycle through a
   pool too small for them (loads through the prefill path, the decode path and a shared prefix),
-  in one process and through the engine core's process.
+  in one process and through the engine core's process; and, batch-invariant, exactly phase 9's
+  on random batches with preemptions, tier evictions and n-gram drafts.
 - A prefix evicted from the pool and loaded back is the block saved, bit for bit, and counted as
   a prefix-cache hit.
 - The connector's scheduler side counts whole blocks and leaves a token to compute; the tier
@@ -75,6 +76,32 @@ def test_phase10_with_the_tier_gives_phase9_s_tokens(tiny_model_dir, in_process)
     assert stats["kv_offload_loaded_blocks"] >= 8 * 10, (
         f"the second pass should load 10 blocks of each of 8 prompts from the tier; it loaded "
         f"{stats['kv_offload_loaded_blocks']}")
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                          "prompt_lookup_max": 3}], ids=["plain", "ngram-drafts"])
+def test_any_mix_of_batches_gives_phase9_s_tokens(spec, tiny_model_dir, in_process):
+    """Random batches of prompts that share random lengths of five prefixes, four seats, a pool of
+    19 blocks (preemptions), a tier of 20 slots (evictions there too). With batch_invariant=True a
+    token does not depend on the rows beside it, so the outputs must be phase 9's exactly, though
+    the batches differ (phase 10's hits shorten its prefills)."""
+    rng = random.Random(1)
+    bases = prompts(5, 30, seed=12)
+    batches = [[rng.choice(bases)[:rng.randrange(0, 31)] + prompts(1, rng.randrange(1, 20), seed=100 * i + j)[0]
+                for j in range(rng.randrange(1, 6))] for i in range(24)]
+    lengths = [rng.randrange(1, 12) for _ in range(6)]
+    budget = 4096 + 20 * (64 + 2 * 2 * BS * 2 * 16 * 4)
+    runs, stats = {}, None
+    for phase, extra in ((9, {}), (10, {"kv_transfer_config": tier(budget)})):
+        llm = make(tiny_model_dir, phase=phase, num_kv_blocks=20, max_num_seqs=4, batch_invariant=True,
+                   speculative_config=spec, **extra)
+        runs[phase] = [o.outputs[0].token_ids for i, b in enumerate(batches) for o in llm.generate(
+            [{"prompt_token_ids": p} for p in b],
+            [SamplingParams(temperature=0, max_tokens=lengths[(i + j) % 6], ignore_eos=True) for j in range(len(b))])]
+        stats = llm.llm_engine.get_stats()
+    wrong = [i for i, (a, b) in enumerate(zip(runs[9], runs[10])) if a != b]
+    assert not wrong, f"outputs {wrong} differ from phase 9's, e.g. {runs[10][wrong[0]]} against {runs[9][wrong[0]]}"
+    assert stats["kv_offload_loaded_blocks"] > 0 and stats["kv_offload_evicted_blocks"] > 0, stats
 
 
 def test_through_the_engine_core_process(tiny_model_dir):
