@@ -8,7 +8,9 @@ vLLM's KVTransferConfig (vllm/config/kv_transfer.py) as a dict, with its names:
          "cpu_bytes_to_use": 1073741824,        the tier file's largest size (default 1 GiB)
          "path": "/data/kv-tier.bin",           a file kept between runs (default: a private
                                                 temporary file, gone with the engine)
-         "dir": "/tmp"}}                        where the temporary file goes
+         "dir": "/tmp"}}                        where the temporary file goes (default /dev/shm,
+                                                memory, where it exists: written at a few GB a
+                                                minute, a tier on disk is throttled to the disk)
 
 kv_role "kv_producer" / "kv_consumer": prefill in one engine, decode in another. The producer
 saves every block it computes into `path`, the consumer loads the prompt's blocks from there (on

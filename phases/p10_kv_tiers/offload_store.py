@@ -65,7 +65,8 @@ class OffloadStore:
         block_shape: one block's K/V, (layers, 2, block_size, KV heads, head_dim).
         dtype: the pool's dtype.
         identity: what must match for a block to be reused (model fingerprint, block size, ...).
-        path: the file, kept between runs; None: a temporary file in `directory`, gone at exit.
+        path: the file, kept between runs; None: a temporary file in `directory` (default
+            /dev/shm, memory, where it exists), gone at exit.
         role: "kv_both" (this engine's own tier, an LRU), or "kv_producer" / "kv_consumer": one
             engine writes the file, another reads it, each block in the slot its digest names
             (direct-mapped: the reader needs no index, a new block replaces whatever was there).
@@ -109,8 +110,9 @@ class OffloadStore:
 
     def _open(self) -> None:
         size = FILE_HEADER + self.num_slots * self.slot_bytes
-        if self.path is None:
-            fd, name = tempfile.mkstemp(prefix="tinyvllm-kv-tier-", dir=self.directory)
+        if self.path is None:   # by default in memory (/dev/shm): a disk throttles a writer to its own speed
+            folder = self.directory or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+            fd, name = tempfile.mkstemp(prefix="tinyvllm-kv-tier-", dir=folder)
             os.unlink(name)   # private to this engine, gone when it closes
         elif self.role == "kv_consumer":   # the producer's file, read only where it writes
             fd = os.open(self.path, os.O_RDWR)
