@@ -27,7 +27,6 @@ import torch
 
 from phases.p10_kv_tiers import OffloadingConnectorScheduler, OffloadStore, block_digest
 from tinyvllm import LLM, SamplingParams
-from tinyvllm.testing import make_tiny_llama
 
 BS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
