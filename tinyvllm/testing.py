@@ -116,6 +116,33 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
+# A chat template that renders tools the way Qwen2.5's and Qwen3's do, written small: the tools
+# as JSON in the system turn, an assistant's calls as <tool_call> blocks, a tool's result as a
+# <tool_response> in a user turn. `use_chat_template(folder, TOOLS_CHAT_TEMPLATE)` gives it to a
+# tiny model, so the server's tool calling runs end to end.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n<tools>\n' }}{% for tool in tools %}"
+    "{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '</tools>\nCall a function with <tool_call>"
+    "{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] %}{{ message['content'] }}"
+    "{% endif %}{% for call in message['tool_calls'] or [] %}{{ '<tool_call>\n' }}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def use_chat_template(folder: str | os.PathLike, template: str) -> Path:
+    """Give a model folder another chat template (its tokenizer_config.json's)."""
+    path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2))
+    return Path(folder)
+
+
 def make_tiny_family(folder: str | os.PathLike, architecture: str, *, hidden_size: int = 64,
                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int | None = None, intermediate_size: int = 128, vocab_size: int = 320,

@@ -3,7 +3,7 @@
 
 vLLM serves these from `serving_models.py`, `serving_tokenization.py` and `api_server.py`; here
 they are short enough to share one file. /health is beside the API key check in `app.py`, the
-generation routes are in `serving_completion.py`.
+generation routes are in `serving_completion.py` and `serving_chat.py`.
 """
 
 from __future__ import annotations
