@@ -393,6 +393,21 @@ def test_response_format_and_structured_outputs(server, client):
     assert anything.choices[0].text.lstrip().startswith("{"), anything
 
 
+def test_tools_on_a_server_without_auto_tool_choice(server, client):
+    """Without --enable-auto-tool-choice, tools with tool_choice "auto" (their default) are a 400
+    naming tool_choice, as on vLLM; a named function needs no flag (tests/test_server_tools.py
+    has the rest)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "tools": [tool]}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    named = client.chat.completions.create(model="tiny", tool_choice={"type": "function", "function": {"name": "f"}},
+                                           **body)
+    assert isinstance(json.loads(named.choices[0].message.tool_calls[0].function.arguments)["ok"], bool)
+
+
 def test_a_body_over_the_cap_is_refused_with_413(server):
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     big = json.dumps({"prompt": "x", "user": "u" * (9 * 2**20)}).encode()      # over 8 MiB

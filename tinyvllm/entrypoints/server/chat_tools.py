@@ -84,8 +84,8 @@ def check_tool_schemas(tools) -> None:
             continue
         try:
             error = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(params), None)
-        except (ValueError, TypeError) as e:
-            error = str(e)
+        except Exception as e:  # noqa: BLE001 -- whatever the grammar engine raises, the schema is bad
+            error = str(e) or type(e).__name__
         if error:
             raise APIError(400, f"tools[{i}].function.parameters: not a valid JSON schema: "
                                 f"{error.splitlines()[0]}", param="tools")

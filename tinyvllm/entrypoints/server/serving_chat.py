@@ -47,6 +47,7 @@ def add_chat_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
             raise APIError(400, f"top_logprobs must be in [0, 20], got {req.top_logprobs}",
                            param="top_logprobs")
+        serving.check_chars(chat_chars(req), "messages")   # tools count: before their schemas are read
         mode = tool_mode(req, serving.enable_auto_tool_choice)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -55,7 +56,6 @@ def add_chat_routes(app: FastAPI, serving: OpenAIServing) -> None:
         except (ValueError, TypeError) as e:
             raise bad_value(e, chat_fields, "messages", req) from None
         serving.check_request(params)
-        serving.check_chars(chat_chars(req), "messages")
         # vLLM passes the tools to the template whatever tool_choice is ("none" included)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
 
