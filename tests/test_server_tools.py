@@ -89,6 +89,13 @@ def test_hermes_parser_whole_and_in_pieces(text, content, calls):
     assert all(c.id.startswith("chatcmpl-tool-") for c in got_calls)
 
 
+def test_arguments_with_a_lone_surrogate_stay_escaped():
+    """JSON may escape half a surrogate pair; the answer's JSON must still encode as UTF-8."""
+    (call,) = HermesToolParser().parse('<tool_call>{"name": "a", "arguments": {"s": "\\ud800 \\u00e9"}}</tool_call>')[1]
+    call.arguments.encode("utf-8")
+    assert json.loads(call.arguments) == {"s": "\ud800 \u00e9"}
+
+
 LLAMA3 = [
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
     ('<|python_tag|>{"name": "a", "arguments": {}}; {"name": "b", "parameters": {"y": 2}}', "",
@@ -293,13 +300,17 @@ def _joined_calls(deltas) -> list[dict]:
 
 
 @pytest.mark.server
-def test_the_openai_tool_calling_flow_end_to_end(client):
+def test_the_openai_tool_calling_flow_end_to_end(server, client):
     """A named tool choice: the client reads the call, runs the tool, sends its result back as a
     "tool" message with the assistant's call before it, and gets an answer."""
     kw = {"model": "tiny", "messages": USER, "tools": [WEATHER, TIME], "max_tokens": 60, "temperature": 0,
           "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     first = client.chat.completions.create(**kw)
     choice = first.choices[0]
+    # the prompt is the chat template's, given the tools (vLLM's /tokenize takes them too)
+    tokens = httpx.post(server + "/tokenize", json={"messages": USER, "tools": [WEATHER, TIME]},
+                        timeout=60).json()["tokens"]
+    assert len(tokens) == first.usage.prompt_tokens
     assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
     (call,) = choice.message.tool_calls
     assert call.type == "function" and call.id.startswith("chatcmpl-tool-") and call.function.name == "get_weather"

@@ -185,6 +185,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None      # into the chat template, as a chat request's
 
 
 class DetokenizeRequest(BaseModel):

@@ -87,12 +87,14 @@ def engine_failure(e: Exception) -> APIError:
 def bad_value(e: Exception, fields: set[str], default_param: str, req=None) -> APIError:
     """A ValueError/TypeError from SamplingParams or the engine -> 400 naming the field. Their
     messages start with (or mention) the argument's name, e.g. 'max_tokens: ...'. A grammar error
-    of a request that sent response_format names response_format."""
+    of a request that sent response_format names response_format; of a forced tool call, tools."""
     message = str(e)
     words = re.findall(r"[a-z_]+", message)
     param = next((w for w in words if w in fields), default_param)
     if param == "structured_outputs" and getattr(req, "response_format", None) is not None:
         param = "response_format"
+    elif param == "structured_outputs" and getattr(req, "tool_choice", None) not in (None, "none", "auto"):
+        param = "tools"    # a forced tool call's constraint is the server's, built from the tools
     return APIError(400, message, param=param)
 
 

@@ -59,7 +59,9 @@ def add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if req.messages is not None:
             serving.check_chars(chat_chars(req), "messages")
             ids = await asyncio.to_thread(lambda: tokenizer.encode(serving.render_chat(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs), add_special_tokens=False))
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None),
+                add_special_tokens=False))
         else:
             serving.check_chars(len(req.prompt), "prompt")
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)

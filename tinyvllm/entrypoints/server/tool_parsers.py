@@ -61,7 +61,18 @@ def call_from_json(obj) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    return ToolCall(obj["name"], arguments_json(args))
+
+
+def arguments_json(args) -> str:
+    """Arguments as JSON text (vLLM's `json.dumps(..., ensure_ascii=False)`), but a lone surrogate
+    (JSON's "\\ud800" escape parses to one) stays escaped: no UTF-8 encoder takes it."""
+    text = json.dumps(args, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(args)
+    return text
 
 
 def held_back(text: str, tag: str) -> int:
