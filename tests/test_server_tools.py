@@ -193,6 +193,16 @@ def test_the_required_schema_lifts_each_tools_defs_to_its_root():
         forced_schema(req, tool_mode(req, False))
 
 
+def test_the_flags_are_checked_before_the_engine_is_built(tiny_model_dir, capsys):
+    from tinyvllm.entrypoints.cli import main
+    assert main(["serve", str(tiny_model_dir), "--enable-auto-tool-choice"]) == 2
+    assert "--enable-auto-tool-choice needs --tool-call-parser" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", str(tiny_model_dir), "--tool-call-parser", "nope"])
+    err = capsys.readouterr().err
+    assert "--tool-call-parser" in err and "hermes" in err and "llama3_json" in err
+
+
 # -- forced choices on the engine: a property test over random small tool schemas ---------------
 def _random_property(rng: random.Random, depth: int = 0) -> dict:
     kind = rng.choice(["string", "integer", "number", "boolean", "enum", "array", "object"][:7 - 2 * (depth > 0)])
