@@ -27,6 +27,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm.entrypoints.server.async_engine import AsyncEngine
+from tinyvllm.entrypoints.server.chat_tools import check_parsers
 from tinyvllm.entrypoints.server.limits import Limits
 from tinyvllm.entrypoints.server.metrics import ServerMetrics
 from tinyvllm.entrypoints.server.serving_chat import add_chat_routes
@@ -114,6 +115,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     `allowed_hosts`: the Host names it answers (None: any); `health_step_timeout`: /health says
     503 while one engine step has run longer than this many seconds; the last three are vLLM's
     flags for tool calls and reasoning (docs/serving.md)."""
+    check_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(engine, metrics, model_name, max_model_len, limits, enable_auto_tool_choice,
                             tool_call_parser, reasoning_parser)

@@ -17,8 +17,10 @@ too), unless max_tokens cuts them short (then finish_reason is "length"). vLLM b
 kind of schema for "required" (its array items name the arguments "parameters"; here they are
 "arguments", as Hermes-style models and OpenAI's own tool calls name them).
 
-`ChoiceParser` turns one choice's text, streamed or whole, into the answer's fields:
-`reasoning_content` (with --reasoning-parser), `content` and `tool_calls`.
+`template_messages` gives the history to the chat template as transformers passes it (an
+assistant's tool calls, "tool" results), and `ChoiceParser` turns one choice's text, streamed or
+whole, into the answer's fields: `reasoning_content` (with --reasoning-parser), `content` and
+`tool_calls`. `check_parsers` checks the server's flags when it starts.
 """
 
 from __future__ import annotations
@@ -128,6 +130,45 @@ def forced_constraint(req, mode: str) -> dict | None:
         raise APIError(400, "tool_choice: a named or \"required\" tool choice constrains the output "
                             "itself; leave out response_format / structured_outputs", param="tool_choice")
     return {"json": forced_schema(req, mode), "disable_any_whitespace": True}
+
+
+def check_parsers(enable_auto_tool_choice: bool, tool_call_parser: str | None,
+                  reasoning_parser: str | None) -> None:
+    """The server's parser flags, as vLLM checks them: a ValueError naming the flag."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser: {tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(TOOL_PARSERS)}): the format the model writes its calls in")
+    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+        raise ValueError(f"--reasoning-parser: {reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
+
+
+def template_messages(messages) -> list[dict]:
+    """The messages as a chat template reads them, as transformers passes them: an assistant
+    message's tool calls with their arguments as objects (OpenAI sends JSON text; templates
+    write `arguments | tojson`), its content None when it has none; a tool result as given."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        calls = d.get("tool_calls")
+        if isinstance(calls, list):
+            d.setdefault("content", None)
+            d["tool_calls"] = [_template_call(c) for c in calls]
+        out.append(d)
+    return out
+
+
+def _template_call(call):
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            return call
+        if isinstance(args, dict):
+            return {**call, "function": {**fn, "arguments": args}}
+    return call
 
 
 class ChoiceParser:

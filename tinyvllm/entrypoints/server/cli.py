@@ -158,7 +158,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
     if args.limit_concurrency < 1:
         raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
-    from tinyvllm.entrypoints.server.serving_engine import check_parsers
+    from tinyvllm.entrypoints.server.chat_tools import check_parsers
     check_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     allowed_hosts = None
     if is_loopback(args.host):

@@ -21,7 +21,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from tinyvllm.entrypoints.server.chat_tools import ChoiceParser, forced_constraint, tool_mode
+from tinyvllm.entrypoints.server.chat_tools import ChoiceParser, forced_constraint, template_messages, tool_mode
 from tinyvllm.entrypoints.server.protocol import ChatCompletionRequest
 from tinyvllm.entrypoints.server.serving_completion import Deltas, finite, sse, token_text, usage_of
 from tinyvllm.entrypoints.server.serving_engine import (
@@ -60,7 +60,8 @@ def add_chat_routes(app: FastAPI, serving: OpenAIServing) -> None:
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
 
         def render_and_encode():   # off the event loop: a long chat takes a while
-            text = serving.render_chat(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
+            text = serving.render_chat(template_messages(req.messages), req.add_generation_prompt,
+                                       req.chat_template_kwargs, tools)
             return text, tokenizer.encode(text, add_special_tokens=False)
 
         text, ids = await asyncio.to_thread(render_and_encode)

@@ -9,7 +9,6 @@ streaming or not.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import time

@@ -135,48 +135,6 @@ def chat_chars(req) -> int:
             + (len(json.dumps([t.model_dump(exclude_none=True) for t in tools])) if tools else 0))
 
 
-def check_parsers(enable_auto_tool_choice: bool, tool_call_parser: str | None,
-                  reasoning_parser: str | None) -> None:
-    """The server's parser flags, as vLLM checks them: a ValueError naming the flag."""
-    from tinyvllm.entrypoints.server.reasoning_parsers import REASONING_PARSERS
-    from tinyvllm.entrypoints.server.tool_parsers import TOOL_PARSERS
-
-    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
-        raise ValueError(f"--tool-call-parser: {tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
-    if enable_auto_tool_choice and tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
-                         f"{', '.join(TOOL_PARSERS)}): the format the model writes its calls in")
-    if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
-        raise ValueError(f"--reasoning-parser: {reasoning_parser!r} is not one of {', '.join(REASONING_PARSERS)}")
-
-
-def template_messages(messages) -> list[dict]:
-    """The messages as a chat template reads them, as transformers passes them: an assistant
-    message's tool calls with their arguments as objects (OpenAI sends JSON text; templates
-    write `arguments | tojson`), its content None when it has none; a tool result as given."""
-    out = []
-    for m in messages:
-        d = m.model_dump(exclude_none=True)
-        calls = d.get("tool_calls")
-        if isinstance(calls, list):
-            d.setdefault("content", None)
-            d["tool_calls"] = [_template_call(c) for c in calls]
-        out.append(d)
-    return out
-
-
-def _template_call(call):
-    fn = call.get("function") if isinstance(call, dict) else None
-    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-        try:
-            args = json.loads(fn["arguments"])
-        except json.JSONDecodeError:
-            return call
-        if isinstance(args, dict):
-            return {**call, "function": {**fn, "arguments": args}}
-    return call
-
-
 class OpenAIServing:
     """What the routes of one app share: the engine, its metrics, the model's name and the
     request caps (`limits`), the chat's parsers (`tool_call_parser` for tool_choice "auto" with
@@ -188,18 +146,17 @@ class OpenAIServing:
                  max_model_len: int | None, limits: Limits, enable_auto_tool_choice: bool = False,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine, self.metrics, self.model_name, self.limits = engine, metrics, model_name, limits
-        check_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
         self.enable_auto_tool_choice = enable_auto_tool_choice
         self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.max_model_len = max_model_len or engine.engine.max_model_len
         self.max_prompt_chars = limits.max_prompt_chars or self.max_model_len * CHARS_PER_TOKEN
         self.tokenizer = engine.tokenizer
 
-    def render_chat(self, messages, add_generation_prompt: bool, chat_template_kwargs: dict | None,
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
                     tools: list[dict] | None = None) -> str:
-        """The chat template on the messages (and the tools, as transformers passes them: the
-        template's `tools` variable); any failure (a template error on odd content) is the
-        request's fault: a 400 naming `messages`."""
+        """The chat template on the messages (as `chat_tools.template_messages` gives them) and
+        the tools (as transformers passes them: the template's `tools` variable); any failure (a
+        template error on odd content) is the request's fault: a 400 naming `messages`."""
         try:
             extra = check_chat_template_kwargs(chat_template_kwargs)
         except (TypeError, ValueError) as e:
@@ -210,8 +167,7 @@ class OpenAIServing:
                                     "tools there", param="chat_template_kwargs")
             extra["tools"] = tools
         try:
-            return self.tokenizer.apply_chat_template(template_messages(messages), add_generation_prompt,
-                                                      **extra)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 -- jinja raises many kinds
             raise APIError(400, f"messages: the chat template failed on them: {e}", param="messages") from None
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
+from tinyvllm.entrypoints.server.chat_tools import template_messages
 from tinyvllm.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from tinyvllm.entrypoints.server.serving_engine import APIError, OpenAIServing, check_text, chat_chars
 
@@ -59,7 +60,7 @@ def add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if req.messages is not None:
             serving.check_chars(chat_chars(req), "messages")
             ids = await asyncio.to_thread(lambda: tokenizer.encode(serving.render_chat(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs,
+                template_messages(req.messages), req.add_generation_prompt, req.chat_template_kwargs,
                 [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None),
                 add_special_tokens=False))
         else:
