@@ -122,8 +122,8 @@ def forced_schema(req, mode: str) -> dict:
 
 
 def forced_constraint(req, mode: str) -> dict | None:
-    """The structured-outputs constraint of a forced choice (None for "none" and "auto"). The
-    JSON comes without whitespace between its tokens, as OpenAI writes a call's arguments."""
+    """The structured-outputs constraint of a forced choice (None for "none" and "auto"). It
+    allows no whitespace between JSON tokens: a call cannot spend its tokens on blank space."""
     if mode not in ("named", "required"):
         return None
     if req.response_format is not None or req.structured_outputs is not None:
