@@ -191,6 +191,7 @@ def test_32_concurrent_streams_each_get_offline_tokens(server, offline):
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
+    _wait_idle(server)   # the streams of the test before may still be finishing
     free_before = _metric(server, "num_free_blocks")
     with httpx.stream("POST", server + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"prompt": "a long one", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
