@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tinyvllm.quantized_checkpoint import check_quantization_config
 from tinyvllm.registry import find_architecture
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -55,6 +56,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     model_type: str = "llama"
     architecture: str = "LlamaForCausalLM"
+    quantization: dict | None = None  # an AWQ/GPTQ checkpoint's (quantized_checkpoint.py), or None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -128,6 +130,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            quantization=check_quantization_config(cfg.get("quantization_config"), "config.json"),
             **switches,
         )
 
