@@ -181,3 +181,32 @@ def test_a_type_not_read_is_refused_by_name(gguf_dir, tmp_path):
     reader = GGUFFile(write_gguf(src, tmp_path / "q5.gguf", "Q5_0"))
     with pytest.raises(ValueError, match=r"q5.gguf: tensor '.*' is stored as Q5_0; the types read are F32"):
         check_tensors(reader, gguf_config(reader))
+
+
+def test_tokenizer_argument_replaces_the_file_s_vocabulary(gguf_dir, tmp_path):
+    """`tokenizer=` (vLLM's argument) gives a GGUF file whose vocabulary is not rebuilt here its
+    tokenizer: the file's pre-tokenizer unknown, refused by name without it, read with it."""
+    from tinyvllm import LLM
+
+    data = (gguf_dir / "tiny-Q8_0.gguf").read_bytes()
+    name = b"tokenizer.ggml.pre"
+    at = data.index(name) + len(name) + 4            # after the key: its type (string), then the value
+    n = struct.unpack_from("<Q", data, at)[0]
+    path = tmp_path / "other-pre.gguf"
+    path.write_bytes(data[:at] + struct.pack("<Q", 7) + b"mystery" + data[at + 8 + n:])
+    with pytest.raises(ValueError, match=r"other-pre.gguf: the GGUF pre-tokenizer 'mystery' is not rebuilt "
+                                         r"here .* pass tokenizer="):
+        LLM(str(path), phase=1)
+    llm = LLM(str(path), phase=1, tokenizer=str(gguf_dir / "src"))
+    assert llm.get_tokenizer().encode("the tea") == LLM(str(gguf_dir / "tiny-Q8_0.gguf"), phase=1).get_tokenizer().encode("the tea")
+    with pytest.raises(ValueError, match="tokenizer: no tokenizer.json in"):
+        LLM(str(path), phase=1, tokenizer=str(tmp_path))
+
+
+def test_the_command_line_takes_a_gguf_file(gguf_dir, capsys):
+    from tinyvllm.entrypoints.cli import main
+
+    assert main(["generate", "--model", str(gguf_dir / "tiny-Q4_K.gguf"), "--phase", "3", "--max-tokens", "4",
+                 "--temperature", "0", "--prompt", "the tea"]) in (0, None)
+    captured = capsys.readouterr()
+    assert captured.out.strip() and "tiny-Q4_K.gguf: tensors" in captured.err

@@ -169,6 +169,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # a folder whose tokenizer.json (and tokenizer_config.json) replace the model's own, as vLLM's
+    # `tokenizer`: a GGUF file whose vocabulary is not rebuilt here, a folder without one
+    tokenizer: str | None = None
     # phase 2: paged KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -220,6 +223,8 @@ class EngineConfig:
                                                      or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check_int("seed", self.seed, 0)
+        if self.tokenizer is not None and not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise TypeError(f"tokenizer must be a path to a folder with a tokenizer.json, or None, got {self.tokenizer!r}")
         _check_int("max_model_len", self.max_model_len, 1, optional=True)
         _check_int("block_size", self.block_size, 1)
         _check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
