@@ -17,9 +17,9 @@ shape against the metadata's and bytes against the file's size), then decodes ev
 float32 with the `gguf` package's own `dequantize` (so each weight is the reference's, bit for
 bit), undoes llama.cpp's reordering of a Llama's q/k rows, rebuilds the tokenizer from the
 vocabulary and merges the file stores, and writes the folder in one rename: a bad file leaves
-nothing behind. Phase 5 then reads a float32 layer whose every block lies on 4- or 8-bit codes
-from those codes (lossless.py): Q4_1 and Q8_0 as llama.cpp writes them always, Q4_0 and Q4_K
-where every block spans its grid; the others stay float32. vLLM reads a GGUF file in place
+nothing behind. Phase 5 then reads a float32 layer whose every block of 32 lies on 4- or 8-bit
+codes from those codes (lossless.py): Q8_0, Q4_1 and Q4_0 always, Q4_K where each group's
+minimum is its code 0; Q5_K and Q6_K (5-bit codes; groups of 16) stay float32. vLLM reads a GGUF file in place
 (`vllm/model_executor/model_loader/gguf_loader.py`) and multiplies from its blocks on a GPU.
 """
 

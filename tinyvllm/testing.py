@@ -238,8 +238,8 @@ _K_BLOCKS = {"Q4_K": (144, [(0, 8e-4), (2, 6e-3)]), "Q5_K": (176, [(0, 4e-4), (2
 def gguf_blocks(w: torch.Tensor, tensor_type: str, seed: int = 0):
     """w (O, I) as the bytes of a GGUF tensor of `tensor_type` (numpy uint8 (O, bytes a row)):
     quantized by the gguf package where it can (F32, F16, BF16, Q8_0, Q4_0, Q4_1); for a K-quant,
-    random blocks of the type (w gives only the shape), whose reference is what `gguf.quants.
-    dequantize` makes of them."""
+    random blocks of the type (w gives only the shape; Q4_K's with a code 0 in every group of 32),
+    whose reference is what `gguf.quants.dequantize` makes of them."""
     import numpy as np
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize
@@ -253,6 +253,8 @@ def gguf_blocks(w: torch.Tensor, tensor_type: str, seed: int = 0):
     for offset, value in scales:
         d = (rng.uniform(0.5, 1.5, blocks.shape[:2]) * value).astype(np.float16)
         blocks[..., offset:offset + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if tensor_type == "Q4_K":   # each group of 32 with its minimum on code 0: bytes 16 + 32j hold
+        blocks[..., 16:144:32] = 0   # the first code of groups 2j (low nibble) and 2j + 1 (high)
     return blocks.reshape(w.shape[0], -1)
 
 
