@@ -76,6 +76,7 @@ def make_quantized(src, folder, method: str, group_size: int, desc_act: bool = F
             tensors[f"{layer}.qweight"] = pack_rows(q.T.contiguous())
             tensors[f"{layer}.qzeros"] = pack_cols(z if v2 else (z - 1) & 15)   # v1 stores z - 1
             tensors[f"{layer}.g_idx"] = g_idx.int()
+            tensors[f"{layer}.bias"] = torch.zeros(o, dtype=torch.float16)   # AutoGPTQ's, on a model without
     out = {}
     for f, t, quant in ((folder, tensors, True), (folder.with_name(folder.name + "-float"), float_tensors, False)):
         f.mkdir(parents=True)

@@ -112,6 +112,8 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
                 if quant and leaf in QUANT_TENSORS and f"{layer}.weight" in params:
                     quantized.setdefault(layer, {})[leaf] = f.get_tensor(name)
                     continue
+                if quant and leaf == "bias" and name not in params and not f.get_tensor(name).any():
+                    continue   # AutoGPTQ writes a bias of zeros for every layer, biased or not
                 if name not in params:
                     raise ValueError(f"model: {path.name} has tensor {name!r}, which this "
                                      f"{model.config.architecture} model does not have")
