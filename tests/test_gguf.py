@@ -147,13 +147,15 @@ def _tensor_info_offset(data: bytearray, name: str) -> int:
     return data.index(key) + len(key)
 
 
-@pytest.mark.parametrize("case", ["truncated", "unknown type", "architecture", "shape"])
+@pytest.mark.parametrize("case", ["truncated", "header", "unknown type", "architecture", "shape"])
 def test_a_bad_file_is_refused_by_name_and_nothing_is_left(gguf_dir, tmp_path, case):
     from tinyvllm import LLM
 
     def edit(data):
         if case == "truncated":
             return data[:-1000]
+        if case == "header":
+            return data[:3000]
         if case == "architecture":
             return data.replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama", b"\x05\x00\x00\x00\x00\x00\x00\x00gemma")
         at = _tensor_info_offset(data, "blk.1.ffn_up.weight")
@@ -165,6 +167,7 @@ def test_a_bad_file_is_refused_by_name_and_nothing_is_left(gguf_dir, tmp_path, c
         return data
 
     want = {"truncated": r"bad.gguf is truncated: tensor '.*' needs bytes",
+            "header": r"bad.gguf is truncated or corrupt inside its header",
             "unknown type": r"bad.gguf: tensor 'blk.1.ffn_up.weight' has type 99",
             "architecture": r"bad.gguf holds a 'gemma' model; GGUF architectures read: llama",
             "shape": r"bad.gguf: tensor 'blk.1.ffn_up.weight' has shape \(256, 512\), but the file's metadata "
@@ -211,3 +214,21 @@ def test_the_command_line_takes_a_gguf_file(gguf_dir, capsys):
                  "--temperature", "0", "--prompt", "the tea"]) in (0, None)
     captured = capsys.readouterr()
     assert captured.out.strip() and "tiny-Q4_K.gguf: tensors" in captured.err
+
+
+@pytest.mark.parametrize("pre,pieces", [
+    ("llama-bpe", ["123", "45", "Ġapples", "'re", "Ġhere"]),     # Llama 3: numbers in threes
+    ("qwen2", ["1", "2", "3", "4", "5", "Ġapples", "'re", "Ġhere"]),  # Qwen2: one digit at a time
+    ("default", ["12345", "Ġapples", "'re", "Ġhere"]),           # GPT-2's own split
+])
+def test_the_pre_tokenizer_of_each_named_vocabulary(gguf_dir, pre, pieces):
+    """`tokenizer.ggml.pre` chooses the split before byte-level BPE, as the family's own
+    tokenizer.json makes it."""
+    from tokenizers import Tokenizer
+
+    from tinyvllm.gguf_checkpoint import _tokenizer_files
+
+    reader = GGUFFile(gguf_dir / "tiny-F32.gguf")
+    reader.fields["tokenizer.ggml.pre"] = pre
+    tok = Tokenizer.from_str(_tokenizer_files(reader)["tokenizer.json"])
+    assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str("12345 apples're here")] == pieces
