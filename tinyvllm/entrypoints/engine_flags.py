@@ -24,6 +24,8 @@ ENGINE_ARG_HELP = {
               "where the CPU computes it; bfloat16 on a GPU)",
     "device": "'cpu', 'cuda[:N]' or 'auto' (default)",
     "max_model_len": "context length limit (default: the model's)",
+    "tokenizer": "a folder whose tokenizer.json and tokenizer_config.json replace the model's (a GGUF "
+                 "file's vocabulary, a folder without one)",
     "block_size": "tokens per KV-cache block (phase 2 on; default 16)",
     "check_kernels": "checked mode: each step's block ids, slots and rows checked before a C kernel "
                      "indexes them, a bad batch refused with an error (phase 2 on; default: on a "
