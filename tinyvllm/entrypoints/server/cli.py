@@ -128,7 +128,7 @@ def run_headless(phase: int | None, model, engine_args: dict) -> int:
 
     print(f"tinyvllm: host {engine_args['node_rank']} of {engine_args.get('nnodes', 1)}, its ranks joining "
           f"{engine_args.get('master_addr', '127.0.0.1')}:{engine_args.get('master_port', 29501)}", flush=True)
-    return run_node(str(resolve_model(model)), engine_args)
+    return run_node(str(resolve_model(model, engine_args.get("tokenizer"))), engine_args)
 
 
 def run_serve(args: argparse.Namespace) -> int:
