@@ -223,6 +223,13 @@ def check_kernels_default(check_kernels: bool | None, device_type: str) -> bool:
     return bool(switch) if switch is not None else device_type == "cpu"
 
 
+def async_scheduling_default(async_scheduling: bool | None, device_type: str) -> bool:
+    """Whether phase 9's engine core schedules the next step while this one's model runs
+    (`async_scheduling`): as asked, else on (vLLM's default since late 2025); the lab note of
+    phase 9 measures it on a CPU."""
+    return True if async_scheduling is None else async_scheduling
+
+
 def engine_core_process() -> bool:
     """Whether an engine whose recipe has a front end (phase 9 on) runs its engine core in a
     process of its own: yes, unless $TINYVLLM_ENABLE_MULTIPROCESSING is 0 (vLLM's

@@ -160,6 +160,7 @@ class InputBatch:
             if s.seq_id in self.row_of:
                 self.update(s)
                 rows.append(self.row_of[s.seq_id])
+                self.seqs[rows[-1]] = s   # the object this step's plan holds for the request
             else:
                 rows.append(self.add(s))
         return rows

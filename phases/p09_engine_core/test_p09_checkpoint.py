@@ -305,8 +305,14 @@ def test_a_step_that_fails_in_the_core_fails_its_requests_only(tiny_model_dir, m
         core.take_inputs(wait=True)
         execute = engine.runner.execute
         monkeypatch.setattr(engine.runner, "execute", lambda plan: (_ for _ in ()).throw(_BatchFails("boom")))
-        core.step_once()
-        failed = decode(front_in.recv())
+        failed = None
+        for _ in range(3):   # with two batches in flight, the first step only submits its batch
+            core.step_once()
+            while failed is None and front_in.poll(0):
+                message = decode(front_in.recv())
+                failed = message if isinstance(message, Failed) else None
+            if failed is not None:
+                break
         assert isinstance(failed, Failed) and failed.request_ids == ["a"] and "_BatchFails: boom" in failed.message
         monkeypatch.setattr(engine.runner, "execute", execute)
         while engine.has_unfinished_requests():
