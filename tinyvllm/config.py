@@ -208,7 +208,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
     # phase 9: the engine core schedules step N+1 while step N's model runs (vLLM's name; None:
-    # the platform's default, `platform.async_scheduling_default`)
+    # the platform's default, `platform.async_scheduling_default`: on a GPU, not on a CPU)
     async_scheduling: bool | None = None
     # front door
     disable_log_stats: bool = True

@@ -225,9 +225,11 @@ def check_kernels_default(check_kernels: bool | None, device_type: str) -> bool:
 
 def async_scheduling_default(async_scheduling: bool | None, device_type: str) -> bool:
     """Whether phase 9's engine core schedules the next step while this one's model runs
-    (`async_scheduling`): as asked, else on (vLLM's default since late 2025); the lab note of
-    phase 9 measures it on a CPU."""
-    return True if async_scheduling is None else async_scheduling
+    (`async_scheduling`): as asked, else on a GPU (vLLM's default, where the host's work would
+    leave the device idle; not measured here) and not on a CPU, where the forward already keeps
+    every core busy and the loop's Python cannot hide behind it: measured as a loss there, on
+    the default model and more on a tiny one (lab note 9, `tools/loop_profile.py`)."""
+    return device_type != "cpu" if async_scheduling is None else async_scheduling
 
 
 def engine_core_process() -> bool:

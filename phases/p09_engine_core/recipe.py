@@ -5,7 +5,8 @@ stepped one step ahead of the model there.
                 phase 8's engine and runs its loop (core.py), token ids only; the front keeps the
                 tokenizer, the checks that need no part, the text and its stop strings
                 (output_processor.py), and the caller (LLM, the CLI, the server)
-    scheduler   with `async_scheduling` (on by default): `AsyncScheduler` (async_scheduler.py),
+    scheduler   with `async_scheduling` (the platform's default: on a GPU; on a CPU, where it
+                measured as a loss, off): `AsyncScheduler` (async_scheduler.py),
                 phase 8's scheduler that can also plan step N+1 while step N runs, with
                 placeholders for N's tokens; the core steps it through a `BatchQueue`
                 (batch_queue.py), two batches in flight

@@ -3,7 +3,8 @@ flight, gives phase 8's tokens exactly.
 
 The engine is driven here in this process through the core's `BatchQueue` (what `EngineCoreProc`
 steps with `async_scheduling` on), so each case sees the engine's parts; test_p09_checkpoint.py
-runs the same path through the process split. Seeded samples are compared with
+runs the same path through the process split. `async_scheduling=True` is asked for: a CPU's
+default is off. Seeded samples are compared with
 `batch_invariant=True`: running ahead changes which rows share a step (a request that EOS ends
 still has a row in the step behind it; a waiting one is admitted a step later), and a sample
 drawn near a boundary between two tokens may follow a product's last bits.
@@ -33,6 +34,8 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=12, logprobs=2),
 
 def _engine(model, phase: int, monkeypatch, **args):
     monkeypatch.setenv("TINYVLLM_ENABLE_MULTIPROCESSING", "0")   # the engine here, stepped by the test
+    if phase == 9:
+        args.setdefault("async_scheduling", True)   # not the default on a CPU
     return phases.make_engine(phase, model, **args)
 
 
