@@ -172,3 +172,36 @@ def test_the_next_step_is_scheduled_while_the_model_runs(tiny_model_dir, monkeyp
     assert sum(during) >= len(during) - 3, (
         f"only {sum(during)} of {len(during)} steps were scheduled while the model ran the step before: "
         f"the loop waits for each step's tokens before planning the next")
+
+
+def test_a_failed_batch_fails_its_requests_and_the_batch_behind_it(tiny_model_dir, monkeypatch):
+    """A batch whose model run fails: its requests, and those of the batch queued behind it (whose
+    placeholders it was to fill), get a StepError and are aborted; a request added later runs, and
+    every block is free at the end."""
+    from tinyvllm.errors import StepError
+
+    engine = _engine(tiny_model_dir, 9, monkeypatch, num_kv_blocks=64, max_num_seqs=2)
+    execute, calls = engine.runner.execute, []
+
+    def failing_third(plan):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return execute(plan)
+
+    monkeypatch.setattr(engine.runner, "execute", failing_third)
+    queue = BatchQueue(engine)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for rid in ("a", "b", "c"):
+        engine.add_request(rid, PROMPTS[0], params)
+    with pytest.raises(StepError) as failed:
+        while engine.has_unfinished_requests():
+            queue.step()
+    assert set(failed.value.request_ids) == {"a", "b"} and "boom" in str(failed.value)
+    assert engine.unfinished_request_ids() == ["c"]   # it was waiting: it runs on
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o for o in queue.step()})
+    queue.close()
+    assert len(outs["c"].outputs[0].token_ids) == 8
+    assert engine.allocator.num_free_blocks == engine.allocator.num_blocks and not engine.scheduler.placeholders
