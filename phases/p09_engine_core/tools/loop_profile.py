@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--output-len", default="16-192")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    engine = phases.make_engine(9, args.model)
+    engine = phases.make_engine(9, args.model, async_scheduling=True)   # both ways on one engine
     engine._loop_clock = ModelClock(engine)
     workload = make_workload("throughput", engine.tokenizer, engine.model_config.vocab_size,
                              num_prompts=args.num_prompts, output_len=args.output_len)
