@@ -213,6 +213,9 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    # phase 9: the engine core schedules step N+1 while step N's model runs (vLLM's name; None:
+    # the platform's default, `platform.async_scheduling_default`: on a GPU, not on a CPU)
+    async_scheduling: bool | None = None
     # front door
     disable_log_stats: bool = True
 
@@ -246,8 +249,9 @@ class EngineConfig:
                      "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.check_kernels is not None and not isinstance(self.check_kernels, bool):
-            raise TypeError(f"check_kernels must be a bool or None, got {self.check_kernels!r}")
+        for name in ("check_kernels", "async_scheduling"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("quantization_group_size", self.quantization_group_size, (None, *QUANTIZATION_GROUP_SIZES))
@@ -291,6 +295,7 @@ NEUTRAL_ENGINE_ARG_VALUES: dict[str, tuple] = {
     "enable_chunked_prefill": (False,),
     "attention_backend": ("torch",),
     "check_kernels": (True, False),   # phase 1 has no kernel that indexes a pool: checked either way
+    "async_scheduling": (False,),     # a phase before 9 steps synchronously
 }
 
 
