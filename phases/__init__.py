@@ -22,6 +22,7 @@ PHASES: dict[int, str] = {
     7: "phases.p07_cuda_graphs",
     8: "phases.p08_tensor_parallel",
     9: "phases.p09_engine_core",
+    10: "phases.p10_kv_tiers",
 }
 
 if os.environ.get("TINYVLLM_WORKSPACE"):  # a learner's copies of phases stand in (phases/workspace.py)

@@ -179,12 +179,16 @@ def test_the_parts_table_of_the_architecture_page_is_the_code_s():
     assert all(provider(1, part) in (None, 1) for part in PARTS)
 
 
-# every phase's parts as it builds them by default, and the parts phase 6 builds only for drafts
+# every phase's parts as it builds them by default, the parts phase 6 builds only for drafts, and
+# those phase 10 builds only for a KV connector
 PARTS_CASES = [pytest.param(p.values[0], {}, id=p.id, marks=p.marks) for p in phase_params()] + [
     pytest.param(6, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, id="phase6-ngram",
                  marks=pytest.mark.phase06),
     pytest.param(6, {"speculative_config": {"method": "draft_model", "model": "TINY", "num_speculative_tokens": 2}},
                  id="phase6-draft-model", marks=pytest.mark.phase06),
+    pytest.param(10, {"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                             "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22}}},
+                 id="phase10-offload", marks=pytest.mark.phase10),
 ]
 
 

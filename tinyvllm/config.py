@@ -216,6 +216,9 @@ class EngineConfig:
     # phase 9: the engine core schedules step N+1 while step N's model runs (vLLM's name; None:
     # the platform's default, `platform.async_scheduling_default`: on a GPU, not on a CPU)
     async_scheduling: bool | None = None
+    # phase 10: a KV connector (vLLM's KVTransferConfig as a dict): {"kv_connector": name,
+    # "kv_role": ..., "kv_connector_extra_config": {...}}; None: no connector
+    kv_transfer_config: dict | None = None
     # front door
     disable_log_stats: bool = True
 
@@ -263,6 +266,8 @@ class EngineConfig:
                              f"got {self.compilation_mode!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise TypeError(f"speculative_config must be a dict or None, got {self.speculative_config!r}")
+        if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
+            raise TypeError(f"kv_transfer_config must be a dict or None, got {self.kv_transfer_config!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None:
             if not isinstance(sizes, (list, tuple)) or not sizes:
