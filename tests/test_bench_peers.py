@@ -144,9 +144,11 @@ def test_a_peer_is_stopped_while_another_engine_is_timed(tiny_model_dir, fake_ll
     assert peer.proc.poll() == 0
 
 
-def test_a_model_other_than_the_default_needs_its_gguf(tiny_model_dir, capsys):
+def test_a_model_other_than_the_default_needs_its_gguf(tiny_model_dir, tmp_path, capsys):
     with pytest.raises(ValueError, match="--gguf"):
         default_gguf(str(tiny_model_dir))
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert default_gguf(str(tmp_path / "m.gguf")) == tmp_path / "m.gguf"   # a GGUF model is its own
     assert main(["bench", "latency", "--model", str(tiny_model_dir), "--vs", "llamacpp",
                  "--output-len", "4", "--no-progress"]) != 0
     assert "--gguf" in capsys.readouterr().err

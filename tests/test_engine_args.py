@@ -22,14 +22,14 @@ from tinyvllm.config import NEUTRAL_ENGINE_ARG_VALUES, EngineConfig
 # i.e. one that asks for something. Arguments whose only other values are neutral (booleans whose
 # feature can always be done without) are covered by the neutral test below.
 ASKING_VALUES: dict = {
-    "dtype": "float32", "device": "cpu", "seed": 1, "max_model_len": 256,
+    "dtype": "float32", "device": "cpu", "seed": 1, "max_model_len": 256, "tokenizer": "/a/tokenizer/folder",
     "block_size": 8, "num_kv_blocks": 64, "kv_cache_memory": 1 << 22, "gpu_memory_utilization": 0.5,
     "max_num_seqs": 4, "max_num_batched_tokens": 512, "batch_invariant": True,
     "attention_backend": "triton", "quantization": "int8", "quantization_group_size": 64,
     "kv_cache_dtype": "int8", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
     "cudagraph_capture_sizes": [1, 2], "compilation_mode": 1, "tensor_parallel_size": 2,
     "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29600,
-    "disable_log_stats": False,
+    "disable_log_stats": False, "async_scheduling": True,
     "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22}},
 }

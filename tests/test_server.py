@@ -191,6 +191,7 @@ def test_32_concurrent_streams_each_get_offline_tokens(server, offline):
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
+    _wait_idle(server)   # the streams of the test before may still be finishing
     free_before = _metric(server, "num_free_blocks")
     with httpx.stream("POST", server + "/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                       json={"prompt": "a long one", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
@@ -391,6 +392,21 @@ def test_response_format_and_structured_outputs(server, client):
     anything = client.completions.create(model="tiny", prompt="x", max_tokens=8, temperature=0,
                                          extra_body={"response_format": {"type": "json_object"}})
     assert anything.choices[0].text.lstrip().startswith("{"), anything
+
+
+def test_tools_on_a_server_without_auto_tool_choice(server, client):
+    """Without --enable-auto-tool-choice, tools with tool_choice "auto" (their default) are a 400
+    naming tool_choice, as on vLLM; a named function needs no flag (tests/test_server_tools.py
+    has the rest)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "tools": [tool]}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    named = client.chat.completions.create(model="tiny", tool_choice={"type": "function", "function": {"name": "f"}},
+                                           **body)
+    assert isinstance(json.loads(named.choices[0].message.tool_calls[0].function.arguments)["ok"], bool)
 
 
 def test_a_body_over_the_cap_is_refused_with_413(server):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tinyvllm.quantized_checkpoint import check_quantization_config
 from tinyvllm.registry import find_architecture
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -55,6 +56,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     model_type: str = "llama"
     architecture: str = "LlamaForCausalLM"
+    quantization: dict | None = None  # an AWQ/GPTQ checkpoint's (quantized_checkpoint.py), or None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -128,6 +130,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            quantization=check_quantization_config(cfg.get("quantization_config"), "config.json"),
             **switches,
         )
 
@@ -166,6 +169,9 @@ class EngineConfig:
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
+    # a folder whose tokenizer.json (and tokenizer_config.json) replace the model's own, as vLLM's
+    # `tokenizer`: a GGUF file whose vocabulary is not rebuilt here, a folder without one
+    tokenizer: str | None = None
     # phase 2: paged KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None
@@ -207,6 +213,9 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    # phase 9: the engine core schedules step N+1 while step N's model runs (vLLM's name; None:
+    # the platform's default, `platform.async_scheduling_default`: on a GPU, not on a CPU)
+    async_scheduling: bool | None = None
     # phase 10: a KV connector (vLLM's KVTransferConfig as a dict): {"kv_connector": name,
     # "kv_role": ..., "kv_connector_extra_config": {...}}; None: no connector
     kv_transfer_config: dict | None = None
@@ -220,6 +229,8 @@ class EngineConfig:
                                                      or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         _check_int("seed", self.seed, 0)
+        if self.tokenizer is not None and not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise TypeError(f"tokenizer must be a path to a folder with a tokenizer.json, or None, got {self.tokenizer!r}")
         _check_int("max_model_len", self.max_model_len, 1, optional=True)
         _check_int("block_size", self.block_size, 1)
         _check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)
@@ -241,8 +252,9 @@ class EngineConfig:
                      "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.check_kernels is not None and not isinstance(self.check_kernels, bool):
-            raise TypeError(f"check_kernels must be a bool or None, got {self.check_kernels!r}")
+        for name in ("check_kernels", "async_scheduling"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("quantization_group_size", self.quantization_group_size, (None, *QUANTIZATION_GROUP_SIZES))
@@ -288,6 +300,7 @@ NEUTRAL_ENGINE_ARG_VALUES: dict[str, tuple] = {
     "enable_chunked_prefill": (False,),
     "attention_backend": ("torch",),
     "check_kernels": (True, False),   # phase 1 has no kernel that indexes a pool: checked either way
+    "async_scheduling": (False,),     # a phase before 9 steps synchronously
 }
 
 

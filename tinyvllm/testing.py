@@ -116,6 +116,33 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 
+# A chat template that renders tools the way Qwen2.5's and Qwen3's do, written small: the tools
+# as JSON in the system turn, an assistant's calls as <tool_call> blocks, a tool's result as a
+# <tool_response> in a user turn. `use_chat_template(folder, TOOLS_CHAT_TEMPLATE)` gives it to a
+# tiny model, so the server's tool calling runs end to end.
+TOOLS_CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n<tools>\n' }}{% for tool in tools %}"
+    "{{ tool | tojson }}{{ '\n' }}{% endfor %}{{ '</tools>\nCall a function with <tool_call>"
+    "{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] %}{{ message['content'] }}"
+    "{% endif %}{% for call in message['tool_calls'] or [] %}{{ '<tool_call>\n' }}"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def use_chat_template(folder: str | os.PathLike, template: str) -> Path:
+    """Give a model folder another chat template (its tokenizer_config.json's)."""
+    path = Path(folder) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    config["chat_template"] = template
+    path.write_text(json.dumps(config, indent=2))
+    return Path(folder)
+
+
 def make_tiny_family(folder: str | os.PathLike, architecture: str, *, hidden_size: int = 64,
                      num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int | None = None, intermediate_size: int = 128, vocab_size: int = 320,
@@ -226,6 +253,106 @@ def make_on_codes(source: str | os.PathLike, folder: str | os.PathLike) -> Path:
             tensors[name] = on_codes(t, 8 if name == "lm_head.weight" else 4).contiguous()
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+# Random blocks of the K-quants, which the gguf package dequantizes but does not write: each
+# block's bytes drawn at random but its 16-bit scales, set to keep weights near std 0.2 and
+# centered: (bytes a block, [(offset of a float16, its value)])
+_K_BLOCKS = {"Q4_K": (144, [(0, 8e-4), (2, 6e-3)]), "Q5_K": (176, [(0, 4e-4), (2, 6.2e-3)]),
+             "Q6_K": (210, [(208, 1.5e-4)])}
+
+
+def gguf_blocks(w: torch.Tensor, tensor_type: str, seed: int = 0):
+    """w (O, I) as the bytes of a GGUF tensor of `tensor_type` (numpy uint8 (O, bytes a row)):
+    quantized by the gguf package where it can (F32, F16, BF16, Q8_0, Q4_0, Q4_1); for a K-quant,
+    random blocks of the type (w gives only the shape; Q4_K's with a code 0 in every group of 32),
+    whose reference is what `gguf.quants.dequantize` makes of them."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    qtype = GGMLQuantizationType[tensor_type]
+    if tensor_type not in _K_BLOCKS:
+        return quantize(w.float().numpy(), qtype)
+    size, scales = _K_BLOCKS[tensor_type]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (w.shape[0], w.shape[1] // 256, size), dtype=np.uint8)
+    for offset, value in scales:
+        d = (rng.uniform(0.5, 1.5, blocks.shape[:2]) * value).astype(np.float16)
+        blocks[..., offset:offset + 2] = d.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if tensor_type == "Q4_K":   # each group of 32 with its minimum on code 0: bytes 16 + 32j hold
+        blocks[..., 16:144:32] = 0   # the first code of groups 2j (low nibble) and 2j + 1 (high)
+    return blocks.reshape(w.shape[0], -1)
+
+
+def write_gguf(folder: str | os.PathLike, path: str | os.PathLike, tensor_type: str, seed: int = 0) -> Path:
+    """Write a tiny Hugging Face folder of a registered family (`make_tiny_llama`,
+    `make_tiny_family`) as a GGUF file, as llama.cpp's converter does: its metadata, its byte-level
+    BPE vocabulary and chat template, a Llama's q/k rows permuted for llama.cpp's RoPE, every
+    matrix in `tensor_type` (`gguf_blocks`) and the norms and biases in F32."""
+    import gguf
+    from safetensors.torch import load_file
+
+    folder, path = Path(folder), Path(path)
+    cfg = json.loads((folder / "config.json").read_text())
+    arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[cfg["model_type"]]
+    heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg.get("max_position_embeddings", 512))
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps", 1e-6))
+    w.add_rope_freq_base(cfg.get("rope_theta", 10000.0))
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv_: kv_[1])
+    tokens = [t for t, _ in vocab]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    if tok_cfg.get("bos_token"):
+        w.add_bos_token_id(tokens.index(tok_cfg["bos_token"]))
+    w.add_eos_token_id(tokens.index(tok_cfg["eos_token"]))
+    w.add_chat_template(tok_cfg["chat_template"])
+    layer = {v: k for k, v in {
+        "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+        "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+        "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm", "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm"}.items()}
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for i, (name, t) in enumerate(sorted(load_file(str(folder / "model.safetensors")).items())):
+        module, leaf = name.rsplit(".", 1)
+        if module in top:
+            gname = f"{top[module]}.{leaf}"
+        else:
+            n, rest = module.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{n}.{layer[rest]}.{leaf}"
+        if arch == "llama" and rest_is(name, ("q_proj", "k_proj")):
+            n_heads = heads if "q_proj" in name else kv
+            t = t.reshape(n_heads, 2, -1, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)  # llama.cpp's permute
+        if t.dim() == 2:
+            w.add_tensor(gname, gguf_blocks(t, tensor_type, seed + i),
+                         raw_dtype=gguf.GGMLQuantizationType[tensor_type])
+        else:
+            w.add_tensor(gname, t.float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def rest_is(name: str, modules: tuple[str, ...]) -> bool:
+    return any(f".{m}." in name for m in modules)
 
 
 def token_difference(got: list[list[int]], want: list[list[int]], what: str) -> str:

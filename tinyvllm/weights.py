@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.model import LlamaForCausalLM
+from tinyvllm.quantized_checkpoint import QUANT_TENSORS, read_quantized
 
 # Buffers some checkpoints carry that we compute ourselves.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -87,10 +88,14 @@ def check_safetensors_file(path: str | os.PathLike) -> None:
 
 def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
     """Give each parameter of `model` its tensor of the checkpoint, checking names and shapes.
-    The tensors become the parameters (no copy: `model` may be built on the meta device)."""
+    The tensors become the parameters (no copy: `model` may be built on the meta device). An
+    AWQ/GPTQ checkpoint's layers are read as their float weight, exactly, and their codes are kept
+    in `model.checkpoint_codes` ({layer name: `Int4Codes`}) for a phase that multiplies from them."""
     params = dict(model.named_parameters())  # a tied lm_head appears once, as embed_tokens
     expected = set(params)
     seen: set[str] = set()
+    quant = model.config.quantization
+    quantized: dict[str, dict[str, torch.Tensor]] = {}   # layer -> its qweight, qzeros, scales, g_idx
     for path in safetensors_files(folder):
         check_safetensors_file(path)
         try:
@@ -103,6 +108,12 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
                     continue
                 if name == "lm_head.weight" and model.config.tie_word_embeddings:
                     continue  # some tied checkpoints still ship the copy
+                layer, _, leaf = name.rpartition(".")
+                if quant and leaf in QUANT_TENSORS and f"{layer}.weight" in params:
+                    quantized.setdefault(layer, {})[leaf] = f.get_tensor(name)
+                    continue
+                if quant and leaf == "bias" and name not in params and not f.get_tensor(name).any():
+                    continue   # AutoGPTQ writes a bias of zeros for every layer, biased or not
                 if name not in params:
                     raise ValueError(f"model: {path.name} has tensor {name!r}, which this "
                                      f"{model.config.architecture} model does not have")
@@ -120,6 +131,14 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
                 module, _, leaf = name.rpartition(".")
                 setattr(model.get_submodule(module), leaf, torch.nn.Parameter(tensor, param.requires_grad))
                 seen.add(name)
+    codes = {}
+    for layer, tensors in quantized.items():
+        param = params[f"{layer}.weight"]
+        w, codes[layer] = read_quantized(quant, tensors, tuple(param.shape), f"{layer} in {folder}")
+        model.get_submodule(layer).weight = torch.nn.Parameter(w, param.requires_grad)
+        seen.add(f"{layer}.weight")
+    if codes:
+        model.checkpoint_codes = {k: c for k, c in codes.items() if c is not None}
     missing = sorted(expected - seen)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

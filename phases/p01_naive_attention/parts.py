@@ -73,13 +73,15 @@ class EngineSetup:
         tokenizer."""
         config = EngineConfig.from_kwargs(**engine_args)
         machine = platform.current()   # first: a $TINYVLLM_CPU_KIND this CPU cannot be is refused here
-        model_path = resolve_model(model)
+        if config.tokenizer is not None and not (Path(config.tokenizer).expanduser() / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer: no tokenizer.json in {str(config.tokenizer)!r}")
+        model_path = resolve_model(model, config.tokenizer)
         device = platform.resolve_device(config.device)
         model_config = ModelConfig.from_pretrained(model_path)
         limit = model_config.max_position_embeddings
         max_model_len = min(config.max_model_len or limit, limit)
         model_config.check_max_model_len(max_model_len)
-        tokenizer = Tokenizer(model_path)
+        tokenizer = Tokenizer(Path(config.tokenizer).expanduser() if config.tokenizer else model_path)
         return cls(config, dict(engine_args), model_path, model_config, device,
                    platform.resolve_dtype(config.dtype, device), max_model_len, tokenizer,
                    eos_token_ids(model_path, model_config, tokenizer), tensor_parallel_rank,

@@ -48,6 +48,6 @@ def make_scheduler(setup: EngineSetup, parts: Parts) -> FifoScheduler:
 RECIPE = Recipe(
     phase=1,
     # the engine arguments this phase acts on; each later phase adds the ones of its features
-    engine_args=frozenset({"dtype", "device", "seed", "max_model_len", "disable_log_stats"}),
+    engine_args=frozenset({"dtype", "device", "seed", "max_model_len", "tokenizer", "disable_log_stats"}),
     model_loader=make_model_loader, model=make_model, sampler=make_sampler, runner=make_runner, scheduler=make_scheduler,
 )

@@ -7,9 +7,13 @@
     make_batch_invariant_quantized    pins each layer to a kernel whose rows do not depend on the
                                       batch (`batch_invariant=True`)
 
-Phase 5's model factory (recipe.py) calls both after the float checkpoint is loaded. vLLM makes
+    keep_checkpoint_codes(model)      an AWQ/GPTQ checkpoint's layers -> `QuantizedLinear`s of its
+                                      own 4-bit codes, exactly (no `quantization` asked)
+
+Phase 5's model factory (recipe.py) calls them after the checkpoint is loaded. vLLM makes
 each layer quantized as it builds the model, from the checkpoint's `quantization_config`
-(`vllm/model_executor/layers/quantization/`); here a float model is quantized once it is loaded.
+(`vllm/model_executor/layers/quantization/`); here a float model is quantized once it is loaded,
+and a quantized checkpoint's codes, which the loader keeps beside its float weights, replace them.
 """
 
 from __future__ import annotations
@@ -64,6 +68,19 @@ def quantize_model(model: nn.Module, method: str, group_size: int | None = None)
     for name, m, layer_method in layers:
         model.set_submodule(name, QuantizedLinear(m.weight, m.bias, layer_method, group_size or 128))
     return model
+
+
+def keep_checkpoint_codes(model: nn.Module) -> None:
+    """Each layer an AWQ/GPTQ checkpoint stored as 4-bit codes (`model.checkpoint_codes`,
+    tinyvllm/quantized_checkpoint.py: already this format's layout, w = code * scale + zero a
+    group) becomes a `QuantizedLinear` of those very codes, its float weight dropped, where int4
+    offers the group size; the others keep their float weight."""
+    for name, c in getattr(model, "checkpoint_codes", {}).items():
+        m, codes = model.get_submodule(name), [t.to(model.get_submodule(name).weight.device) for t in c[:3]]
+        if c.group_size in INT4_GROUP_SIZES and (m.out_features, m.in_features // 2) == tuple(c.codes.shape):
+            model.set_submodule(name, QuantizedLinear.from_quantized(*codes, m.bias, "int4", c.group_size,
+                                                                     dtype=m.weight.dtype))
+    model.checkpoint_codes = {}
 
 
 # kernels whose result for a row of x does not depend on the other rows: integer sums, each row

@@ -9,7 +9,8 @@
                 `quantization`, each float32 layer whose weight lies exactly on 4- or 8-bit codes
                 (a checkpoint stored in Q4_1 or Q8_0, as the default model) becomes a
                 `LosslessLinear`: the same weight, read from its codes in a decode step
-                (lossless.py).
+                (lossless.py); an AWQ/GPTQ checkpoint's int4 layers become `QuantizedLinear`s
+                of its own codes (`keep_checkpoint_codes`).
     kv_cache    with kv_cache_dtype "int8" or "fp8": `QuantizedKVCache`, one byte per value plus a
                 scale per token and KV head, so the same `kv_cache_memory` holds ~3.8x the blocks
                 (and the scheduler admits that many more sequences)
@@ -35,7 +36,7 @@ from phases.p04_triton_kernels.cpu_layers import use_bfloat16_products
 
 from .kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantized_bytes_per_block
 from .lossless import keep_lossless
-from .quantize_layers import make_batch_invariant_quantized, quantize_model
+from .quantize_layers import keep_checkpoint_codes, make_batch_invariant_quantized, quantize_model
 
 
 def check_fp8(setup: EngineSetup) -> None:
@@ -51,7 +52,8 @@ def make_model(setup: EngineSetup, parts: Parts) -> nn.Module:
     model, c = PHASE4.model(setup, parts), setup.config
     if c.quantization is not None:
         quantize_model(model, c.quantization, c.quantization_group_size)
-    else:   # float32 weights stored exactly as codes (the default model's) are read from them
+    else:   # an AWQ/GPTQ checkpoint's codes, and float32 weights stored exactly as codes (the
+        keep_checkpoint_codes(model)   # default model's), are read from them
         keep_lossless(model)
     if c.batch_invariant:
         make_batch_invariant_quantized(model, c.kv_cache_dtype)

@@ -182,7 +182,7 @@ class EngineCoreClient:
 
     def __init__(self, model, engine_args: dict, phase: int):
         self.phase = phase
-        model_path = resolve_model(model)   # first: a default model converted once, not by both
+        model_path = resolve_model(model, engine_args.get("tokenizer"))   # first: a default model converted once, not by both
         config = EngineConfig.from_kwargs(**engine_args)
         self._core = _CoreProcess(phase, str(model_path), engine_args, config.nnodes)
         self._finalizer = weakref.finalize(self, self._core.stop)

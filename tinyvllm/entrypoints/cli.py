@@ -31,7 +31,9 @@ def _phase_help() -> str:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
-                   help="path to a local Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+                   help="a local Hugging Face model folder, or a GGUF file (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder whose tokenizer.json replaces the model's (a GGUF file's vocabulary)")
     p.add_argument("--phase", type=int, default=None, metavar="N", help=_phase_help())
     p.add_argument("--device", default="auto", help="'cpu', 'cuda' or 'auto' (default)")
     p.add_argument("--dtype", default="auto",
@@ -103,7 +105,7 @@ def _sampling_params(a: argparse.Namespace) -> SamplingParams:
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    return dict(device=a.device, dtype=a.dtype, max_model_len=a.max_model_len)
+    return dict(device=a.device, dtype=a.dtype, max_model_len=a.max_model_len, tokenizer=a.tokenizer)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -24,6 +24,8 @@ ENGINE_ARG_HELP = {
               "where the CPU computes it; bfloat16 on a GPU)",
     "device": "'cpu', 'cuda[:N]' or 'auto' (default)",
     "max_model_len": "context length limit (default: the model's)",
+    "tokenizer": "a folder whose tokenizer.json and tokenizer_config.json replace the model's (a GGUF "
+                 "file's vocabulary, a folder without one)",
     "block_size": "tokens per KV-cache block (phase 2 on; default 16)",
     "check_kernels": "checked mode: each step's block ids, slots and rows checked before a C kernel "
                      "indexes them, a bad batch refused with an error (phase 2 on; default: on a "
@@ -51,6 +53,9 @@ ENGINE_ARG_HELP = {
                  "their ranks: tinyvllm serve ... --node-rank N --headless)",
     "master_addr": "node 0's address, where every host's ranks meet (phase 8 with --nnodes > 1)",
     "master_port": "the port on --master-addr where the ranks meet (default 29501)",
+    "async_scheduling": "the engine core schedules the next step while this one's model runs "
+                        "(phase 9; default: on a GPU, not on a CPU, where it measured as a loss); "
+                        "--no-async-scheduling steps one at a time",
     "kv_transfer_config": "a KV connector, as JSON, e.g. '{\"kv_connector\": \"OffloadingConnector\", "
                           "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {\"cpu_bytes_to_use\": "
                           "1073741824}}' (phase 10)",

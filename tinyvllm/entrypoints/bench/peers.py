@@ -164,8 +164,11 @@ class PeerRunner:
 
 
 def default_gguf(model: str | None) -> Path:
-    """The GGUF llama.cpp runs: the default model's own file; another model needs --gguf."""
+    """The GGUF llama.cpp runs: the default model's own file, or the GGUF file given as --model
+    (the same file both engines read); another model needs --gguf."""
     from tinyvllm.download import DEFAULT_MODEL_ALIASES, ensure_gguf
+    if model is not None and str(model).lower().endswith(".gguf") and Path(model).expanduser().is_file():
+        return Path(model).expanduser()
     if model not in DEFAULT_MODEL_ALIASES:
         raise ValueError("--vs llamacpp: give --gguf PATH, the GGUF of the model you pass as --model "
                          "(only the default model's GGUF is known)")

@@ -3,7 +3,8 @@
 body's size, the Host header, the API key. It serves /health itself, beside the key check; the
 other routes are served by `serving_info.py` (models, Prometheus metrics with vLLM's names under
 `tinyvllm:`, the engine's state, the live page at GET /, tokenize/detokenize) and
-`serving_completion.py` (completions and chat completions), over what `serving_engine.py` shares.
+`serving_completion.py` and `serving_chat.py` (completions, and chat completions with tools and
+reasoning), over what `serving_engine.py` shares.
 
 Every request is bounded before it costs anything (`Limits`): its body's bytes (413), the
 characters of its prompt (checked before tokenizing, which runs off the event loop), `n`, the
@@ -26,8 +27,10 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinyvllm.entrypoints.server.async_engine import AsyncEngine
+from tinyvllm.entrypoints.server.chat_tools import check_parsers
 from tinyvllm.entrypoints.server.limits import Limits
 from tinyvllm.entrypoints.server.metrics import ServerMetrics
+from tinyvllm.entrypoints.server.serving_chat import add_chat_routes
 from tinyvllm.entrypoints.server.serving_completion import add_completion_routes
 from tinyvllm.entrypoints.server.serving_engine import APIError, OpenAIServing, error_body, error_response
 from tinyvllm.entrypoints.server.serving_info import add_info_routes
@@ -105,12 +108,17 @@ def host_allowed(host: str | None, allowed: frozenset[str]) -> bool:
 
 def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
               max_model_len: int | None = None, limits: Limits = Limits(),
-              allowed_hosts: frozenset[str] | None = None, health_step_timeout: float = 60.0) -> FastAPI:
+              allowed_hosts: frozenset[str] | None = None, health_step_timeout: float = 60.0,
+              enable_auto_tool_choice: bool = False, tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app serving `engine` under the name `model_name` (what /v1/models lists).
     `allowed_hosts`: the Host names it answers (None: any); `health_step_timeout`: /health says
-    503 while one engine step has run longer than this many seconds."""
+    503 while one engine step has run longer than this many seconds; the last three are vLLM's
+    flags for tool calls and reasoning (docs/serving.md)."""
+    check_parsers(enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, metrics, model_name, max_model_len, limits)
+    serving = OpenAIServing(engine, metrics, model_name, max_model_len, limits, enable_auto_tool_choice,
+                            tool_call_parser, reasoning_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -190,4 +198,5 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     # after /health, in the order the routes are listed at /docs
     add_info_routes(app, serving)
     add_completion_routes(app, serving)
+    add_chat_routes(app, serving)
     return app

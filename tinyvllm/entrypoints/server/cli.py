@@ -50,6 +50,19 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         f"(default {DEFAULT_MAX_NUM_WAITING}: each holds its prompt, so the bound caps "
                         "the memory a burst can take)")
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    from tinyvllm.entrypoints.server.reasoning_parsers import REASONING_PARSERS
+    from tinyvllm.entrypoints.server.tool_parsers import TOOL_PARSERS
+    tools = p.add_argument_group("tool calls and reasoning (vLLM's flags)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide whether to call a tool (tool_choice "auto", the default '
+                            "when a request has tools); needs --tool-call-parser. Named and \"required\" "
+                            "tool choices work without it")
+    tools.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                       help="the format the model writes its tool calls in: hermes (<tool_call>{json}"
+                            "</tool_call>: Hermes, Qwen2.5, Qwen3) or llama3_json (Llama 3.1/3.2's JSON)")
+    tools.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="return a thinking model's reasoning apart, as reasoning_content: qwen3 "
+                            "(<think>...</think>)")
     d = Limits()
     lim = p.add_argument_group("limits of one request (each refused with an OpenAI error object)")
     lim.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
@@ -115,7 +128,7 @@ def run_headless(phase: int | None, model, engine_args: dict) -> int:
 
     print(f"tinyvllm: host {engine_args['node_rank']} of {engine_args.get('nnodes', 1)}, its ranks joining "
           f"{engine_args.get('master_addr', '127.0.0.1')}:{engine_args.get('master_port', 29501)}", flush=True)
-    return run_node(str(resolve_model(model)), engine_args)
+    return run_node(str(resolve_model(model, engine_args.get("tokenizer"))), engine_args)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -145,6 +158,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
     if args.limit_concurrency < 1:
         raise ValueError(f"--limit-concurrency must be >= 1, got {args.limit_concurrency}")
+    from tinyvllm.entrypoints.server.chat_tools import check_parsers
+    check_parsers(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
     allowed_hosts = None
     if is_loopback(args.host):
         allowed_hosts = LOOPBACK_NAMES | {h.strip().lower() for h in args.allowed_host}
@@ -164,7 +179,9 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or (os.path.basename(os.path.normpath(model)) if model
                                       else "SmolLM2-135M-Instruct")
     app = build_app(async_engine, name, api_key=api_key, max_model_len=engine.max_model_len, limits=limits,
-                    allowed_hosts=allowed_hosts, health_step_timeout=args.health_step_timeout)
+                    allowed_hosts=allowed_hosts, health_step_timeout=args.health_step_timeout,
+                    enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     app.add_middleware(BodyTimeout, seconds=args.body_timeout)   # the outermost of the app's own
     print(f"tinyvllm: serving {name!r} (phase {engine.phase}) on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)

@@ -6,7 +6,7 @@ checked once, by `SamplingParams`, whose errors name the field; these models che
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -31,8 +31,38 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class FunctionDefinition(BaseModel):
+    """A tool's function: its name, what it does, and its parameters as a JSON schema."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """One entry of `tools`: {"type": "function", "function": {...}}."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(BaseModel):
+    """`tool_choice` naming the one function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 # OpenAI fields this server does not implement: a request that sets one is refused (400 naming
-# it) rather than answered as if it had not asked.
+# it) rather than answered as if it had not asked. Tools are a chat field: /v1/completions
+# refuses them.
 UNSUPPORTED_FIELDS = ("tools", "functions", "logit_bias")
 
 
@@ -63,7 +93,7 @@ class _SamplingRequest(BaseModel):
     # ({"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true})
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
-    # refused when set (UNSUPPORTED_FIELDS); tool_choice "none"/"auto" with no tools is harmless
+    # refused when set (`unsupported`); tool_choice "none"/"auto" with no tools is harmless there
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -82,17 +112,25 @@ class _SamplingRequest(BaseModel):
             raise ValueError("response_format: type json_schema needs json_schema.schema")
         return {"json": rf.json_schema.schema_}
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError naming the field on a bad value."""
-        for name in UNSUPPORTED_FIELDS:
+    # the fields of UNSUPPORTED_FIELDS this endpoint refuses
+    unsupported: ClassVar[tuple[str, ...]] = UNSUPPORTED_FIELDS
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: dict | None = None) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError naming the field on a bad value.
+        `structured`: a constraint of the server's own (a forced tool call's), in place of the
+        request's response_format / structured_outputs."""
+        for name in self.unsupported:
             if getattr(self, name):
-                raise ValueError(f"{name}: not supported by this server (tinyvllm has no "
-                                 f"{'tool calling' if name != 'logit_bias' else 'logit bias'}); "
-                                 f"leave it out")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: not supported by this server (tinyvllm has no tool calling)")
+                what = {"tools": "tools are a chat field: send them to /v1/chat/completions",
+                        "functions": "the legacy functions field: send tools instead",
+                        "logit_bias": "tinyvllm has no logit bias"}[name]
+                raise ValueError(f"{name}: not supported here ({what}); leave it out")
+        if "tools" in self.unsupported and self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: not supported here (tools are a chat field: send them "
+                             "to /v1/chat/completions)")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        return SamplingParams(structured_outputs=self.structured(),
+        return SamplingParams(structured_outputs=self.structured() if structured is None else structured,
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
@@ -130,6 +168,12 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     # vLLM's extra: more variables for the chat template (Qwen3's {"enable_thinking": false})
     chat_template_kwargs: dict[str, Any] | None = None
+    # tools the model may call (tool_choice: "none", "auto", "required" or a NamedToolChoice;
+    # left out: "auto" with tools, "none" without, as OpenAI and vLLM)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    unsupported: ClassVar[tuple[str, ...]] = ("functions", "logit_bias")
 
 
 class TokenizeRequest(BaseModel):
@@ -141,6 +185,7 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None      # into the chat template, as a chat request's
 
 
 class DetokenizeRequest(BaseModel):

@@ -3,8 +3,8 @@ OpenAI's error object (`APIError`), the checks a request passes before it costs 
 `OpenAIServing`, which starts a request on the engine, hands over its outputs, and aborts it when
 its client goes away.
 
-The routes themselves are in `serving_completion.py` (the generation routes) and
-`serving_info.py` (the rest); `app.py` builds the app around them.
+The routes themselves are in `serving_completion.py` and `serving_chat.py` (the generation
+routes) and `serving_info.py` (the rest); `app.py` builds the app around them.
 """
 
 from __future__ import annotations
@@ -87,12 +87,14 @@ def engine_failure(e: Exception) -> APIError:
 def bad_value(e: Exception, fields: set[str], default_param: str, req=None) -> APIError:
     """A ValueError/TypeError from SamplingParams or the engine -> 400 naming the field. Their
     messages start with (or mention) the argument's name, e.g. 'max_tokens: ...'. A grammar error
-    of a request that sent response_format names response_format."""
+    of a request that sent response_format names response_format; of a forced tool call, tools."""
     message = str(e)
     words = re.findall(r"[a-z_]+", message)
     param = next((w for w in words if w in fields), default_param)
     if param == "structured_outputs" and getattr(req, "response_format", None) is not None:
         param = "response_format"
+    elif param == "structured_outputs" and getattr(req, "tool_choice", None) not in (None, "none", "auto"):
+        param = "tools"    # a forced tool call's constraint is the server's, built from the tools
     return APIError(400, message, param=param)
 
 
@@ -124,35 +126,48 @@ def check_text(req) -> None:
 
 def chat_chars(req) -> int:
     """The characters of a chat: every field of each message (a role or an extra field counts as
-    much as the content) and its `chat_template_kwargs` (the template may put any of them in the
-    prompt): what the prompt cap is checked against, before any rendering or tokenizing."""
-    kwargs = req.chat_template_kwargs
+    much as the content), its `chat_template_kwargs` and its tools (the template may put any of
+    them in the prompt): what the prompt cap is checked against, before any rendering or
+    tokenizing."""
+    kwargs, tools = req.chat_template_kwargs, getattr(req, "tools", None)
     return (sum(len(json.dumps(m.model_dump(exclude_none=True))) for m in req.messages)
-            + (len(json.dumps(kwargs, default=str)) if kwargs else 0))
+            + (len(json.dumps(kwargs, default=str)) if kwargs else 0)
+            + (len(json.dumps([t.model_dump(exclude_none=True) for t in tools])) if tools else 0))
 
 
 class OpenAIServing:
     """What the routes of one app share: the engine, its metrics, the model's name and the
-    request caps (`limits`), and the steps every request takes (check it, start it, read its
+    request caps (`limits`), the chat's parsers (`tool_call_parser` for tool_choice "auto" with
+    `enable_auto_tool_choice`, `reasoning_parser`: names in `tool_parsers.py` and
+    `reasoning_parsers.py`), and the steps every request takes (check it, start it, read its
     outputs, close it). `max_model_len` None: the engine's."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_name: str,
-                 max_model_len: int | None, limits: Limits):
+                 max_model_len: int | None, limits: Limits, enable_auto_tool_choice: bool = False,
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine, self.metrics, self.model_name, self.limits = engine, metrics, model_name, limits
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.tool_call_parser, self.reasoning_parser = tool_call_parser, reasoning_parser
         self.max_model_len = max_model_len or engine.engine.max_model_len
         self.max_prompt_chars = limits.max_prompt_chars or self.max_model_len * CHARS_PER_TOKEN
         self.tokenizer = engine.tokenizer
 
-    def render_chat(self, messages, add_generation_prompt: bool, chat_template_kwargs: dict | None) -> str:
-        """The chat template on the messages; any failure (a template error on odd content) is
-        the request's fault: a 400 naming `messages`."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, chat_template_kwargs: dict | None,
+                    tools: list[dict] | None = None) -> str:
+        """The chat template on the messages (as `chat_tools.template_messages` gives them) and
+        the tools (as transformers passes them: the template's `tools` variable); any failure (a
+        template error on odd content) is the request's fault: a 400 naming `messages`."""
         try:
             extra = check_chat_template_kwargs(chat_template_kwargs)
         except (TypeError, ValueError) as e:
             raise APIError(400, str(e), param="chat_template_kwargs") from None
+        if tools is not None:
+            if "tools" in extra:
+                raise APIError(400, "chat_template_kwargs: 'tools' is the request's own field; give the "
+                                    "tools there", param="chat_template_kwargs")
+            extra["tools"] = tools
         try:
-            return self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
-                                                      add_generation_prompt, **extra)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt, **extra)
         except Exception as e:  # noqa: BLE001 -- jinja raises many kinds
             raise APIError(400, f"messages: the chat template failed on them: {e}", param="messages") from None
 

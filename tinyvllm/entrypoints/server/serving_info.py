@@ -3,7 +3,7 @@
 
 vLLM serves these from `serving_models.py`, `serving_tokenization.py` and `api_server.py`; here
 they are short enough to share one file. /health is beside the API key check in `app.py`, the
-generation routes are in `serving_completion.py`.
+generation routes are in `serving_completion.py` and `serving_chat.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, Response
 
+from tinyvllm.entrypoints.server.chat_tools import template_messages
 from tinyvllm.entrypoints.server.protocol import DetokenizeRequest, TokenizeRequest
 from tinyvllm.entrypoints.server.serving_engine import APIError, OpenAIServing, check_text, chat_chars
 
@@ -59,7 +60,9 @@ def add_info_routes(app: FastAPI, serving: OpenAIServing) -> None:
         if req.messages is not None:
             serving.check_chars(chat_chars(req), "messages")
             ids = await asyncio.to_thread(lambda: tokenizer.encode(serving.render_chat(
-                req.messages, req.add_generation_prompt, req.chat_template_kwargs), add_special_tokens=False))
+                template_messages(req.messages), req.add_generation_prompt, req.chat_template_kwargs,
+                [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None),
+                add_special_tokens=False))
         else:
             serving.check_chars(len(req.prompt), "prompt")
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
