@@ -567,6 +567,13 @@ def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path):
     for k in ("ttft", "tpot", "itl", "e2e"):
         assert 0 < report[k]["median_ms"] <= report[k]["p99_ms"]
     assert report["ttft"]["mean_ms"] < report["e2e"]["mean_ms"]
+    # the machine named, and the run as a row a page's table renders (scripts/bench_tables.py)
+    from tinyvllm import platform
+    assert report["machine"]["cpu_kind"] == platform.current().kind and report["machine"]["cores"] >= 1
+    [row] = report["rows"]
+    assert row["server"] == server and row["clients"] == 6 and row["failed"] == 0
+    assert row["output_tok_s"] == round(report["output_throughput"], 1)
+    assert row["itl_p99_ms"] == report["itl"]["p99_ms"]
 
 
 @pytest.mark.parametrize("phase", [1, 2])

@@ -8,6 +8,10 @@ and the end-to-end latency; the report gives their mean, median and p99, the req
 output-token throughput, and the goodput: requests per second that met every --goodput target.
 Without --base-url it starts `tinyvllm serve` itself; with one it measures any such server
 (vLLM, llama.cpp's server, an earlier phase).
+
+The JSON report names its machine (`machine`: the CPU, its kind, the load average before and
+after) and carries the run as one table row (`rows`: server, output tok/s, TTFT, TPOT and ITL),
+so a page renders it with scripts/bench_tables.py, two servers' reports side by side.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from tinyvllm.entrypoints.engine_flags import engine_flags_from
+
+from .machine import load_average, machine_info
 
 
 @dataclass(slots=True)
@@ -137,6 +145,14 @@ def summarize(results: list[RequestResult], duration: float, goodput: dict[str, 
     }
 
 
+def table_row(s: dict, server: str) -> dict:
+    """The run as one row of a page's table (scripts/bench_tables.py's `columns: key = header`)."""
+    return {"server": server, "clients": s["num_prompts"], "output_tok_s": round(s["output_throughput"], 1),
+            "ttft_median_ms": s["ttft"]["median_ms"], "tpot_median_ms": s["tpot"]["median_ms"],
+            "itl_median_ms": s["itl"]["median_ms"], "itl_p99_ms": s["itl"]["p99_ms"],
+            "failed": s["failed"]}
+
+
 def format_summary(s: dict, title: str) -> str:
     lines = [title,
              f"  completed {s['completed']}, failed {s['failed']} in {s['duration_s']:.2f} s",
@@ -202,10 +218,10 @@ def run_serve_bench(args, engine_args: dict, command: str) -> int:
                              num_prompts=args.num_prompts, dataset=args.dataset, input_len=args.input_len,
                              output_len=args.output_len, seed=args.seed)
     requests = workload.requests
-    proc = None
+    proc, phase = None, None
     url = args.base_url
+    load_before = load_average()
     if url is None:
-        phase = None
         if args.phases is not None:
             from .harness import parse_phases
             phase_list = parse_phases(args.phases)
@@ -228,6 +244,9 @@ def run_serve_bench(args, engine_args: dict, command: str) -> int:
     summary = summarize(results, duration, goodput)
     summary.update(command=command, base_url=args.base_url or "built-in", request_rate=args.request_rate,
                    num_prompts=len(requests), model=model_path.name)
+    summary.update(machine=dict(machine_info(torch.device("cpu")), load_average_1min_before=load_before,
+                                load_average_1min_after=load_average()),
+                   rows=[table_row(summary, args.base_url or f"phase {phase or 'newest'}'s server")])
     print(format_summary(summary, f"tinyvllm bench serve: {len(requests)} requests at "
                                   f"{args.request_rate} req/s against {summary['base_url']}"))
     if args.json_path:
