@@ -158,7 +158,9 @@ def make_tiny_family(folder: str | os.PathLike, architecture: str, *, hidden_siz
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok_json, eos_id, vocab_size = _byte_level_tokenizer_json(vocab_size)
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    # Gemma 3's text-only model has a config of its own (Gemma3Config is the one with vision)
+    config_class = getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+        architecture, architecture.replace("ForCausalLM", "Config")))
     if head_dim is not None:
         config_fields["head_dim"] = head_dim
     config = config_class(

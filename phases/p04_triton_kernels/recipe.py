@@ -96,6 +96,9 @@ def make_attention(setup: EngineSetup, parts: Parts):
     backend = attention_backend(setup)
     if setup.config.batch_invariant or backend == "torch":
         return PHASE3.attention(setup, parts)
+    # the kernels below attend to every earlier token: a sliding window takes PyTorch's path
+    setup.model_config.refuse_windows(setup.max_model_len, f"phase 4's {backend} attention kernel",
+                                      "pass attention_backend='torch'")
     if backend == "triton":
         return partial(TritonPagedAttention, parts.kv_cache)
     # prefill's attention in bfloat16 where the engine multiplies in bfloat16 and it was measured
