@@ -20,13 +20,12 @@ written (transformers writes it), else the family's rule above.
 (Every family reads config.json's `head_dim`, else hidden / heads: Qwen3-0.6B sets 128 where
 1024 / 16 would give 64.)
 
-So each family here is an `Architecture`: the switches, and how to read them (and the family's
-sliding window, if it has one) from config.json. vLLM keeps one model file per family and a
+So each family here is an `Architecture`: the switches, and how to read them (and which of the
+family's layers attend in a sliding window) from config.json. vLLM keeps one model file per family and a
 registry from the `architectures` name to its class (vllm/model_executor/models/registry.py);
 families this close share most of a file there too (Qwen3's attention reuses Qwen2's pieces).
-To add a family: write its `Architecture` below; if it needs more than these switches (Gemma's
-`1 + weight` norms, a different activation, partial rotary), add a switch to the model and to
-the phases that rewrite its layers (phase 7's fused decode forward, phase 8's sharding)
+To add a family: write its `Architecture` below; if it needs more than these switches (partial
+rotary, say), add a switch to the model and to the phases that rewrite its layers (phase 7's fused decode forward, phase 8's sharding)
 (docs/models.md walks through it).
 """
 
