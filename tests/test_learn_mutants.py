@@ -253,6 +253,21 @@ MUTANTS = [
            "                pass", r"the request a stop string ended in the front"),
     Mutant("front_outputs", "finished only when the core says so", "        if finished:\n            del self._open",
            "        if delta.finished:\n            del self._open", r"the request a stop string ended in the front"),
+    # -- phase 11 --------------------------------------------------------------------------------
+    Mutant("first_needed_block", "the window one key short", "num_computed - self.sliding_window + 1",
+           "num_computed - self.sliding_window + 2", r"a query at position 10 sees keys 3\.\.10 .*its first block is 0, got 1"),
+    Mutant("first_needed_block", "the window one key long", "num_computed - self.sliding_window + 1",
+           "num_computed - self.sliding_window", r"a query at position 11 sees keys 4\.\.11 .*its first block is 1, got 0"),
+    Mutant("first_needed_block", "below 0 not clamped", "max(0, num_computed - self.sliding_window + 1)",
+           "(num_computed - self.sliding_window + 1)", r"a query at position 0 sees keys 0\.\.0 .*its first block is 0, got -2"),
+    Mutant("hit_length", "the window asked for every block", "hits[group.spec.first_needed_block(h * group.spec.block_size): h]",
+           "hits[:h]", r"a window needs only its own blocks cached"),
+    Mutant("hit_length", "one pass over the groups", "                changed = True\n", "",
+           r"a hit length is one every group serves"),
+    Mutant("remove_skipped_blocks", "the blocks nulled, not given back", "            self.release_block(table.block_ids[i])\n",
+           "", r"the pool has \d+ blocks in use"),
+    Mutant("remove_skipped_blocks", "the last block before the window kept", "i = spec.first_needed_block(table.num_tokens) - 1",
+           "i = spec.first_needed_block(table.num_tokens) - 2", r"the pool has \d+ blocks in use"),
 ]
 
 

@@ -66,8 +66,8 @@ def generate(llm, max_tokens: int = 12, n: int = 3) -> list[list[int]]:
 
 def test_first_needed_block():
     spec = SlidingWindowSpec(BLOCK, WINDOW)
-    # the query at p sees p - 7 .. p: at 8, keys 1..8 (block 0 still read); at 11, keys 4..11
-    for num_computed, want in ((0, 0), (7, 0), (8, 0), (11, 1), (12, 1), (15, 2), (40, 8)):
+    # the query at p sees p - 7 .. p: at 10, keys 3..10 (block 0 still read); at 11, keys 4..11
+    for num_computed, want in ((0, 0), (7, 0), (10, 0), (11, 1), (14, 1), (15, 2), (40, 8)):
         got = spec.first_needed_block(num_computed)
         assert got == want, (f"a query at position {num_computed} sees keys {max(0, num_computed - WINDOW + 1)}.."
                              f"{num_computed} (window {WINDOW}): its first block is {want}, got {got}")
@@ -93,6 +93,10 @@ def test_hit_length():
         "a hit length is one every group serves: the full group stops at 3, where the window's blocks 1-2 are missing"
     hits = [[True] * 3 + [False] * 3, [False] + [True] * 5]
     assert hit_length([full, window], hits, 6) == 3, "the full group's 3 blocks, and the window's blocks 1-2 at 3"
+    # the window first: it serves 6, the full group only 3, where the window's blocks 1-2 are missing
+    hits = [[False] * 4 + [True] * 2, [True] * 3 + [False] * 3]
+    assert hit_length([window, full], hits, 6) == 0, \
+        "a hit length is one every group serves: at the full group's 3 the window's blocks 1-2 are missing"
     assert hit_length([window], [[False, True, True, False, True, True]], 6) == 6
     assert hit_length([window], [[True, True, True, True, True, False]], 6) == 5
 
@@ -126,10 +130,12 @@ def test_a_long_request_holds_the_window_not_the_context(folders):
         engine.step()
         if seq is not None and seq.num_computed_tokens > 40:   # decoding
             n = seq.num_computed_tokens
-            held = manager.num_blocks_held(seq.block_table)
+            held = manager.num_used_blocks - 1            # the one request's, and the null block
             limit = cdiv(n, BLOCK) + 2 * (cdiv(WINDOW, BLOCK) + 1)
-            assert held <= limit, (f"at {n} tokens the request holds {held} blocks; its full group needs "
-                                   f"{cdiv(n, BLOCK)} and each of its 2 windowed groups at most {cdiv(WINDOW, BLOCK) + 1}")
+            assert held <= limit, (f"at {n} tokens of its one request the pool has {held} blocks in use; its full "
+                                   f"group needs {cdiv(n, BLOCK)} and each of its 2 windowed groups at most "
+                                   f"{cdiv(WINDOW, BLOCK) + 1}")
+            assert manager.num_blocks_held(seq.block_table) == held, "the request's tables hold what the pool lent"
             worst = max(worst, held)
     assert worst >= cdiv(64, BLOCK), "the full group's blocks are held"
 
