@@ -65,8 +65,6 @@ def make_allocator(setup: EngineSetup, parts: Parts) -> BlockAllocator:
 
 def make_attention(setup: EngineSetup, parts: Parts):
     if setup.config.batch_invariant:
-        setup.model_config.refuse_windows(setup.max_model_len, "batch_invariant=True: phase 3's batch-invariant "
-                                          "attention kernel", "leave batch_invariant off")
         return partial(BatchInvariantAttention, parts.kv_cache)
     return PHASE2.attention(setup, parts)
 
