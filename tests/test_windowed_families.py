@@ -100,9 +100,12 @@ def test_every_phase_gives_transformers_tokens_past_the_window(phase, family, fo
     if phase == 3:   # the same prompts again: prefix hits past the window, still transformers' tokens
         llm = LLM(str(path), phase=3, block_size=4, num_kv_blocks=64)
         assert generate(llm) == generate(llm) == hf_greedy(path)
-        # batch_invariant=True: its C kernel reads each query's window, in the same order every time
-        llm = LLM(str(path), phase=3, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, batch_invariant=True)
-        assert generate(llm) == hf_greedy(path)
+        from phases.p03_continuous_batching.batch_invariant import KERNELS
+
+        if KERNELS.available():   # batch_invariant=True: its C kernel reads each query's window
+            llm = LLM(str(path), phase=3, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+                      batch_invariant=True)
+            assert generate(llm) == hf_greedy(path)
 
 
 def test_two_ranks_give_transformers_tokens_past_the_window(folder):
