@@ -22,6 +22,7 @@ PHASES: dict[int, str] = {
     7: "phases.p07_cuda_graphs",
     8: "phases.p08_tensor_parallel",
     9: "phases.p09_engine_core",
+    10: "phases.p10_kv_tiers",
     11: "phases.p11_hybrid_kv",
 }
 

@@ -643,6 +643,32 @@ def test_prefix_workload_cold_against_cached(tiny_model_dir, tmp_path):
     assert (tmp_path / "prefix.png").read_bytes()[:8] == PNG_SIGNATURE
 
 
+def test_offload_workload_cycles_distinct_prefixes_through_a_tier(tiny_model_dir):
+    """Each prefix once per pass, a suffix of its own each time; cold is the first pass. Through a
+    pool of 7 blocks (under two of these prompts), phase 10's tier finds what phase 9 evicted."""
+    w = workload_for(tiny_model_dir, "offload", num_prompts=3, prefix_len=12, passes=3, input_len="2",
+                     output_len="1")
+    assert w.sequential and w.num_requests == 9 and w.params["passes"] == 3
+    prefixes = [r.prompt_token_ids[:12] for r in w.requests]
+    assert len(set(prefixes)) == 3 and prefixes[:3] == prefixes[3:6] == prefixes[6:]
+    assert len({r.prompt_token_ids[12:] for r in w.requests}) == 9
+    for passes in (1, True):
+        with pytest.raises(ValueError, match="--passes must be"):
+            workload_for(tiny_model_dir, "offload", passes=passes)
+    with pytest.raises(ValueError, match="--passes applies to the offload workload only"):
+        workload_for(tiny_model_dir, "prefix", passes=2)
+    tier = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22}}
+    runners = load_runners(str(tiny_model_dir), [9, 10], dict(block_size=4, num_kv_blocks=8, kv_transfer_config=tier), [])
+    report = bench(w, runners, repeat=1)
+    e9, e10 = report["engines"]
+    assert e9["skipped_engine_args"] == ["kv_transfer_config"]
+    assert e10["ttft_cold_s"] > 0 and e10["ttft_cached_s"] > 0
+    # the second and third passes load each prefix's 3 full blocks (12 tokens) from the tier
+    assert e10["prefix_cache_hits"] == 2 * 3 * 12 > e9["prefix_cache_hits"], (e10["prefix_cache_hits"],
+                                                                               e9["prefix_cache_hits"])
+
+
 def test_engine_runner_reports_its_own_tokens(tiny_model_dir):
     w = workload_for(tiny_model_dir, dataset="random", num_prompts=3, input_len="4-6", output_len="2-5")
     runner = EngineRunner(max(REGISTERED), str(tiny_model_dir), {})

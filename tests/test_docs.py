@@ -58,7 +58,7 @@ GLOSSARY_TERMS = ("KV cache", "Block", "Slot", "Block table", "Prefill", "Decode
                   "oneDNN", "fbgemm", "Warp", "Structured outputs", "Persistent batch",
                   "Operator dispatch", "Inductor", "GGUF", "Rejection sampling",
                   "Acceptance rate", "Perplexity", "Tensor parallelism", "All-reduce",
-                  "Custom operator", "Guard", "Engine core", "GIL")
+                  "Custom operator", "Guard", "Engine core", "GIL", "KV connector", "Offload tier")
 SOLUTION_TAG = "solution"
 
 

@@ -29,7 +29,9 @@ ASKING_VALUES: dict = {
     "kv_cache_dtype": "int8", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3},
     "cudagraph_capture_sizes": [1, 2], "compilation_mode": 1, "tensor_parallel_size": 2,
     "nnodes": 2, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29600,
-    "disable_log_stats": False,
+    "disable_log_stats": False, "async_scheduling": True,
+    "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22}},
 }
 NO_ASKING_VALUE = {"enable_chunked_prefill", "enable_prefix_caching", "enforce_eager", "check_kernels"}
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

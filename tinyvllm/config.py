@@ -248,6 +248,12 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 29501
+    # phase 9: the engine core schedules step N+1 while step N's model runs (vLLM's name; None:
+    # the platform's default, `platform.async_scheduling_default`: on a GPU, not on a CPU)
+    async_scheduling: bool | None = None
+    # phase 10: a KV connector (vLLM's KVTransferConfig as a dict): {"kv_connector": name,
+    # "kv_role": ..., "kv_connector_extra_config": {...}}; None: no connector
+    kv_transfer_config: dict | None = None
     # front door
     disable_log_stats: bool = True
 
@@ -281,8 +287,9 @@ class EngineConfig:
                      "disable_log_stats"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.check_kernels is not None and not isinstance(self.check_kernels, bool):
-            raise TypeError(f"check_kernels must be a bool or None, got {self.check_kernels!r}")
+        for name in ("check_kernels", "async_scheduling"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool or None, got {getattr(self, name)!r}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("quantization", self.quantization, QUANTIZATIONS)
         _check_choice("quantization_group_size", self.quantization_group_size, (None, *QUANTIZATION_GROUP_SIZES))
@@ -294,6 +301,8 @@ class EngineConfig:
                              f"got {self.compilation_mode!r}")
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise TypeError(f"speculative_config must be a dict or None, got {self.speculative_config!r}")
+        if self.kv_transfer_config is not None and not isinstance(self.kv_transfer_config, dict):
+            raise TypeError(f"kv_transfer_config must be a dict or None, got {self.kv_transfer_config!r}")
         sizes = self.cudagraph_capture_sizes
         if sizes is not None:
             if not isinstance(sizes, (list, tuple)) or not sizes:
@@ -326,6 +335,7 @@ NEUTRAL_ENGINE_ARG_VALUES: dict[str, tuple] = {
     "enable_chunked_prefill": (False,),
     "attention_backend": ("torch",),
     "check_kernels": (True, False),   # phase 1 has no kernel that indexes a pool: checked either way
+    "async_scheduling": (False,),     # a phase before 9 steps synchronously
 }
 
 

@@ -223,6 +223,15 @@ def check_kernels_default(check_kernels: bool | None, device_type: str) -> bool:
     return bool(switch) if switch is not None else device_type == "cpu"
 
 
+def async_scheduling_default(async_scheduling: bool | None, device_type: str) -> bool:
+    """Whether phase 9's engine core schedules the next step while this one's model runs
+    (`async_scheduling`): as asked, else on a GPU (vLLM's default, where the host's work would
+    leave the device idle; not measured here) and not on a CPU, where the forward already keeps
+    every core busy and the loop's Python cannot hide behind it: measured as a loss there, on
+    the default model and more on a tiny one (lab note 9, `tools/loop_profile.py`)."""
+    return device_type != "cpu" if async_scheduling is None else async_scheduling
+
+
 def engine_core_process() -> bool:
     """Whether an engine whose recipe has a front end (phase 9 on) runs its engine core in a
     process of its own: yes, unless $TINYVLLM_ENABLE_MULTIPROCESSING is 0 (vLLM's

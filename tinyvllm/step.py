@@ -33,12 +33,15 @@ class SchedulerOutput:
     spec_draft_probs: for drafts a model drew, the (k, V) probabilities they were drawn from;
         None (or absent) for drafts that were certain, such as n-gram lookups.
     preempted: sequences that gave back their blocks this step, to be recomputed later.
+    kv_connector_metadata: what a KV connector's scheduler side tells its worker side about this
+        step (which blocks to load into the pool, which to save out of it); None without one.
     """
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     spec_token_ids: dict[Sequence, list[int]] = field(default_factory=dict)
     spec_draft_probs: dict[Sequence, torch.Tensor | None] = field(default_factory=dict)
     preempted: list[Sequence] = field(default_factory=list)
+    kv_connector_metadata: object | None = None
 
     @property
     def num_batched_tokens(self) -> int:

@@ -157,9 +157,7 @@ class InputBatch:
             self.remove(seq_id)
         rows = []
         for s in seqs:
-            if s.seq_id in self.row_of:
-                self.update(s)
-                rows.append(self.row_of[s.seq_id])
-            else:
-                rows.append(self.add(s))
+            self.update(s) if s.seq_id in self.row_of else self.add(s)
+            rows.append(self.row_of[s.seq_id])
+            self.seqs[rows[-1]] = s   # the object this step's plan holds for the request
         return rows

@@ -11,9 +11,9 @@ vllm/v1/engine/core.py): take every input message (waiting for one only when no 
 add and abort requests, step, send each request's new tokens. A message that does not decode is
 refused and logged by its reason (`serial.BadMessage`), and the front is told (`Refused`); it is
 never run. A step that fails (`StepError`) fails its requests only (`Failed`), and the loop goes
-on. The step is the seam of asynchronous scheduling: running the next step's schedule while this
-one's model runs (vLLM's `step_with_batch_queue`) replaces `self.step_once()` here, and nothing
-around it changes.
+on. With `async_scheduling` the step is a `BatchQueue`'s (batch_queue.py, vLLM's
+`step_with_batch_queue`): the next step is scheduled while this one's model runs, two batches in
+flight; without, it is `Engine.step`. Nothing around it changes.
 
 Where the text is made: in the front, as in vLLM (its core sends token ids; `OutputProcessor`
 detokenizes and applies stop strings, vllm/v1/engine/output_processor.py). The core's engine is
@@ -52,6 +52,8 @@ from tinyvllm.errors import StepError
 from tinyvllm.outputs import RequestOutput
 
 from . import serial
+from .async_scheduler import AsyncScheduler
+from .batch_queue import BatchQueue
 from .serial import (Abort, AddRequest, BadMessage, Failed, Outputs, Ready, Refused, RequestDelta, SeqDelta,
                      Shutdown, Utility, UtilityResult)
 
@@ -85,6 +87,9 @@ class EngineCoreProc:
         self.sent: dict[str, tuple[list[int], int]] = {}   # request id -> (tokens sent per seq, prompt logprobs sent)
         self.snapshot_sent_at = 0.0
         self.state_changed = True
+        # the step: two batches in flight where the scheduler can plan ahead, else Engine.step
+        self.batch_queue = BatchQueue(engine) if isinstance(engine.scheduler, AsyncScheduler) else None
+        self.step = self.batch_queue.step if self.batch_queue is not None else engine.step
         self.utilities = {   # the calls a Utility message may make: these, never any name it brings
             "check_request": self.check_request,
             "get_stats": engine.get_stats,
@@ -106,7 +111,7 @@ class EngineCoreProc:
             if self.stopping:
                 break
             if engine.has_unfinished_requests():
-                self.step_once()   # asynchronous scheduling: a batch queue of two steps goes here
+                self.step_once()
             self.send_snapshot_if_due()
 
     def take_inputs(self, wait: bool) -> None:
@@ -203,7 +208,7 @@ class EngineCoreProc:
     def step_once(self) -> None:
         engine = self.engine
         try:
-            outputs = engine.step()
+            outputs = self.step()
         except StepError as e:             # its requests are aborted; the others go on
             self.fail(e.request_ids, str(e))
             return
@@ -216,7 +221,8 @@ class EngineCoreProc:
         if (self.state_changed or any(out.finished for out in outputs) or not engine.has_unfinished_requests()
                 or time.monotonic() - self.snapshot_sent_at >= SNAPSHOT_EVERY_S):
             snapshot = self.take_snapshot()
-        self.send(Outputs([self.delta(out) for out in outputs], snapshot))
+        if outputs or snapshot is not None:   # a batch queue's first step returns none
+            self.send(Outputs([self.delta(out) for out in outputs], snapshot))
 
     def fail(self, request_ids: list[str], message: str) -> None:
         for rid in request_ids:
@@ -288,7 +294,7 @@ def core_main(ipc_dir: str, parent_pid: int, make_engine) -> int:
     in_path, out_path = socket_paths(ipc_dir)
     inputs.connect(in_path)
     outputs.connect(out_path)
-    engine, code = None, 0
+    engine, core, code = None, None, 0
     try:
         try:
             engine = make_engine()
@@ -307,6 +313,8 @@ def core_main(ipc_dir: str, parent_pid: int, make_engine) -> int:
             outputs.send(serial.encode(Failed(ids, "fatal", f"{type(e).__name__}: {e}")))
             code = 1
     finally:
+        if core is not None and core.batch_queue is not None:
+            core.batch_queue.close()
         if engine is not None:
             engine.shutdown()
         inputs.close(), outputs.close()

@@ -104,18 +104,28 @@ def test_the_core_runs_in_a_child_process(llm9):
     assert ipc_dir.stat().st_mode & 0o777 == 0o700   # no other user reaches the sockets
 
 
-@pytest.mark.parametrize("split", ["1", "0"])
+@pytest.mark.parametrize("split", ["1", "0", "1-async"])
 def test_phase9_gives_phase8_s_outputs(split, tiny_model_dir, llm9, monkeypatch):
     """Greedy and seeded tokens, logprobs, prompt logprobs, stop strings and ids, n=2: equal to
-    phase 8's, through the process split and without it."""
-    want = LLM(str(tiny_model_dir), phase=8, num_kv_blocks=64, block_size=4).generate(PROMPTS, MIXED)
+    phase 8's, through the process split and without it, and with the core two steps ahead
+    (`async_scheduling`; a request with prompt logprobs steps synchronously while it lives; batch
+    invariant, as running ahead changes which rows share a step, test_p09_async.py)."""
+    args = dict(num_kv_blocks=64, block_size=4, batch_invariant=split == "1-async")
+    llm8 = LLM(str(tiny_model_dir), phase=8, **args)
+    want = llm8.generate(PROMPTS, MIXED)
     if split == "1":
         llm = llm9
+    elif split == "1-async":
+        llm = LLM(str(tiny_model_dir), phase=9, async_scheduling=True, **args)
     else:
         monkeypatch.setenv("TINYVLLM_ENABLE_MULTIPROCESSING", "0")
         llm = LLM(str(tiny_model_dir), phase=9, num_kv_blocks=64, block_size=4)
         assert type(llm.llm_engine).__name__ == "Engine" and llm.llm_engine.phase == 9
     got = llm.generate(PROMPTS, MIXED)
+    if split == "1-async":
+        got += llm.generate(PROMPTS, MIXED[1:] + MIXED[:1])   # and again, the requests in other places
+        want += llm8.generate(PROMPTS, MIXED[1:] + MIXED[:1])
+        llm.llm_engine.shutdown()
     assert _summary(got) == _summary(want)
     assert _logprob_values(got) == pytest.approx(_logprob_values(want), rel=1e-5, abs=1e-5)
     assert got[2].outputs[0].stop_reason in ("a", "e")   # a stop string ended one (in the front, with the split)
@@ -166,8 +176,9 @@ def test_ngram_drafts_and_structured_outputs_through_the_split(tiny_model_dir):
               SamplingParams(temperature=0.7, seed=5, max_tokens=10, structured_outputs={"choice": ["yes", "no"]}),
               SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]
     runs = {}
-    for phase in (8, 9):
-        llm = LLM(str(tiny_model_dir), phase=phase, speculative_config=spec, num_kv_blocks=64)
+    for phase in (8, 9):   # phase 9 asked to run ahead: it steps synchronously (drafts need the last token)
+        extra = dict(async_scheduling=True) if phase == 9 else {}
+        llm = LLM(str(tiny_model_dir), phase=phase, speculative_config=spec, num_kv_blocks=64, **extra)
         outs = llm.generate(PROMPTS, params)
         runs[phase] = [(o.outputs[0].token_ids, o.outputs[0].text, o.metrics.spec_num_draft_tokens,
                         o.metrics.spec_num_accepted_tokens) for o in outs]
@@ -305,8 +316,14 @@ def test_a_step_that_fails_in_the_core_fails_its_requests_only(tiny_model_dir, m
         core.take_inputs(wait=True)
         execute = engine.runner.execute
         monkeypatch.setattr(engine.runner, "execute", lambda plan: (_ for _ in ()).throw(_BatchFails("boom")))
-        core.step_once()
-        failed = decode(front_in.recv())
+        failed = None
+        for _ in range(3):   # with two batches in flight, the first step only submits its batch
+            core.step_once()
+            while failed is None and front_in.poll(0):
+                message = decode(front_in.recv())
+                failed = message if isinstance(message, Failed) else None
+            if failed is not None:
+                break
         assert isinstance(failed, Failed) and failed.request_ids == ["a"] and "_BatchFails: boom" in failed.message
         monkeypatch.setattr(engine.runner, "execute", execute)
         while engine.has_unfinished_requests():

@@ -3,10 +3,10 @@
 from tinyvllm.testing import WIDE_TINY_LLAMA_COMMAND as WIDE_CMD
 from tinyvllm.testing import ThroughputCheckpoint
 
-# The engine core in a process of its own pays for itself with asynchronous scheduling (not
-# built yet); the split alone must cost nothing that shows: the core steps without waiting for
-# the front, which reads the outputs while the next step runs. A decode batch of 32 on the wide
-# tiny model, whose steps of a few milliseconds show a per-step cost of the messages at once.
+# The split must cost nothing that shows: the core steps without waiting for the front, which
+# reads the outputs while the next step runs. A decode batch of 32 on the wide tiny model, whose
+# steps of a few milliseconds show a per-step cost of the messages at once. Asynchronous
+# scheduling is off here, as on every CPU by default (`platform.async_scheduling_default`).
 THROUGHPUT_CHECKPOINTS = (
     ThroughputCheckpoint(
         name="decode of 32 sequences, the engine core in its own process against phase 8 in one",

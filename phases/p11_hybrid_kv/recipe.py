@@ -1,8 +1,8 @@
-"""Phase 11's recipe: phase 9's, with a KV cache whose layers may need different blocks.
+"""Phase 11's recipe: phase 10's, with a KV cache whose layers may need different blocks.
 
 For a model with a sliding window shorter than max_model_len (Gemma 3, windowed Mistral and
 Qwen2), the parts that hold and hand out blocks are new; for any other model every part is
-phase 9's.
+phase 10's.
 
     kv_cache    `HybridKVCache`: one pool of blocks shared by the groups of layers
                 (kv_cache_interface.py: a spec per layer, layers of one spec grouped)
@@ -13,8 +13,9 @@ phase 9's.
     scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
     model       phase 6's (eager): the static decode step of phase 7 attends to every token
 
-Refused by name for such a model: speculative decoding, a quantized KV cache, several ranks and
-batch invariance (their parts hold one table per sequence).
+Refused by name for such a model: speculative decoding, a quantized KV cache, several ranks,
+batch invariance, a KV connector and asynchronous scheduling (their parts hold one table per
+sequence, or wrap a scheduler that does).
 """
 
 from __future__ import annotations
@@ -25,14 +26,15 @@ from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.kv_cache import num_kv_blocks
 from phases.p03_continuous_batching.recipe import max_num_batched_tokens
 from phases.p06_speculative_decoding import RECIPE as PHASE6
-from phases.p09_engine_core import RECIPE as PHASE9
+from phases.p10_kv_tiers import RECIPE as PHASE10
+from tinyvllm import platform
 
 from .hybrid_attention import HybridAttention, HybridKVCache, bytes_per_block
 from .kv_cache_interface import group_layers, layer_specs
 from .kv_cache_manager import HybridKVCacheManager
 from .scheduler import HybridModelRunner, HybridScheduler
 
-PREVIOUS = PHASE9   # the phase this one extends
+PREVIOUS = PHASE10   # the phase this one extends
 
 
 def is_hybrid(setup: EngineSetup) -> bool:
@@ -48,10 +50,13 @@ def check_hybrid(setup: EngineSetup) -> None:
     if not is_hybrid(setup):
         return
     c, w = setup.config, setup.model_config.sliding_window
+    asynchronous = platform.async_scheduling_default(c.async_scheduling, setup.device.type)
     for name, value, default in (("speculative_config", c.speculative_config, None),
                                  ("kv_cache_dtype", c.kv_cache_dtype, "auto"),
                                  ("tensor_parallel_size", c.tensor_parallel_size, 1),
-                                 ("batch_invariant", c.batch_invariant, False)):
+                                 ("batch_invariant", c.batch_invariant, False),
+                                 ("kv_transfer_config", c.kv_transfer_config, None),
+                                 ("async_scheduling", asynchronous, False)):
         if value != default:
             raise ValueError(f"{name}={value!r}: phase 11 runs a model with a sliding window "
                              f"(sliding_window={w}, shorter than max_model_len={setup.max_model_len}) "

@@ -53,6 +53,12 @@ ENGINE_ARG_HELP = {
                  "their ranks: tinyvllm serve ... --node-rank N --headless)",
     "master_addr": "node 0's address, where every host's ranks meet (phase 8 with --nnodes > 1)",
     "master_port": "the port on --master-addr where the ranks meet (default 29501)",
+    "async_scheduling": "the engine core schedules the next step while this one's model runs "
+                        "(phase 9; default: on a GPU, not on a CPU, where it measured as a loss); "
+                        "--no-async-scheduling steps one at a time",
+    "kv_transfer_config": "a KV connector, as JSON, e.g. '{\"kv_connector\": \"OffloadingConnector\", "
+                          "\"kv_role\": \"kv_both\", \"kv_connector_extra_config\": {\"cpu_bytes_to_use\": "
+                          "1073741824}}' (phase 10)",
     "compilation_mode": "1: compile the decode step with torch.compile on a CPU before the first "
                         "request (phase 7; the first start compiles for a minute, later ones read "
                         "$TINYVLLM_CACHE/inductor); 0: eager; default: on a CPU, once the engine has "

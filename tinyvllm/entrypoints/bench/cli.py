@@ -33,7 +33,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("workload", nargs="?", default="throughput",
                    choices=(*WORKLOADS, "kernels", "accuracy", "serve"),
                    help="throughput (many requests at once), latency (one request: TTFT, TPOT), "
-                        "prefix (a shared system prompt: TTFT cold vs cached), kernels (the attention "
+                        "prefix (a shared system prompt: TTFT cold vs cached), offload (distinct long prefixes, "
+                        "cycled --passes times through a pool too small for them: TTFT cold vs cached), kernels (the attention "
                         "kernels alone, against the memory bandwidth), accuracy (perplexity, KL "
                         "divergence and top-1 agreement of quantized or bfloat16 engines against float32), serve "
                         "(a load test of an OpenAI-compatible server); default throughput")
@@ -73,7 +74,12 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                    help="output tokens per request, N or LO-HI, exact (ignore_eos) "
                         f"(defaults: {per_workload('output_len')})")
     w.add_argument("--prefix-len", type=int, default=None,
-                   help=f"tokens of the shared prefix (prefix workload; default {DEFAULTS['prefix']['prefix_len']})")
+                   help=f"tokens of the shared prefix (prefix workload; default {DEFAULTS['prefix']['prefix_len']}), "
+                        f"or of each prefix (offload, whose --num-prompts counts prefixes; "
+                        f"default {DEFAULTS['offload']['prefix_len']})")
+    w.add_argument("--passes", type=int, default=None,
+                   help=f"offload: how many times each prefix is sent, every prefix once per pass "
+                        f"(default {DEFAULTS['offload']['passes']})")
     w.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
 
     s = p.add_argument_group("serve: a load test of an OpenAI-compatible server (tinyvllm/entrypoints/bench/serve.py)")
@@ -142,7 +148,7 @@ def run_bench_command(args: argparse.Namespace, argv: list[str] | None = None) -
     vocab_size = ModelConfig.from_pretrained(model_path).vocab_size
     workload = make_workload(args.workload, tokenizer, vocab_size, num_prompts=args.num_prompts,
                              dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
-                             prefix_len=args.prefix_len, seed=args.seed)
+                             prefix_len=args.prefix_len, passes=args.passes, seed=args.seed)
     engine_names = [f"phase{p}" for p in phase_list] + args.vs
     print(f"tinyvllm bench {workload.name}: {workload.describe()}; engines: {', '.join(engine_names)}",
           file=sys.stderr)

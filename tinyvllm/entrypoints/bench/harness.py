@@ -280,7 +280,8 @@ def run_bench(workload: Workload, runners: list, *, model_name: str, repeat: int
         roof = decode_roofline(limits, model_config, r.weight_bytes,
                                kv_bytes_per_token(model_config, r.kv_bytes_per_element), batch, context)
         entry = summarize(r.name, r.describe(), results[r.name], roof.to_dict(), workload.sequential,
-                          used[r.name], spread_limit)
+                          used[r.name], spread_limit,
+                          num_cold=workload.num_requests // workload.params.get("passes", workload.num_requests))
         load_s = getattr(r, "load_s", None)
         if load_s is not None:  # start-up: LLM() (or from_pretrained), then the first request's first token
             entry["startup"] = dict(load_s=load_s, first_token_s=load_s + first_ttft[r.name],

@@ -78,9 +78,11 @@ def closest_rounds(tok_per_s: list[float], n: int) -> list[int]:
 
 
 def summarize(name: str, info: dict, runs: list[RunResult], roofline: dict, sequential: bool,
-              used: list[int] | None = None, spread_limit: float = ROUNDS_SPREAD_LIMIT) -> dict:
+              used: list[int] | None = None, spread_limit: float = ROUNDS_SPREAD_LIMIT,
+              num_cold: int = 1) -> dict:
     """One engine's entry of the report: the median of every number over the rounds `used`
-    (indices into `runs`; default all of them), whether those rounds agree (`rounds_agree`:
+    (indices into `runs`; default all of them), TTFT cold (the first `num_cold` requests of a
+    sequential workload) against cached (the rest), whether those rounds agree (`rounds_agree`:
     their spread, `rounds_spread`, is at most `spread_limit`; None for one round), and every
     round run, each marked `used` or not."""
     used = list(range(len(runs))) if used is None else sorted(used)
@@ -103,8 +105,8 @@ def summarize(name: str, info: dict, runs: list[RunResult], roofline: dict, sequ
         dists = [distribution(getattr(r, key)) for r in runs]
         entry[key] = {stat: _median([d[stat] for d in dists]) for stat in ("mean", "median", "p99")}
     # One after another, the first request finds nothing cached; the others may hit the prefix.
-    entry["ttft_cold_s"] = med(lambda r: r.ttft_s[0]) if sequential else None
-    entry["ttft_cached_s"] = (med(lambda r: float(np.median(r.ttft_s[1:])))
+    entry["ttft_cold_s"] = med(lambda r: float(np.median(r.ttft_s[:num_cold]))) if sequential else None
+    entry["ttft_cached_s"] = (med(lambda r: float(np.median(r.ttft_s[num_cold:])))
                               if sequential and first.num_requests > 1 else None)
     for key in STATS_KEYS:
         entry[key] = _median([r.stats.get(key) for r in runs])
@@ -244,7 +246,7 @@ def format_table(report: dict) -> str:
          f"speedup = out tok/s over {report['ratios']['baseline']}'s, the numbers shown"),
         "",
     ]
-    prefix = w["name"] == "prefix"
+    prefix = w["name"] in ("prefix", "offload")
     ratios = speedups(report["engines"], report["ratios"]["baseline"])
     cols = [("engine", lambda e: e["label"]),
             ("out tok/s", lambda e: _fmt(e["output_tok_per_s"])),
@@ -373,7 +375,7 @@ def plot_report(report: dict) -> Figure:
     ax1.set_title("throughput (median; whiskers: min-max)", fontsize=10)
     ax1.margins(y=0.25)
 
-    if w["name"] == "prefix":
+    if w["name"] in ("prefix", "offload"):
         series = [("TTFT cold", [e["ttft_cold_s"] for e in engines]),
                   ("TTFT cached", [e["ttft_cached_s"] for e in engines])]
     else:

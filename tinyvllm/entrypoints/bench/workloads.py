@@ -12,6 +12,11 @@ Three workloads, after the three questions people ask of an inference engine:
 - `prefix`: requests that share a long system prompt, sent one after another. The first finds
   nothing cached (cold); the rest may reuse the shared prefix's KV (cached). Compare their TTFT,
   and read the prefix cache's hit rate.
+- `offload`: many distinct long prefixes, cycled through `passes` times (default 2), one request
+  after another: the first pass (cold) computes them, the later ones (cached) find them again, if
+  anything kept them. With a
+  KV pool that holds only a few, the prefix cache has evicted each before it comes back; an
+  offload tier past the pool (phase 10) still has it.
 
 Every request is a list of token ids, so every engine, ours or Hugging Face's, sees exactly the
 same input. The same seed gives the same requests, on any machine.
@@ -22,7 +27,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 
-WORKLOADS = ("throughput", "latency", "prefix")
+WORKLOADS = ("throughput", "latency", "prefix", "offload")
 DATASETS = ("chat", "random", "reuse")
 
 # What each workload uses when a flag is not given. Lengths are "N" or "LO-HI" (inclusive).
@@ -30,6 +35,8 @@ DEFAULTS: dict[str, dict] = {
     "throughput": dict(num_prompts=64, dataset="chat", input_len="128", output_len="32-128"),
     "latency": dict(num_prompts=1, dataset="random", input_len="128", output_len="128"),
     "prefix": dict(num_prompts=8, dataset="random", input_len="32", output_len="16", prefix_len=512),
+    # num_prompts distinct prefixes, each sent `passes` times: passes * num_prompts requests
+    "offload": dict(num_prompts=64, dataset="random", input_len="16", output_len="4", prefix_len=1000, passes=2),
 }
 
 # The questions of the `chat` dataset, each wrapped in the model's chat template. Varied in
@@ -199,7 +206,7 @@ def usable_token_ids(vocab_size: int, special_ids: list[int]) -> list[int]:
 def make_workload(name: str, tokenizer, vocab_size: int, *, num_prompts: int | None = None,
                   dataset: str | None = None, input_len: str | int | None = None,
                   output_len: str | int | None = None, prefix_len: int | None = None,
-                  seed: int = 0) -> Workload:
+                  passes: int | None = None, seed: int = 0) -> Workload:
     """Build a workload's requests from the seed. Arguments left None take `DEFAULTS[name]`.
 
     `tokenizer` is a `tinyvllm.tokenizer.Tokenizer` (for the chat template and special tokens).
@@ -211,12 +218,18 @@ def make_workload(name: str, tokenizer, vocab_size: int, *, num_prompts: int | N
     d = DEFAULTS[name]
     if dataset is not None and dataset not in DATASETS:
         raise ValueError(f"--dataset must be one of {', '.join(DATASETS)}; got {dataset!r}")
-    if name == "prefix" and dataset in ("chat", "reuse"):
-        raise ValueError("--dataset: the prefix workload uses random tokens (a shared random prefix)")
+    if name in ("prefix", "offload") and dataset in ("chat", "reuse"):
+        raise ValueError(f"--dataset: the {name} workload uses random tokens (random prefixes)")
     if dataset in ("chat", "reuse") and input_len is not None:
         raise ValueError(f"--input-len applies to --dataset random; {dataset} prompts have their own lengths")
-    if prefix_len is not None and name != "prefix":
-        raise ValueError("--prefix-len applies to the prefix workload only")
+    if prefix_len is not None and name not in ("prefix", "offload"):
+        raise ValueError("--prefix-len applies to the prefix and offload workloads only")
+    if passes is not None and name != "offload":
+        raise ValueError("--passes applies to the offload workload only")
+    if name == "offload":
+        passes = d["passes"] if passes is None else passes
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 2:
+            raise ValueError(f"--passes must be an integer >= 2 (one cold, the rest cached); got {passes!r}")
     num_prompts = d["num_prompts"] if num_prompts is None else num_prompts
     if isinstance(num_prompts, bool) or not isinstance(num_prompts, int) or num_prompts < 1:
         raise ValueError(f"--num-prompts must be an integer >= 1; got {num_prompts!r}")
@@ -225,7 +238,7 @@ def make_workload(name: str, tokenizer, vocab_size: int, *, num_prompts: int | N
     dataset = dataset or d["dataset"]
     in_lo, in_hi = parse_len_range("--input-len", d["input_len"] if input_len is None else input_len)
     out_lo, out_hi = parse_len_range("--output-len", d["output_len"] if output_len is None else output_len)
-    if name == "prefix":
+    if name in ("prefix", "offload"):
         prefix_len = d["prefix_len"] if prefix_len is None else prefix_len
         if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 1:
             raise ValueError(f"--prefix-len must be an integer >= 1; got {prefix_len!r}")
@@ -243,6 +256,14 @@ def make_workload(name: str, tokenizer, vocab_size: int, *, num_prompts: int | N
         for _ in range(num_prompts):
             suffix = random_tokens(rng.randint(in_lo, in_hi))
             requests.append(BenchRequest(shared + suffix, rng.randint(out_lo, out_hi)))
+    elif name == "offload":
+        # each prefix: the salt slot, then prefix_len - 1 tokens of its own; sent once per pass,
+        # each time with a suffix of its own, every prefix of a pass before the next pass
+        prefixes = [(vocab[0],) + random_tokens(prefix_len - 1) for _ in range(num_prompts)]
+        for _ in range(passes):
+            for prefix in prefixes:
+                suffix = random_tokens(rng.randint(in_lo, in_hi))
+                requests.append(BenchRequest(prefix + suffix, rng.randint(out_lo, out_hi)))
     elif dataset in ("chat", "reuse"):
         for i in range(num_prompts):
             question = rng.choice(CHAT_QUESTIONS) if dataset == "chat" else reuse_prompt(rng, i % 3)
@@ -259,8 +280,10 @@ def make_workload(name: str, tokenizer, vocab_size: int, *, num_prompts: int | N
                   ignore_eos=True, temperature=0.0)
     if dataset == "random":
         params["input_len"] = [in_lo, in_hi]
-    if name == "prefix":
+    if name in ("prefix", "offload"):
         params["prefix_len"] = prefix_len
-    sequential = name in ("latency", "prefix")
+    if name == "offload":
+        params["passes"] = passes
+    sequential = name in ("latency", "prefix", "offload")
     params["submission"] = "one after another" if sequential else "all at once"
     return Workload(name, requests, sequential, params, tuple(vocab))

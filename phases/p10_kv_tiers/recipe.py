@@ -1,0 +1,80 @@
+"""Phase 10's recipe: phase 9's, with a KV connector where `kv_transfer_config` names one.
+
+    attention   `ConnectorAttention`: phase 9's, each layer of a step that moves blocks between
+                the connector worker side's `wait_for_layer_load` and `save_kv_layer`
+    runner      `ConnectorModelRunner`: phase 9's, between `start_load_kv` and `wait_for_save`
+    scheduler   `ConnectorScheduler`: phase 9's, the waiting requests' prefixes the tier holds
+                made prefix-cache hits first, the step's transfers on its plan after
+
+The connector is vLLM's OffloadingConnector: every block a step fills is saved to an offload tier
+(offload_store.py: a memory-mapped file of `cpu_bytes_to_use` bytes, least recently used out), and
+a request whose prefix the pool has evicted loads it from there instead of recomputing it. With
+kv_role "kv_producer" one engine only saves into a file and another, "kv_consumer", only loads
+from it: prefill in one engine, decode in the other. With `kv_transfer_config=None` (the default)
+every part is phase 9's.
+"""
+
+from __future__ import annotations
+
+from phases.p01_naive_attention import EngineSetup, Parts
+from phases.p09_engine_core import RECIPE as PHASE9
+
+from .connector import OffloadingConnectorScheduler, OffloadingConnectorWorker
+from .connector_parts import ConnectorAttention, ConnectorModelRunner, ConnectorScheduler
+from .kv_transfer import KVTransferConfig, model_fingerprint
+from .offload_store import OffloadStore
+
+
+def transfer_config(setup: EngineSetup) -> KVTransferConfig | None:
+    """The checked `kv_transfer_config` (None: no connector)."""
+    return KVTransferConfig.from_dict(setup.config.kv_transfer_config)
+
+
+def check_transfer(setup: EngineSetup) -> None:
+    if transfer_config(setup) is None:
+        return
+    c = setup.config
+    if not c.enable_prefix_caching:
+        raise ValueError("kv_transfer_config: the offload tier keeps the prefix cache's blocks; "
+                         "leave enable_prefix_caching=True")
+    if c.kv_cache_dtype != "auto":
+        raise ValueError(f"kv_transfer_config with kv_cache_dtype={c.kv_cache_dtype!r}: the tier keeps "
+                         f"float blocks only; leave kv_cache_dtype='auto'")
+    if c.tensor_parallel_size > 1:
+        raise ValueError(f"kv_transfer_config with tensor_parallel_size={c.tensor_parallel_size}: each rank "
+                         f"would need its own tier; use one rank")
+
+
+def make_attention(setup: EngineSetup, parts: Parts):
+    inner = PHASE9.attention(setup, parts)
+    config = transfer_config(setup)
+    if config is None:
+        return inner
+    kv = parts.kv_cache.kv    # (layers, 2, blocks, block_size, KV heads, head_dim)
+    identity = {"model": model_fingerprint(setup.model_path), "block_size": setup.config.block_size}
+    store = OffloadStore(config.cpu_bytes_to_use, (kv.shape[0], 2, *kv.shape[3:]), kv.dtype, identity,
+                         config.path, config.directory, config.kv_role)
+    if config.kv_role != "kv_both":
+        store.open()   # at start: a consumer whose producer's file is missing or another's is refused now
+    return ConnectorAttention(inner, OffloadingConnectorWorker(store, kv))
+
+
+def make_runner(setup: EngineSetup, parts: Parts):
+    inner = PHASE9.runner(setup, parts)
+    if not isinstance(parts.attention, ConnectorAttention):
+        return inner
+    return ConnectorModelRunner(inner, parts.attention.worker)
+
+
+def make_scheduler(setup: EngineSetup, parts: Parts):
+    inner = PHASE9.scheduler(setup, parts)
+    if not isinstance(parts.attention, ConnectorAttention):
+        return inner
+    worker = parts.attention.worker
+    return ConnectorScheduler(inner, OffloadingConnectorScheduler(worker.store, parts.allocator), worker)
+
+
+RECIPE = PHASE9.extend(
+    phase=10, engine_args={"kv_transfer_config"}, checks=(check_transfer,),
+    attention=make_attention, runner=make_runner, scheduler=make_scheduler,
+)
