@@ -186,3 +186,26 @@ def test_a_model_without_a_window_runs_phase_9s_parts(tiny_model_dir):
 
     llm = LLM(str(tiny_model_dir), phase=11, num_kv_blocks=32)
     assert not isinstance(llm.llm_engine.parts.allocator, HybridKVCacheManager)
+
+
+def test_a_gemma3_shaped_request_of_4096_tokens():
+    """The manager alone, Gemma 3's shape (five layers of window 512 to one global, blocks of 16):
+    a 4,096-token request, prefilled in chunks of 512 then decoded, holds at most the global
+    layers' blocks of its context and 512 / 16 + 1 for each windowed group, plus the null block:
+    3.6 times fewer than the 6 x 256 of a manager that keeps every layer's context."""
+    from phases.p03_continuous_batching import PrefixBlockTable
+    from phases.p11_hybrid_kv import HybridKVCacheManager
+
+    specs = ([SlidingWindowSpec(16, 512)] * 5 + [FullAttentionSpec(16)]) * 2    # 12 layers: groups of 2
+    manager = HybridKVCacheManager(4096, 16, group_layers(specs), max_chunk=512, enable_caching=False)
+    table = PrefixBlockTable()
+    for _ in range(8):                                       # the prompt, 8 chunks of 512
+        manager.allocate(table, 512)
+    for _ in range(64):                                      # 64 decode steps
+        manager.allocate(table, 1)
+        limit = cdiv(table.num_tokens, 16) + 5 * (512 // 16 + 1) + 1      # and the null block
+        used = manager.num_used_blocks
+        assert used <= limit, f"a request of {table.num_tokens} tokens holds {used} blocks of the pool, more than {limit}"
+    assert 6 * 256 / used > 3.5
+    manager.free(table)
+    assert manager.num_free_blocks == manager.num_blocks - 1
