@@ -124,9 +124,10 @@ def test_two_ranks_give_transformers_tokens_past_the_window(folder):
 
 
 @pytest.mark.parametrize("engine_args, part, instead", [
-    ({"phase": 4}, r"phase 4's (cpu|triton) attention kernel", "pass attention_backend='torch'"),
-    ({"phase": 7, "attention_backend": "torch"}, r"phase 7's static decode step", "pass enforce_eager=True"),
-    ({"phase": 5, "kv_cache_dtype": "int8"}, r"phase 5's (cpu|triton) attention over a quantized KV cache",
+    ({"phase": 4, "device": "cpu"}, r"phase 4's cpu attention kernel", "pass attention_backend='torch'"),
+    ({"phase": 7, "attention_backend": "torch", "device": "cpu"}, r"phase 7's static decode step",
+     "pass enforce_eager=True"),
+    ({"phase": 5, "kv_cache_dtype": "int8", "device": "cpu"}, r"phase 5's cpu attention over a quantized KV cache",
      "pass attention_backend='torch'"),
 ])
 def test_a_path_without_windows_refuses_a_windowed_model_by_name(engine_args, part, instead, folder):
