@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p09_engine_core import RECIPE as PHASE9
+from tinyvllm import platform
 
 from .connector import OffloadingConnectorScheduler, OffloadingConnectorWorker
 from .connector_parts import ConnectorAttention, ConnectorModelRunner, ConnectorScheduler
@@ -43,6 +44,10 @@ def check_transfer(setup: EngineSetup) -> None:
     if c.tensor_parallel_size > 1:
         raise ValueError(f"kv_transfer_config with tensor_parallel_size={c.tensor_parallel_size}: each rank "
                          f"would need its own tier; use one rank")
+    if platform.async_scheduling_default(c.async_scheduling, setup.device.type):
+        # the connector's record of a step assumes that step's transfers ended before the next is planned
+        raise ValueError("kv_transfer_config with async_scheduling: a step's loads and saves must end before "
+                         "the next step is scheduled; set async_scheduling=False")
 
 
 def make_attention(setup: EngineSetup, parts: Parts):

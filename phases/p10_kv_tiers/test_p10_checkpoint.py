@@ -367,6 +367,7 @@ def test_a_consumer_of_another_model_or_block_size_is_refused_at_start(change, e
     (dict(kv_transfer_config=tier(5000)), r"cpu_bytes_to_use=5000 holds no KV block"),
     (dict(kv_transfer_config=tier(), enable_prefix_caching=False), r"leave enable_prefix_caching=True"),
     (dict(kv_transfer_config=tier(), kv_cache_dtype="int8"), r"kv_cache_dtype='int8'"),
+    (dict(kv_transfer_config=tier(), async_scheduling=True), r"async_scheduling: a step's loads and saves must end"),
     (dict(kv_transfer_config="OffloadingConnector"), r"kv_transfer_config must be a dict"),
     (dict(kv_transfer_config=tier(), phase=9), r"phase 9 does not have this feature \(phase 10 is the first"),
 ])
