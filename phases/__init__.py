@@ -23,6 +23,7 @@ PHASES: dict[int, str] = {
     8: "phases.p08_tensor_parallel",
     9: "phases.p09_engine_core",
     10: "phases.p10_kv_tiers",
+    11: "phases.p11_hybrid_kv",
 }
 
 if os.environ.get("TINYVLLM_WORKSPACE"):  # a learner's copies of phases stand in (phases/workspace.py)

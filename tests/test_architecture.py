@@ -306,14 +306,15 @@ def _code_lines(path: Path) -> int:
 # teaches kernels for two kinds of device (Triton's on a GPU; on a CPU, C kernels for attention,
 # the products, the norms and AMX tiles), so it holds two sets of parts. Phase 7 holds three ways
 # to run one decode step (a CUDA graph, a compiled forward, one C call) around the persistent
-# batch, which checked mode also checks. Phase 8 runs over several hosts, where anything on the
+# batch, which checked mode also checks, and refuses by name a model none of them runs (a sliding
+# window, Gemma 3's layers). Phase 8 runs over several hosts, where anything on the
 # network reaches its rendezvous: every value there is signed for the run and every wait bounded
 # (rendezvous.py), beside the collectives the lesson is about. Phase 9 holds both sides of a
 # process boundary, the core's loop and the front's client with its output processing (the text
 # and its stop strings), and the typed records between them, every field of which is checked
 # before anything acts on it (serial.py); and the scheduler one step ahead of the model, with its
 # batch queue (async_scheduler.py, batch_queue.py).
-CODE_BUDGET = {"p04_triton_kernels": 800, "p07_cuda_graphs": 620, "p08_tensor_parallel": 800,
+CODE_BUDGET = {"p04_triton_kernels": 800, "p07_cuda_graphs": 625, "p08_tensor_parallel": 800,
                "p09_engine_core": 870}
 
 

@@ -286,6 +286,21 @@ MUTANTS = [
            r"layer 0's K/V of block 0 loaded back differ from the block saved"),
     Mutant("layer_load", "the layer not marked loaded", "        self.loaded.add(layer)\n", "",
            r"the loads of layers \[0, 1\] were not made before their attention ran"),
+    # -- phase 11 --------------------------------------------------------------------------------
+    Mutant("first_needed_block", "the window one key short", "num_computed - self.sliding_window + 1",
+           "num_computed - self.sliding_window + 2", r"a query at position 10 sees keys 3\.\.10 .*its first block is 0, got 1"),
+    Mutant("first_needed_block", "the window one key long", "num_computed - self.sliding_window + 1",
+           "num_computed - self.sliding_window", r"a query at position 11 sees keys 4\.\.11 .*its first block is 1, got 0"),
+    Mutant("first_needed_block", "below 0 not clamped", "max(0, num_computed - self.sliding_window + 1)",
+           "(num_computed - self.sliding_window + 1)", r"a query at position 0 sees keys 0\.\.0 .*its first block is 0, got -2"),
+    Mutant("hit_length", "the window asked for every block", "hits[group.spec.first_needed_block(h * group.spec.block_size): h]",
+           "hits[:h]", r"a window needs only its own blocks cached"),
+    Mutant("hit_length", "one pass over the groups", "                changed = True\n", "",
+           r"a hit length is one every group serves"),
+    Mutant("remove_skipped_blocks", "the blocks nulled, not given back", "            self.release_block(table.block_ids[i])\n",
+           "", r"the pool has \d+ blocks in use"),
+    Mutant("remove_skipped_blocks", "the last block before the window kept", "i = spec.first_needed_block(table.num_tokens) - 1",
+           "i = spec.first_needed_block(table.num_tokens) - 2", r"the pool has \d+ blocks in use"),
 ]
 
 

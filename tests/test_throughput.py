@@ -54,7 +54,10 @@ def wide_tiny_dir(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("wide-tiny"), **WIDE_TINY_LLAMA)
 
 
-def model_path(cp: ThroughputCheckpoint, wide_tiny_dir) -> str:
+def model_path(cp: ThroughputCheckpoint, wide_tiny_dir, tmp_path_factory=None) -> str:
+    if cp.model == "windowed-tiny":
+        from tinyvllm.testing import make_windowed_tiny
+        return str(make_windowed_tiny(tmp_path_factory.mktemp("windowed-tiny")))
     if cp.model == "default":
         from tinyvllm.download import ensure_default_model
         return str(ensure_default_model(quiet=True))
@@ -163,15 +166,15 @@ def assert_gain(cp: ThroughputCheckpoint, phase: int, candidate_tok_s, baseline_
 # -- the checkpoints ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("phase,cp", checkpoint_params())
-def test_throughput_checkpoint(phase, cp, wide_tiny_dir, record_property):
-    model = model_path(cp, wide_tiny_dir)
+def test_throughput_checkpoint(phase, cp, wide_tiny_dir, record_property, tmp_path_factory):
+    model = model_path(cp, wide_tiny_dir, tmp_path_factory)
     candidate = engine_runner(phase, model, placed_engine_args(cp))
     baseline = baseline_runner(cp, model, candidate)
     workload = build_workload(cp, model)
     try:
         cand, base = measure(workload, candidate, baseline, cp.rounds)
     finally:
-        if cp.model == "default":  # no other checkpoint shares them: give their memory back
+        if cp.model != "wide-tiny":  # no other checkpoint shares them: give their memory back
             for key in [k for k in _RUNNERS if k[1] == model]:
                 del _RUNNERS[key]
     record_property("speed", judge(cp, phase, cand, base).summary)  # tinyvllm learn check shows it
@@ -192,8 +195,9 @@ def test_every_phase_declares_a_checkpoint(phase):
     if phase == min(PHASE_NUMBERS):
         assert cps == (), "the first phase has no phase before it to be compared with"
         return
-    assert any(cp.baseline == phase - 1 for cp in cps), (
-        f"phase {phase} ({module}) must declare a checkpoint against phase {phase - 1}, the phase it extends")
+    previous = max(p for p in PHASE_NUMBERS if p < phase)   # the phase it extends
+    assert any(cp.baseline == previous for cp in cps), (
+        f"phase {phase} ({module}) must declare a checkpoint against phase {previous}, the phase it extends")
 
 
 # -- the checkpoints can fail ------------------------------------------------------------------

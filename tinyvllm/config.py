@@ -1,8 +1,8 @@
 """Configuration: the model's shape (read from a Hugging Face config.json) and the engine's knobs.
 
 `ModelConfig` covers the decoder families of `tinyvllm.registry` (Llama 2/3.x, SmolLM2,
-TinyLlama, Mistral, Qwen2/Qwen2.5, Qwen3): their shape, and the switches their family sets
-(biases, per-head q/k norms). It reads RoPE settings both the way most published checkpoints
+TinyLlama, Mistral, Qwen2/Qwen2.5, Qwen3, Gemma 3): their shape, and the switches their family
+sets (biases, per-head q/k norms, which layers attend in a sliding window, Gemma's norms). It reads RoPE settings both the way most published checkpoints
 write them (`rope_theta` + `rope_scaling`) and the way transformers 5 writes them
 (`rope_parameters`).
 
@@ -49,8 +49,17 @@ class ModelConfig:
     o_bias: bool = False            # a bias on o_proj
     mlp_bias: bool = False
     qk_norm: bool = False           # RMSNorm over each head's q and k, before RoPE (Qwen3)
-    sliding_window: int | None = None  # attends to only the last this many tokens (refused, below)
-    hidden_act: str = "silu"
+    sliding_window: int | None = None  # a windowed layer attends to only the last this many tokens
+    # each layer's attention, "full_attention" or "sliding_attention" (None: every layer full, or
+    # every layer windowed where sliding_window is set)
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"        # the MLP's gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (Gemma)
+    # Gemma 3's switches (registry.gemma3_switches); the defaults are every other family's
+    norm_weight_offset: float = 0.0  # its norms weigh by (offset + w)
+    post_norms: bool = False        # a norm after attention's and the MLP's outputs too
+    embedding_scale: float | None = None  # the embedding times this (sqrt(hidden))
+    query_scale: float | None = None      # scores scaled by this, not 1/sqrt(head_dim)
+    local_rope_theta: float | None = None  # the RoPE base of windowed layers (None: rope_theta)
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
     torch_dtype: str | None = None
@@ -64,32 +73,55 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
-        if self.sliding_window is not None and (not isinstance(self.sliding_window, int)
+        if self.sliding_window is not None and (isinstance(self.sliding_window, bool)
+                                                or not isinstance(self.sliding_window, int)
                                                 or self.sliding_window < 1):
             raise ValueError(f"config.json: sliding_window must be a positive integer or null, "
                              f"got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            self.layer_types = tuple(self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"config.json: layer_types has {len(self.layer_types)} entries, but "
+                                 f"num_hidden_layers is {self.num_hidden_layers}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("config.json: layer_types has sliding_attention layers, but sliding_window is null")
+        if self.sliding_window is not None and self.sliding_window > self.max_position_embeddings:
+            raise ValueError(f"config.json: sliding_window={self.sliding_window} is larger than the context "
+                             f"(max_position_embeddings={self.max_position_embeddings})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})")
-        if self.hidden_act != "silu":
-            raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"config.json: hidden_act {self.hidden_act!r} is not supported "
+                             f"('silu', or Gemma's 'gelu_pytorch_tanh')")
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
             if rope_type not in SUPPORTED_ROPE_TYPES:
                 raise ValueError(f"config.json: rope type {rope_type!r} is not supported "
                                  f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
 
-    def check_max_model_len(self, max_model_len: int) -> None:
-        """tinyvllm attends to every earlier token. A sliding window shorter than the longest
-        sequence would make a token past it attend where the family's own model does not: refused
-        by name, with the value that would fit."""
-        if self.sliding_window is not None and self.sliding_window < max_model_len:
+    def layer_windows(self, max_model_len: int) -> tuple[int | None, ...]:
+        """Each layer's attention window in tokens (a query at position p sees keys p - W + 1 .. p),
+        None for full attention. A window no shorter than `max_model_len` hides nothing: None."""
+        types = self.layer_types or (("sliding_attention" if self.sliding_window else "full_attention"),
+                                     ) * self.num_hidden_layers
+        w = self.sliding_window
+        return tuple(w if t == "sliding_attention" and w < max_model_len else None for t in types)
+
+    def refuse_windows(self, max_model_len: int, part: str, instead: str, llama_layers: bool = False) -> None:
+        """For a part that attends to every earlier token: refuse a model with a window shorter
+        than `max_model_len` (its tokens past the window would be wrong), naming the part, the
+        window and what runs it (`instead`). `llama_layers`: the part runs Llama's layers itself
+        (a fused forward), so Gemma 3's are refused too."""
+        if llama_layers and self.post_norms:
+            raise ValueError(f"{part} runs Llama's layers, not {self.architecture}'s (norms after attention "
+                             f"and the MLP, a scaled embedding, a GELU gate): {instead}")
+        if any(self.layer_windows(max_model_len)):
             raise ValueError(
-                f"config.json: sliding_window={self.sliding_window} ({self.architecture} attends to only "
-                f"the last {self.sliding_window} tokens) is shorter than max_model_len={max_model_len}, "
-                f"and tinyvllm attends to every earlier token: pass max_model_len <= "
-                f"{self.sliding_window}")
+                f"{part} attends to every earlier token, but {self.architecture}'s sliding_window="
+                f"{self.sliding_window} (config.json) is shorter than max_model_len={max_model_len}: "
+                f"{instead}, or pass max_model_len <= {self.sliding_window}")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -103,7 +135,10 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta", 10000.0)
         rope_scaling = cfg.get("rope_scaling")
         # transformers 5 folds both into one dict: {"rope_type": ..., "rope_theta": ..., ...}
+        # (Gemma 3: one such dict per layer type; its global layers' is the model's)
         params = cfg.get("rope_parameters")
+        if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+            params = params["full_attention"]
         if isinstance(params, dict):
             rope_theta = params.get("rope_theta", rope_theta)
             rest = {k: v for k, v in params.items() if k != "rope_theta"}
@@ -126,7 +161,7 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=switches.pop("hidden_act", cfg.get("hidden_act", "silu")),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),

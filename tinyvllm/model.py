@@ -1,8 +1,10 @@
 """A Llama-family decoder in plain PyTorch: RMSNorm, RoPE, grouped-query attention, SwiGLU.
 
-The same code runs every family `tinyvllm.registry` lists (Llama, Mistral, Qwen2, Qwen3): what
-differs between them is a few switches of `ModelConfig` (biases on the projections, an RMSNorm
-over each head's q and k).
+The same code runs every family `tinyvllm.registry` lists (Llama, Mistral, Qwen2, Qwen3, Gemma 3):
+what differs between them is a few switches of `ModelConfig` (biases on the projections, an
+RMSNorm over each head's q and k, Gemma's extra norms, embedding scale and GELU gate). Which
+layers attend in a sliding window is the attention backend's business: the model only tells
+each layer's rotary table apart (Gemma 3's windowed layers use a RoPE base of their own).
 
 The model works on a *flat* batch of tokens, the way vLLM does: `input_ids` and `positions` are
 1-D tensors of N tokens that may belong to several sequences. The model never needs to know how
@@ -20,6 +22,7 @@ interface in when its recipe builds the model. Parameter names match Hugging Fac
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -28,6 +31,7 @@ from torch import nn
 
 from tinyvllm.config import ModelConfig
 from tinyvllm.layers import Linear, RMSNorm, RotaryEmbedding
+from tinyvllm.registry import SLIDING
 
 
 class AttentionBackend(Protocol):
@@ -52,6 +56,9 @@ class LlamaAttention(nn.Module):
         # Qwen3: each head's q and k normalized over its d values (one weight of d, every head)
         self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        # Gemma 3 scales scores by 1/sqrt(query_pre_attn_scalar), every backend by 1/sqrt(d): q
+        # times the ratio gives the family's scores through any backend
+        self.q_scale = config.query_scale * d ** 0.5 if config.query_scale else None
 
     def forward(self, x: torch.Tensor, rope: tuple, attn: AttentionBackend) -> torch.Tensor:
         """x (N, D) -> (N, D). rope: the step's (cos, sin) rows and the function that rotates by
@@ -64,6 +71,8 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin, rotate = rope
         q, k = rotate(q, k, cos, sin)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         out = attn(self.layer_idx, q, k, v)                             # (N, H, d)
         return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
 
@@ -76,8 +85,13 @@ class LlamaMLP(nn.Module):
         self.up_proj = Linear(h, i, bias=bias)
         self.down_proj = Linear(i, h, bias=bias)
 
+        # SwiGLU's SiLU, or Gemma's GELU with the tanh approximation
+        self.gelu = config.hidden_act == "gelu_pytorch_tanh"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -85,14 +99,24 @@ class LlamaDecoderLayer(nn.Module):
 
     As in vLLM, the stream is carried beside the block's output (`residual`) and the add is left
     to the next norm, `norm(x, residual) -> (norm(x + residual), x + residual)`, which a faster
-    RMSNorm does in one pass: the same sums as `x = x + block(norm(x))`."""
+    RMSNorm does in one pass: the same sums as `x = x + block(norm(x))`.
+
+    Gemma 3 (`post_norms`) normalizes each block's output too before adding it: its
+    `post_attention_layernorm` is that norm of attention's output, and `pre_feedforward_layernorm`
+    the MLP's input norm (what Llama calls post_attention_layernorm)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = LlamaAttention(config, layer_idx)
         self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.post_norms = config.post_norms
+        if config.post_norms:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps)
+            self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.is_sliding = bool(config.layer_types) and config.layer_types[layer_idx] == SLIDING
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple,
                 attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,6 +127,10 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, rope, attn)
+        if self.post_norms:
+            x = self.post_attention_layernorm(x)
+            x, residual = self.pre_feedforward_layernorm(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -117,13 +145,24 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config, max_positions)
+        # Gemma 3's windowed layers rotate with a base of their own (10,000; its global ones 1M)
+        self.local_rotary_emb = None
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            self.local_rotary_emb = RotaryEmbedding(local, max_positions)
+        self.embedding_scale = config.embedding_scale
 
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)                                # (N, D)
+        if self.embedding_scale is not None:   # Gemma: sqrt(hidden), rounded to the model's dtype
+            x = x * torch.tensor(self.embedding_scale, dtype=x.dtype)
         cos, sin = self.rotary_emb(positions, x.dtype)                  # (N, 1, d) each
         rope, residual = (cos, sin, self.rotary_emb.rotate), None
+        local_rope = rope
+        if self.local_rotary_emb is not None:
+            local_rope = (*self.local_rotary_emb(positions, x.dtype), self.local_rotary_emb.rotate)
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, attn)
+            x, residual = layer(x, residual, local_rope if layer.is_sliding else rope, attn)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 

@@ -158,7 +158,9 @@ def make_tiny_family(folder: str | os.PathLike, architecture: str, *, hidden_siz
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     tok_json, eos_id, vocab_size = _byte_level_tokenizer_json(vocab_size)
-    config_class = getattr(transformers, architecture.replace("ForCausalLM", "Config"))
+    # Gemma 3's text-only model has a config of its own (Gemma3Config is the one with vision)
+    config_class = getattr(transformers, {"Gemma3ForCausalLM": "Gemma3TextConfig"}.get(
+        architecture, architecture.replace("ForCausalLM", "Config")))
     if head_dim is not None:
         config_fields["head_dim"] = head_dim
     config = config_class(
@@ -378,6 +380,21 @@ WIDE_TINY_LLAMA: dict = dict(hidden_size=384, num_layers=4, num_heads=6, num_kv_
 WIDE_TINY_LLAMA_COMMAND = ("python -c \"from tinyvllm.testing import WIDE_TINY_LLAMA, make_tiny_llama; "
                            "make_tiny_llama('/tmp/wide-tiny', **WIDE_TINY_LLAMA)\" && ")
 
+# A Gemma 3 of the wide tiny model's size, five windowed layers (16 tokens) to one global, written
+# by transformers (phase 11's throughput checkpoint): `make_windowed_tiny(folder)`.
+WINDOWED_TINY_GEMMA3: dict = dict(hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2, head_dim=64,
+                                  intermediate_size=1024, sliding_window=16, std=0.02)
+WINDOWED_TINY_COMMAND = ("python -c \"from tinyvllm.testing import make_windowed_tiny; "
+                         "make_windowed_tiny('/tmp/windowed-tiny')\" && ")
+
+
+def make_windowed_tiny(folder: str | os.PathLike) -> Path:
+    """`WINDOWED_TINY_GEMMA3`, with a context of 1,024 tokens (64 windows). Needs transformers."""
+    folder = make_tiny_family(folder, "Gemma3ForCausalLM", **WINDOWED_TINY_GEMMA3)
+    path = Path(folder) / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "max_position_embeddings": 1024}, indent=2))
+    return Path(folder)
+
 
 @dataclass(frozen=True)
 class KindClaim:
@@ -406,7 +423,8 @@ class ThroughputCheckpoint:
         workload: a `tinyvllm.entrypoints.bench` workload name: "throughput", "latency" or "prefix".
         workload_args: keyword arguments of `tinyvllm.entrypoints.bench.workloads.make_workload`
             (num_prompts, dataset, input_len, output_len, seed, ...).
-        model: "wide-tiny" (`make_tiny_llama(**WIDE_TINY_LLAMA)`, random weights, seconds) or
+        model: "wide-tiny" (`make_tiny_llama(**WIDE_TINY_LLAMA)`, random weights, seconds),
+            "windowed-tiny" (`make_windowed_tiny`: a Gemma 3 of that size with sliding windows) or
             "default" (SmolLM2-135M-Instruct, minutes).
         engine_args: engine arguments for both engines (each gets those its phase acts on).
         claimed_gain: the gain on a CPU this checkpoint stands for.
@@ -445,8 +463,8 @@ class ThroughputCheckpoint:
         return kind, self.per_cpu_kind.get(kind, KindClaim(self.claimed_gain, self.min_gain, self.claim_source))
 
     def __post_init__(self) -> None:
-        if self.model not in ("wide-tiny", "default"):
-            raise ValueError(f"model must be 'wide-tiny' or 'default', got {self.model!r}")
+        if self.model not in ("wide-tiny", "windowed-tiny", "default"):
+            raise ValueError(f"model must be 'wide-tiny', 'windowed-tiny' or 'default', got {self.model!r}")
         if not (isinstance(self.baseline, int) or self.baseline == "hf"):
             raise ValueError(f"baseline must be a phase number or 'hf', got {self.baseline!r}")
         for kind, c in [("", KindClaim(self.claimed_gain, self.min_gain, self.claim_source)),

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from tinyvllm.config import ModelConfig
+from tinyvllm.layers import RMSNorm
 from tinyvllm.model import LlamaForCausalLM
 from tinyvllm.quantized_checkpoint import QUANT_TENSORS, read_quantized
 
@@ -146,6 +147,13 @@ def load_weights(model: LlamaForCausalLM, folder: str | os.PathLike) -> None:
                          f"{', '.join(missing[:5])}{more}")
     if model.config.tie_word_embeddings:  # one tensor for both, as the checkpoint has
         model.lm_head.weight = model.model.embed_tokens.weight
+    if model.config.norm_weight_offset:
+        # Gemma's norms weigh by (1 + w): stored as 1 + w (in float32, as its reference adds),
+        # every RMSNorm, and every phase's faster one, serves the family unchanged
+        for norm in model.modules():
+            if isinstance(norm, RMSNorm):
+                norm.weight = torch.nn.Parameter(norm.weight.float() + model.config.norm_weight_offset,
+                                                 norm.weight.requires_grad)
 
 
 def load_model(folder: str | os.PathLike, dtype: torch.dtype, device: torch.device,

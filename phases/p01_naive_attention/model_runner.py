@@ -20,18 +20,18 @@ from .attention import NaiveAttention
 class RecomputeRunner:
     """Runs the model over all the tokens of the one scheduled sequence."""
 
-    def __init__(self, model, device: torch.device):
-        self.model, self.device = model, device
+    def __init__(self, model, device: torch.device, windows: tuple[int | None, ...] = ()):
+        self.model, self.device, self.windows = model, device, windows   # windows: each layer's, or ()
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         """The logits of the scheduled sequence's last position, (1, V)."""
         # >>> exercise recompute_step (1 star): Run the model over every token of the plan's one sequence, and return the logits of its last row.
-        # hint: plan.scheduled holds one (seq, n); torch.arange(n) gives the positions; NaiveAttention() is the attention; compute_logits on hidden[-1:]; prompt_logits(...) for prompt logprobs.
+        # hint: plan.scheduled holds one (seq, n); torch.arange(n) gives the positions; NaiveAttention(self.windows) is the attention (each layer's window); compute_logits on hidden[-1:]; prompt_logits(...) for prompt logprobs.
         # checked by: test_every_step_recomputes_the_whole_sequence, test_greedy_matches_transformers, test_prompt_logprobs_equal_transformers
         (seq, n), = plan.scheduled
         ids = torch.tensor(plan.new_token_ids(seq, n), device=self.device)   # (T,)
         positions = torch.arange(n, device=self.device)                      # (T,)
-        hidden = self.model(ids, positions, NaiveAttention())                # (T, D): all of it again
+        hidden = self.model(ids, positions, NaiveAttention(self.windows))   # (T, D): all of it again
         logits = self.model.compute_logits(hidden[-1:])                      # (1, V): only the last row
         return ModelRunnerOutput(logits, [seq], prompt_logits=prompt_logits(self.model, hidden, [(seq, 0, n, 0)]))
         # <<< exercise recompute_step

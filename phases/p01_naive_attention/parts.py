@@ -80,7 +80,6 @@ class EngineSetup:
         model_config = ModelConfig.from_pretrained(model_path)
         limit = model_config.max_position_embeddings
         max_model_len = min(config.max_model_len or limit, limit)
-        model_config.check_max_model_len(max_model_len)
         tokenizer = Tokenizer(Path(config.tokenizer).expanduser() if config.tokenizer else model_path)
         return cls(config, dict(engine_args), model_path, model_config, device,
                    platform.resolve_dtype(config.dtype, device), max_model_len, tokenizer,

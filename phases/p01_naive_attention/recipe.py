@@ -38,7 +38,7 @@ def make_sampler(setup: EngineSetup, parts: Parts) -> Sampler:
 
 
 def make_runner(setup: EngineSetup, parts: Parts) -> RecomputeRunner:
-    return RecomputeRunner(parts.model, setup.device)
+    return RecomputeRunner(parts.model, setup.device, setup.model_config.layer_windows(setup.max_model_len))
 
 
 def make_scheduler(setup: EngineSetup, parts: Parts) -> FifoScheduler:

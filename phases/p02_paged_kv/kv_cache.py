@@ -85,6 +85,7 @@ class KVCache:
     `check_kernels`)."""
 
     checked = True
+    windows: tuple[int | None, ...] = ()   # each layer's sliding window (ModelConfig.layer_windows); (): none
 
     def __init__(self, model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):

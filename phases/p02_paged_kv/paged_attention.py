@@ -15,6 +15,9 @@ cached: we reuse phase 1's `causal_attention` for it.
 
 Decode rows (one query each) are the common case and run together: their blocks are gathered
 into one padded batch, masked by length, and handed to PyTorch's fused attention.
+
+A layer with a sliding window of W tokens (`KVCache.windows`) reads only the blocks that hold
+its queries' last W positions (`window_gather` for decodes), and masks the keys before them.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class AttentionMetadata:
     max_seq_len: int               # at least the longest sequence (what a padded gather spans)
     max_decode_seq_len: int        # the same, over the decode rows (what their padded gather spans)
     _decode_inputs: tuple | None = None  # decode_inputs' result, made by the first layer
+    _window_inputs: dict | None = None   # window_gather's, per window, made by the first such layer
 
     @classmethod
     def build(cls, slot_mapping: list[int], query_lens: list[int], seq_lens: list[int],
@@ -78,11 +82,20 @@ class AttentionMetadata:
         copies the blocks it needs into a compact buffer attends there)."""
         return dataclasses.replace(self, block_tables=renumber[self.block_tables],
                                    decode_block_tables=renumber[self.decode_block_tables],
-                                   _decode_inputs=None)
+                                   _decode_inputs=None, _window_inputs=None)
 
-    def decode_inputs(self, block_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`decode_gather`'s block ids and mask for this step's decode rows: the same for every
-        layer, so made once, by the first layer, and reused by the others."""
+    def decode_inputs(self, block_size: int, dtype: torch.dtype,
+                      window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_gather`'s block ids and mask for this step's decode rows (`window_gather`'s for
+        a layer with a sliding window): the same for every layer of a window, so made once, by
+        the first such layer, and reused by the others."""
+        if window is not None and window < self.max_decode_seq_len:
+            if self._window_inputs is None:
+                self._window_inputs = {}
+            if window not in self._window_inputs:
+                self._window_inputs[window] = window_gather(self.decode_block_tables, self.decode_seq_lens,
+                                                            block_size, dtype, window)
+            return self._window_inputs[window]
         if self._decode_inputs is None:
             self._decode_inputs = decode_gather(self.decode_block_tables, self.decode_seq_lens,
                                                 block_size, dtype, self.max_decode_seq_len)
@@ -90,22 +103,27 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-    """q: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d) -> (N, H, d)."""
+                    meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+    """q: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d) -> (N, H, d). `window`:
+    the layer's sliding window in tokens (None: every earlier token)."""
     block_size = k_cache.shape[1]
     if not meta.prefill_rows:  # only decodes (most steps): no gather and scatter of the rows
-        return decode_attention(q, k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype))
+        return decode_attention(q, k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype, window))
     out = torch.empty_like(q)
     starts, lens = meta.query_start_loc, meta.seq_lens
     for b in meta.prefill_rows:  # long queries: one sequence at a time
-        blocks = meta.block_tables[b, : -(-lens[b] // block_size)]
-        k = k_cache[blocks].flatten(0, 1)[: lens[b]]                  # (L, KVH, d)
-        v = v_cache[blocks].flatten(0, 1)[: lens[b]]
         qb = q[starts[b]: starts[b + 1]]
-        out[starts[b]: starts[b + 1]] = causal_attention(qb, k, v, num_past=lens[b] - len(qb))
+        # the first block any query of the row sees: block 0, or with a window the one holding
+        # the first query's earliest key
+        first = 0 if window is None else max(0, lens[b] - len(qb) - window + 1) // block_size
+        blocks = meta.block_tables[b, first: -(-lens[b] // block_size)]
+        k = k_cache[blocks].flatten(0, 1)[: lens[b] - first * block_size]   # (L, KVH, d)
+        v = v_cache[blocks].flatten(0, 1)[: lens[b] - first * block_size]
+        out[starts[b]: starts[b + 1]] = causal_attention(qb, k, v, num_past=lens[b] - len(qb) - first * block_size,
+                                                         window=window)
     if len(meta.decode_token_idx):
         idx = meta.decode_token_idx
-        out[idx] = decode_attention(q[idx], k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype))
+        out[idx] = decode_attention(q[idx], k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype, window))
     return out
 
 
@@ -128,6 +146,22 @@ def decode_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size
     mask = torch.zeros(past_end.shape, dtype=dtype, device=seq_lens.device).masked_fill_(past_end, float("-inf"))
     return block_ids, mask[:, None, None, :]
     # <<< exercise decode_gather
+
+
+def window_gather(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                  dtype: torch.dtype, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_gather` for a layer with a sliding window of `window` tokens: each sequence's
+    last `window` positions span at most ceil((window - 1) / block_size) + 1 blocks, so only
+    those are gathered, from the block holding position seq_len - window on (each row its own
+    first block); the mask hides the slots before the window and past the end."""
+    nb = -(-(window - 1) // block_size) + 1                         # blocks a window can touch
+    first = (seq_lens - window).clamp(min=0) // block_size          # (B,) each row's first block
+    cols = first[:, None] + torch.arange(nb, device=seq_lens.device)[None, :]   # (B, nb)
+    block_ids = block_tables.gather(1, cols.clamp(max=block_tables.shape[1] - 1)).flatten()
+    pos = (cols[:, :, None] * block_size + torch.arange(block_size, device=seq_lens.device)).flatten(1)  # (B, T)
+    outside = (pos >= seq_lens[:, None]) | (pos < seq_lens[:, None] - window)
+    mask = torch.zeros(outside.shape, dtype=dtype, device=seq_lens.device).masked_fill_(outside, float("-inf"))
+    return block_ids, mask[:, None, None, :]
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -216,7 +250,11 @@ class PagedAttention:
         if cache.checked and not (meta.slot_mapping.is_cuda and torch.cuda.is_current_stream_capturing()):
             check_metadata(meta, cache.num_blocks, cache.block_size, type(self).__name__)
 
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return self.cache.windows
+
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer_idx)
-        return paged_attention(q, k_cache, v_cache, self.meta)
+        return paged_attention(q, k_cache, v_cache, self.meta, self.cache.windows[layer_idx] if self.cache.windows else None)

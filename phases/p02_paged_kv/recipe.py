@@ -30,6 +30,7 @@ def make_kv_cache(setup: EngineSetup, parts: Parts) -> KVCache:
     blocks = num_kv_blocks(c, setup.model_config, setup.max_model_len, setup.dtype, setup.device)
     cache = KVCache(setup.model_config, blocks, c.block_size, setup.dtype, setup.device)
     cache.checked = setup.check_kernels   # checked mode: each step's metadata checked against the pool
+    cache.windows = setup.model_config.layer_windows(setup.max_model_len)   # what each layer attends to
     return cache
 
 

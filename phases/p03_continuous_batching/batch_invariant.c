@@ -9,9 +9,10 @@
  * - `bi_linear`: y[m, o] = sum_k x[m, k] w[o, k]. Each output sums k in 8 lanes (lane l takes
  *   k = l, l + 8, ...), then the lanes in a fixed tree, then the tail k one by one. Tiles of up
  *   to 4 rows x 3 outputs share loads; a tile's size changes nothing in any output's order.
- * - `bi_attention`: for each query token and head, attention over its own keys 0 .. p, read in
- *   place from the paged cache in order, with the online softmax of phase 4's kernel: the same
- *   code for a prefill token and a decode token.
+ * - `bi_attention`: for each query token and head, attention over its own keys 0 .. p (with a
+ *   sliding window of W > 0 tokens, p - W + 1 .. p), read in place from the paged cache in
+ *   order, with the online softmax of phase 4's kernel: the same code for a prefill token and a
+ *   decode token.
  *
  * Built by batch_invariant.py with `cc -O3 -mavx2 -mfma -fopenmp` (no -ffast-math: the compiler
  * must not reorder the additions either), called through ctypes.
@@ -77,7 +78,7 @@ void bi_linear(const float *x, const float *w, const float *bias, float *y, int6
 void bi_attention(const float *q, const float *k_cache, const float *v_cache, float *out,
                   const int64_t *block_tables, const int64_t *token_seq, const int64_t *token_pos,
                   int64_t N, int64_t H, int64_t KVH, int64_t D, int64_t block_size, int64_t max_blocks,
-                  float scale) {
+                  int64_t window, float scale) {
     const int64_t group = H / KVH, row = KVH * D, nd = D / 8;
     #pragma omp parallel for collapse(2) schedule(static) if (N * H >= 8)
     for (int64_t n = 0; n < N; n++)
@@ -87,7 +88,8 @@ void bi_attention(const float *q, const float *k_cache, const float *v_cache, fl
             __m256 acc[32];                       /* the output row, D / 8 vectors */
             for (int64_t i = 0; i < nd; i++) acc[i] = _mm256_setzero_ps();
             float m = -INFINITY, l = 0.f;         /* running max and sum of exp */
-            for (int64_t j = 0; j <= token_pos[n]; j++) {
+            int64_t first = window > 0 && token_pos[n] >= window ? token_pos[n] - window + 1 : 0;
+            for (int64_t j = first; j <= token_pos[n]; j++) {
                 int64_t slot = table[j / block_size] * block_size + j % block_size;
                 const float *kj = k_cache + slot * row + kvh * D, *vj = v_cache + slot * row + kvh * D;
                 __m256 d8 = _mm256_setzero_ps();

@@ -18,7 +18,8 @@ order, whatever else is in the step (`batch_invariant.c`).
   batch-invariant itself (exact integer sums are, for one): an engine that brings such layers
   checks them.
 - The attention backend is `BatchInvariantAttention`: the cache write as before, then
-  `bi_attention`, one kernel for prefill tokens and decode tokens alike.
+  `bi_attention`, one kernel for prefill tokens and decode tokens alike (in a layer's sliding
+  window, where it has one).
 - The rest of the model is row by row already (RMSNorm, RoPE, SiLU, the residual adds): the
   tests check each on this machine.
 
@@ -44,7 +45,7 @@ from tinyvllm.layers import Linear
 P, I64 = ctypes.c_void_p, ctypes.c_int64
 KERNELS = CKernel(Path(__file__).with_name("batch_invariant.c"),
                   ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
-                  {"bi_linear": [P] * 4 + [I64] * 3, "bi_attention": [P] * 7 + [I64] * 6 + [ctypes.c_float]},
+                  {"bi_linear": [P] * 4 + [I64] * 3, "bi_attention": [P] * 7 + [I64] * 7 + [ctypes.c_float]},
                   fallback="batch_invariant=True cannot run")
 MAX_HEAD_DIM = 256
 
@@ -111,8 +112,9 @@ class BatchInvariantAttention(PagedAttention):
         q = q.contiguous()
         n, h, d = q.shape
         out = torch.empty_like(q)
+        window = (self.cache.windows[layer_idx] if self.cache.windows else None) or 0   # 0: every key
         KERNELS.lib.bi_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                  self.block_tables.data_ptr(), self.token_seq.data_ptr(),
                                  self.token_pos.data_ptr(), n, h, k_cache.shape[2], d, k_cache.shape[1],
-                                 self.block_tables.shape[1], 1 / math.sqrt(d))
+                                 self.block_tables.shape[1], window, 1 / math.sqrt(d))
         return out

@@ -96,8 +96,10 @@ def make_attention(setup: EngineSetup, parts: Parts):
     backend = attention_backend(setup)
     if setup.config.batch_invariant or backend == "torch":
         return PHASE3.attention(setup, parts)
-    if backend == "triton":
+    if backend == "triton":   # its kernel reads each layer's window (the C kernels below do not)
         return partial(TritonPagedAttention, parts.kv_cache)
+    setup.model_config.refuse_windows(setup.max_model_len, "phase 4's cpu attention kernel",
+                                      "pass attention_backend='torch'")
     # prefill's attention in bfloat16 where the engine multiplies in bfloat16 and it was measured
     c_prefill, bf16_prefill = prefill_paths()
     return partial(CpuPagedAttention, parts.kv_cache, c_prefill=c_prefill,

@@ -166,11 +166,12 @@ def read_kv_block(k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr, block, kv_he
 
 @triton.jit
 def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr,
-                  block_table_ptr, kv_head, q_pos, seq_len, qk_scale, head_dim,
+                  block_table_ptr, kv_head, q_pos, q_first, seq_len, qk_scale, head_dim,
                   stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                   BLOCK_SIZE: tl.constexpr, HEAD_P2: tl.constexpr, CAUSAL_MASK: tl.constexpr,
                   IEEE_DOT: tl.constexpr, LOAD_KV: tl.constexpr):
-    """Fold block j of the sequence into the running (acc, m_i, l_i): one online-softmax step."""
+    """Fold block j of the sequence into the running (acc, m_i, l_i): one online-softmax step.
+    q_first: each row's first visible key (0, or the start of its sliding window)."""
     # >>> exercise attend_block (3 stars): One block of keys in the online softmax: scores, a new running max, rescale the sum and the accumulator, add this block's exp-weighted values.
     # hint: work in log2 units (qk_scale already holds log2(e)): p = exp2(s - m_new), alpha = exp2(m_i - m_new); mask keys past seq_len (and, if MASK, after the query's position) to -inf before the max.
     # checked by: test_kernel_in_interpreter, test_engine_in_interpreter_gives_phase3_tokens
@@ -185,6 +186,7 @@ def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr, v_s
         s = tl.dot(q, tl.trans(k)) * qk_scale                      # (BLOCK_M, BLOCK_SIZE), log2 units
     if CAUSAL_MASK:  # only the blocks that cross the diagonal (or hold the end of the sequence)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
+        visible = visible & (k_pos[None, :] >= q_first[:, None])      # a sliding window's start
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))                     # (BLOCK_M,) running max
     # a row that has seen no visible key yet keeps m = -inf; subtract 0 there, not -inf (NaN)
@@ -204,7 +206,7 @@ def _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr, v_s
 def unified_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, k_side_ptr, v_side_ptr, block_tables_ptr,
         seq_lens_ptr, query_start_loc_ptr, part_out_ptr, part_lse_ptr,
-        qk_scale, num_seqs, num_query_heads, head_dim,
+        qk_scale, num_seqs, num_query_heads, head_dim, window,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_sb,
         stride_st, stride_bt,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -234,17 +236,24 @@ def unified_attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, HEAD_P2)
     q_pos = context_len + q_idx                       # (BLOCK_M,) absolute positions
+    # a sliding window of `window` tokens (0: none): each row sees keys q_pos - window + 1 on
+    q_first = tl.where(window > 0, tl.maximum(q_pos - window + 1, 0), 0)
 
     # which blocks: up to the tile's last query; the first num_full need no causal mask
     last_q_pos = context_len + tl.minimum(q_start + BLOCK_Q, q_len) - 1
     num_blocks = tl.cdiv(last_q_pos + 1, BLOCK_SIZE)   # later blocks: the future, never loaded
     num_full = (context_len + q_start + 1) // BLOCK_SIZE
+    # with a window, blocks wholly before the tile's first query's window are never loaded, and
+    # every block loaded is masked (a row's window starts inside any of them)
+    first_block = tl.where(window > 0, tl.maximum(context_len + q_start - window + 1, 0) // BLOCK_SIZE, 0)
+    num_full = tl.where(window > 0, 0, num_full)
     lo = 0
     hi = num_blocks
     if NUM_SPLITS > 1:  # this program's segment of the blocks
         per_split = tl.cdiv(num_blocks, NUM_SPLITS)
         lo = split * per_split
         hi = tl.minimum(lo + per_split, num_blocks)
+    lo = tl.maximum(lo, first_block)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)                # running sum of exp
@@ -252,12 +261,12 @@ def unified_attention_kernel(
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for j in range(lo, tl.minimum(hi, num_full)):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr,
-                                      v_side_ptr, block_table_ptr, kv_head, q_pos, seq_len, qk_scale,
+                                      v_side_ptr, block_table_ptr, kv_head, q_pos, q_first, seq_len, qk_scale,
                                       head_dim, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                                       BLOCK_SIZE, HEAD_P2, False, IEEE_DOT, LOAD_KV)
     for j in range(tl.maximum(lo, num_full), hi):
         acc, m_i, l_i = _attend_block(q, acc, m_i, l_i, j, k_cache_ptr, v_cache_ptr, k_side_ptr,
-                                      v_side_ptr, block_table_ptr, kv_head, q_pos, seq_len, qk_scale,
+                                      v_side_ptr, block_table_ptr, kv_head, q_pos, q_first, seq_len, qk_scale,
                                       head_dim, stride_cb, stride_ct, stride_ch, stride_sb, stride_st,
                                       BLOCK_SIZE, HEAD_P2, True, IEEE_DOT, LOAD_KV)
 
@@ -352,7 +361,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       max_query_len: int, max_seq_len: int, scale: float | None = None,
                       num_kv_splits: int | None = None, num_warps: int | None = None,
                       num_stages: int | None = None, k_side: torch.Tensor | None = None,
-                      v_side: torch.Tensor | None = None, load_kv=None) -> torch.Tensor:
+                      v_side: torch.Tensor | None = None, load_kv=None, window: int | None = None) -> torch.Tensor:
     """Paged attention for a flat batch of prefill chunks and decodes, in one launch.
 
     q, out: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d), holding every token of
@@ -363,7 +372,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     options (None: `launch_options`' choice), for tuning sweeps. k_side, v_side, load_kv:
     another cache layout's side data, (num_blocks, block_size, KVH) each, and the `@triton.jit`
     function that reads a block of it (`read_kv_block`'s arguments); None: the cache is read as
-    it is. Returns out.
+    it is. window: the layer's sliding window in tokens (None: every earlier key). Returns out.
     """
     q = _last_dim_contiguous(q)
     n, h, d = q.shape
@@ -391,7 +400,7 @@ def unified_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         out, q, k_cache, v_cache, k_side, v_side, block_tables, seq_lens, query_start_loc,
         part_out, part_lse,
         (scale if scale is not None else d ** -0.5) * 1.4426950408889634,  # log2(e): exp2 below
-        num_seqs, h, d, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        num_seqs, h, d, window or 0, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), stride_sb, stride_st,
         block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_SIZE=block_size, HEAD_P2=head_p2,

@@ -32,4 +32,5 @@ class TritonPagedAttention(PagedAttention):
         k_cache, v_cache = self.cache.layer(layer_idx)
         reshape_and_cache(k, v, k_cache, v_cache, self.meta.slot_mapping)
         return unified_attention(q, k_cache, v_cache, torch.empty_like(q), self.query_start_loc,
-                                 self.seq_lens, self.block_tables, self.max_query_len, self.max_seq_len)
+                                 self.seq_lens, self.block_tables, self.max_query_len, self.max_seq_len,
+                                 window=self.cache.windows[layer_idx] if self.cache.windows else None)

@@ -128,7 +128,8 @@ class QuantizedPagedAttention(PagedAttention):
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.gather(layer_idx, self.used)
         if self.attend is None:
-            return paged_attention(q, k_cache, v_cache, self.compact_meta)
+            return paged_attention(q, k_cache, v_cache, self.compact_meta,
+                                   self.cache.windows[layer_idx] if self.cache.windows else None)
         # the CPU path attends a prompt with nothing cached over this step's K/V directly: hand it
         # what the cache holds (quantized and back), so every query sees the stored values
         k, v = (dequantize_kv(*quantize_kv(x, self.cache.kv_cache_dtype), q.dtype) for x in (k, v))

@@ -71,6 +71,7 @@ def make_kv_cache(setup: EngineSetup, parts: Parts):
     blocks = num_kv_blocks(c, setup.model_config, setup.max_model_len, setup.dtype, setup.device, per_block)
     cache = QuantizedKVCache(setup.model_config, blocks, c.block_size, setup.dtype, setup.device, c.kv_cache_dtype)
     cache.checked = setup.check_kernels   # checked mode (phase 2's make_kv_cache)
+    cache.windows = setup.model_config.layer_windows(setup.max_model_len)   # (phase 2's make_kv_cache)
     return cache
 
 
@@ -78,6 +79,9 @@ def make_attention(setup: EngineSetup, parts: Parts):
     if not isinstance(parts.kv_cache, QuantizedKVCache):
         return PHASE4.attention(setup, parts)
     backend = attention_backend(setup)
+    if backend != "torch":
+        setup.model_config.refuse_windows(setup.max_model_len, f"phase 5's {backend} attention over a quantized KV "
+                                          "cache", "pass attention_backend='torch'")
     if backend == "triton":
         from .triton_kv_quant import TritonQuantizedPagedAttention  # imports Triton
 

@@ -114,6 +114,8 @@ def make_runner(setup: EngineSetup, parts: Parts):
     inner = PHASE6.runner(setup, parts)
     if setup.config.enforce_eager:
         return inner
+    # its static decode step (the fused forward, the compiled or C step): Llama's layers, every token
+    setup.model_config.refuse_windows(setup.max_model_len, "phase 7's static decode step", "pass enforce_eager=True", True)
     c, sizes = setup.config, capture_sizes(setup)
     max_blocks = cdiv(setup.max_model_len, c.block_size)
     input_batch = InputBatch(c.max_num_seqs, setup.max_model_len, max_blocks, setup.model_config.vocab_size)

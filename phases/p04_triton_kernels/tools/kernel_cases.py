@@ -48,6 +48,11 @@ CASES = {
     # split-KV chosen by the rule (None): one long decode has too few programs to fill the machine
     "bs16-d64-gqa4-one-long-decode-auto-split-f32": dict(bs=16, d=64, group=4, kvh=1, batch=[("20*bs+7", 1)],
                                                          dtype="float32", splits=None),
+    # a sliding window (keys p - window + 1 .. p): across block edges, in prefill chunks and split decodes
+    "bs16-d64-gqa2-mixed-window20-f32": dict(bs=16, d=64, group=2, kvh=2, batch=MIXED, dtype="float32", splits=1,
+                                            window=20),
+    "bs16-d64-gqa1-decode-split4-window37-f32": dict(bs=16, d=64, group=1, kvh=2, batch=DECODES, dtype="float32",
+                                                    splits=4, window=37),
 }
 CACHE_CASES = {
     "cache-bs16-d80-f32": dict(bs=16, d=80, kvh=3, dtype="float32"),
@@ -136,9 +141,9 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     meta, (k_cache, v_cache), (q, k, v), launch = case_inputs(c, device, getattr(torch, dtype))
     reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.full_like(q, float("nan"))
-    unified_attention(q, k_cache, v_cache, out, *launch, num_kv_splits=c["splits"])
+    unified_attention(q, k_cache, v_cache, out, *launch, num_kv_splits=c["splits"], window=c.get("window"))
     max_q = launch[3]
-    ref = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta)
+    ref = paged_attention(q.float(), k_cache.float(), v_cache.float(), meta, c.get("window"))
     chosen = c["splits"] or choose_num_kv_splits(max_q, len(meta.seq_lens), c["kvh"], max(meta.seq_lens),
                                                  c["bs"], num_sms(torch.device(device)))
     err = (out.float() - ref).abs().nan_to_num(float("inf"))

@@ -1,0 +1,11 @@
+"""Phase 11: per-layer KV specs, layers grouped by spec, a sliding-window manager in one pool."""
+
+from .hybrid_attention import HybridAttention, HybridKVCache, HybridMetadata
+from .kv_cache_interface import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers, layer_specs
+from .kv_cache_manager import CacheHit, HybridKVCacheManager, hit_length
+from .recipe import RECIPE
+from .scheduler import HybridModelRunner, HybridScheduler
+
+__all__ = ["RECIPE", "CacheHit", "FullAttentionSpec", "HybridAttention", "HybridKVCache", "HybridKVCacheManager",
+           "HybridMetadata", "HybridModelRunner", "HybridScheduler", "KVCacheGroup", "SlidingWindowSpec",
+           "group_layers", "hit_length", "layer_specs"]

@@ -1,0 +1,115 @@
+"""Phase 11's recipe: phase 10's, with a KV cache whose layers may need different blocks.
+
+For a model with a sliding window shorter than max_model_len (Gemma 3, windowed Mistral and
+Qwen2), the parts that hold and hand out blocks are new; for any other model every part is
+phase 10's.
+
+    kv_cache    `HybridKVCache`: one pool of blocks shared by the groups of layers
+                (kv_cache_interface.py: a spec per layer, layers of one spec grouped)
+    allocator   `HybridKVCacheManager`: per sequence one block table per group; a windowed
+                group gives back the blocks its window left behind; a prefix hit every group serves
+    attention   `HybridAttention`: each layer through its group's tables, in its window
+    runner      `HybridModelRunner`: phase 2's inputs, with every group's tables and slots
+    scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
+    model       phase 6's (eager): the static decode step of phase 7 attends to every token
+
+Refused by name for such a model: speculative decoding, a quantized KV cache, several ranks,
+batch invariance, a KV connector and asynchronous scheduling (their parts hold one table per
+sequence, or wrap a scheduler that does).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from phases.p01_naive_attention import EngineSetup, Parts
+from phases.p02_paged_kv.kv_cache import num_kv_blocks
+from phases.p03_continuous_batching.recipe import max_num_batched_tokens
+from phases.p06_speculative_decoding import RECIPE as PHASE6
+from phases.p10_kv_tiers import RECIPE as PHASE10
+from tinyvllm import platform
+
+from .hybrid_attention import HybridAttention, HybridKVCache, bytes_per_block
+from .kv_cache_interface import group_layers, layer_specs
+from .kv_cache_manager import HybridKVCacheManager
+from .scheduler import HybridModelRunner, HybridScheduler
+
+PREVIOUS = PHASE10   # the phase this one extends
+
+
+def is_hybrid(setup: EngineSetup) -> bool:
+    """A layer of the model attends in a window shorter than max_model_len."""
+    return any(setup.model_config.layer_windows(setup.max_model_len))
+
+
+def groups(setup: EngineSetup):
+    return group_layers(layer_specs(setup.model_config, setup.max_model_len, setup.config.block_size))
+
+
+def check_hybrid(setup: EngineSetup) -> None:
+    if not is_hybrid(setup):
+        return
+    c, w = setup.config, setup.model_config.sliding_window
+    asynchronous = platform.async_scheduling_default(c.async_scheduling, setup.device.type)
+    for name, value, default in (("speculative_config", c.speculative_config, None),
+                                 ("kv_cache_dtype", c.kv_cache_dtype, "auto"),
+                                 ("tensor_parallel_size", c.tensor_parallel_size, 1),
+                                 ("batch_invariant", c.batch_invariant, False),
+                                 ("kv_transfer_config", c.kv_transfer_config, None),
+                                 ("async_scheduling", asynchronous, False)):
+        if value != default:
+            raise ValueError(f"{name}={value!r}: phase 11 runs a model with a sliding window "
+                             f"(sliding_window={w}, shorter than max_model_len={setup.max_model_len}) "
+                             f"with a block table per group of layers, which this feature does not "
+                             f"have yet; leave {name} at {default!r}, or pass max_model_len <= {w}")
+
+
+def make_model(setup: EngineSetup, parts: Parts):
+    return PHASE6.model(setup, parts) if is_hybrid(setup) else PREVIOUS.model(setup, parts)
+
+
+def make_kv_cache(setup: EngineSetup, parts: Parts):
+    if not is_hybrid(setup):
+        return PREVIOUS.kv_cache(setup, parts)
+    c, gs = setup.config, groups(setup)
+    per_block = bytes_per_block(setup.model_config, gs, c.block_size, setup.dtype)
+    blocks = num_kv_blocks(c, setup.model_config, setup.max_model_len, setup.dtype, setup.device, per_block)
+    cache = HybridKVCache(setup.model_config, gs, blocks, c.block_size, setup.dtype, setup.device,
+                          setup.model_config.layer_windows(setup.max_model_len))
+    cache.checked = setup.check_kernels
+    return cache
+
+
+def make_allocator(setup: EngineSetup, parts: Parts):
+    if not is_hybrid(setup):
+        return PREVIOUS.allocator(setup, parts)
+    c = setup.config
+    return HybridKVCacheManager(parts.kv_cache.num_blocks, c.block_size, groups(setup),
+                                max_num_batched_tokens(setup), c.enable_prefix_caching)
+
+
+def make_attention(setup: EngineSetup, parts: Parts):
+    if not is_hybrid(setup):
+        return PREVIOUS.attention(setup, parts)
+    return partial(HybridAttention, parts.kv_cache)
+
+
+def make_runner(setup: EngineSetup, parts: Parts):
+    if not is_hybrid(setup):
+        return PREVIOUS.runner(setup, parts)
+    return HybridModelRunner(parts.model, parts.attention, setup.config.block_size, setup.device,
+                             manager=parts.allocator)
+
+
+def make_scheduler(setup: EngineSetup, parts: Parts):
+    if not is_hybrid(setup):
+        return PREVIOUS.scheduler(setup, parts)
+    c = setup.config
+    return HybridScheduler(parts.allocator, c.max_num_seqs, max_num_batched_tokens(setup), c.enable_chunked_prefill,
+                           setup.max_model_len)
+
+
+RECIPE = PREVIOUS.extend(
+    phase=11, checks=(check_hybrid,), model=make_model, kv_cache=make_kv_cache, allocator=make_allocator,
+    attention=make_attention, runner=make_runner, scheduler=make_scheduler,
+)

@@ -1,0 +1,53 @@
+"""Phase 3's scheduler and phase 2's runner, asking the hybrid manager where they asked one table.
+
+The scheduler's rules are phase 3's. Two of its questions change: can a running sequence grow
+by n tokens (`can_grow`: the free blocks against what every group takes, less what its windows
+give back), and can a request ever fit (`check_fits`: the most its groups hold at once, against
+the pool). The runner builds phase 2's inputs, then each group's tables and slots beside them.
+"""
+
+from __future__ import annotations
+
+from phases.p02_paged_kv import ModelInputs, ModelRunner
+from phases.p02_paged_kv.scheduler import max_len
+from phases.p03_continuous_batching import Scheduler
+from tinyvllm.sampling_params import SamplingParams
+from tinyvllm.sequence import Sequence
+from tinyvllm.step import SchedulerOutput
+
+from .hybrid_attention import group_metadata
+from .kv_cache_manager import HybridKVCacheManager
+
+
+class HybridScheduler(Scheduler):
+    """Phase 3's `Scheduler` over a `HybridKVCacheManager`."""
+
+    allocator: HybridKVCacheManager
+
+    def can_grow(self, seq: Sequence, num_new: int) -> bool:
+        return self.allocator.blocks_to_grow(seq.block_table, num_new) <= self.allocator.num_free_blocks
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        super().check_fits(num_prompt_tokens, params)
+        need = self.allocator.blocks_needed(max_len(num_prompt_tokens, params, self.max_model_len))
+        if need > self.allocator.num_blocks - 1:    # the null block is no one's
+            raise ValueError(
+                f"max_tokens: the prompt ({num_prompt_tokens} tokens) plus max_tokens needs {need} KV blocks "
+                f"over the model's {len(self.allocator.groups)} groups of layers, but the cache has "
+                f"{self.allocator.num_blocks - 1}; lower max_tokens or give the cache more blocks (num_kv_blocks, "
+                f"kv_cache_memory)")
+
+
+class HybridModelRunner(ModelRunner):
+    """Phase 2's `ModelRunner`, with each group's tables and slots in the metadata."""
+
+    def __init__(self, *args, manager: HybridKVCacheManager, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.manager = manager
+
+    def prepare(self, plan: SchedulerOutput) -> ModelInputs:
+        inputs = super().prepare(plan)       # group 0's tables are the ones the scheduler holds
+        tables = [self.manager.group_tables(seq.block_table) for seq, _ in plan.scheduled]
+        by_group = [list(group) for group in zip(*tables)]
+        inputs.meta = group_metadata(inputs.meta, plan, by_group, self.block_size, self.device)
+        return inputs

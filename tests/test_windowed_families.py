@@ -1,0 +1,167 @@
+"""Sliding windows and Gemma 3 on every phase: folders transformers wrote itself (Gemma 3: five of
+six layers windowed, two RoPE bases, (1 + w) norms before and after each block, a scaled
+embedding, a GELU gate, query_pre_attn_scalar; Mistral: every layer windowed; Qwen2: windowed
+from max_window_layers on) with a window of 8 tokens, at contexts of 4-7 windows. Each phase
+either gives transformers' greedy tokens or refuses the model by name: never other tokens."""
+
+import random
+
+import pytest
+import torch
+
+from tinyvllm import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 8
+FAMILIES = {
+    "gemma3": ("Gemma3ForCausalLM", {"num_layers": 3, "sliding_window_pattern": 3}),  # local, local, global
+    "mistral": ("MistralForCausalLM", {}),
+    "qwen2": ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}),  # full, windowed
+}
+MAX_TOKENS = 12
+# each phase with the engine arguments that take its window-aware path (the block size of 4 makes
+# a window span several blocks; phase 3's small pool and budget preempt and chunk the prompts)
+PHASES = {1: {}, 2: {"block_size": 4, "num_kv_blocks": 64},
+          3: {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 16, "max_num_seqs": 3},
+          4: {"attention_backend": "torch"}, 5: {"attention_backend": "torch", "kv_cache_dtype": "auto"},
+          6: {"attention_backend": "torch", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+          7: {"attention_backend": "torch", "enforce_eager": True},
+          9: {"attention_backend": "torch", "enforce_eager": True, "async_scheduling": True},
+          10: {"attention_backend": "torch", "enforce_eager": True,
+               "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}}
+for _args in PHASES.values():   # float32 products at every row count, as transformers' (not the kind's bfloat16)
+    _args["dtype"] = "float32"
+_FOLDERS: dict = {}
+_HF: dict = {}
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 23, 40)]   # up to 52 = 6.5 windows
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tinyvllm.testing import make_tiny_family
+
+    def make(family: str):
+        if family not in _FOLDERS:
+            arch, fields = FAMILIES[family]
+            _FOLDERS[family] = make_tiny_family(tmp_path_factory.mktemp(family), arch, sliding_window=WINDOW,
+                                                seed=5, **fields)
+        return _FOLDERS[family]
+    return make
+
+
+def hf_greedy(folder) -> list[list[int]]:
+    if str(folder) not in _HF:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        with torch.no_grad():
+            _HF[str(folder)] = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                               min_new_tokens=MAX_TOKENS)[0, len(p):].tolist() for p in prompts()]
+    return _HF[str(folder)]
+
+
+def generate(llm) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_logits_equal_transformers_past_the_window(family, folder):
+    """The reference path (phase 1's attention with each layer's window) at 5 windows of context:
+    transformers' logits within 1e-4."""
+    from phases.p01_naive_attention import NaiveAttention
+    from tinyvllm.config import ModelConfig
+    from tinyvllm.weights import load_model
+
+    path = folder(family)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ours = load_model(path, torch.float32, torch.device("cpu"), 512)
+    windows = ModelConfig.from_pretrained(path).layer_windows(512)
+    assert WINDOW in windows, windows
+    ids = torch.tensor(prompts()[2])
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+        got = ours.compute_logits(ours(ids, torch.arange(len(ids)), NaiveAttention(windows)))
+        full = ours.compute_logits(ours(ids, torch.arange(len(ids)), NaiveAttention()))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert (full - want)[2 * WINDOW:].abs().max() > 1e-2, "the window changes nothing: the test tests nothing"
+
+
+# phases 9 and 10 add no attention path of their own (a process, a step ahead, a tier): one family
+CASES = [(p, f) for p in sorted(PHASES) for f in sorted(FAMILIES) if p < 9 or f == "gemma3"]
+
+
+@pytest.mark.parametrize("phase, family", CASES, ids=[f"phase{p}-{f}" for p, f in CASES])
+def test_every_phase_gives_transformers_tokens_past_the_window(phase, family, folder):
+    """Phases 1-3 as they come (phase 3 chunking, preempting and hitting its prefix cache across
+    the window), phases 4-10 on their PyTorch attention (their kernels refuse a window, below);
+    phase 6 verifying n-gram drafts across the window's edge, phase 9 scheduling a step ahead,
+    phase 10 saving every block to its offload tier."""
+    path = folder(family)
+    got = generate(LLM(str(path), phase=phase, **PHASES[phase]))
+    assert got == hf_greedy(path)
+    if phase == 3:   # the same prompts again: prefix hits past the window, still transformers' tokens
+        llm = LLM(str(path), phase=3, block_size=4, num_kv_blocks=64)
+        assert generate(llm) == generate(llm) == hf_greedy(path)
+        from phases.p03_continuous_batching.batch_invariant import KERNELS
+
+        if KERNELS.available():   # batch_invariant=True: its C kernel reads each query's window
+            llm = LLM(str(path), phase=3, block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+                      batch_invariant=True)
+            assert generate(llm) == hf_greedy(path)
+
+
+def test_two_ranks_give_transformers_tokens_past_the_window(folder):
+    """Phase 8: each rank's share of the KV heads, each layer's window."""
+    path = folder("gemma3")
+    llm = LLM(str(path), phase=8, tensor_parallel_size=2, attention_backend="torch", enforce_eager=True,
+              num_kv_blocks=64, dtype="float32")
+    assert generate(llm) == hf_greedy(path)
+
+
+@pytest.mark.parametrize("engine_args, part, instead", [
+    ({"phase": 4, "device": "cpu"}, r"phase 4's cpu attention kernel", "pass attention_backend='torch'"),
+    ({"phase": 7, "attention_backend": "torch", "device": "cpu"}, r"phase 7's static decode step",
+     "pass enforce_eager=True"),
+    ({"phase": 5, "kv_cache_dtype": "int8", "device": "cpu"}, r"phase 5's cpu attention over a quantized KV cache",
+     "pass attention_backend='torch'"),
+])
+def test_a_path_without_windows_refuses_a_windowed_model_by_name(engine_args, part, instead, folder):
+    with pytest.raises(ValueError, match=rf"{part}.*sliding_window=8 .*max_model_len=512: {instead}, "
+                                         r"or pass max_model_len <= 8"):
+        LLM(str(folder("mistral")), num_kv_blocks=64, **engine_args)
+
+
+def test_gemma3_is_refused_by_the_static_decode_step(folder):
+    with pytest.raises(ValueError, match=r"phase 7's static decode step runs Llama's layers, not Gemma3ForCausalLM"):
+        LLM(str(folder("gemma3")), phase=7, num_kv_blocks=64, max_model_len=WINDOW)
+
+
+def test_config_fields_that_disagree_are_refused_by_name():
+    from tinyvllm.config import ModelConfig
+
+    base = {"vocab_size": 32, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 8}
+    gemma = ModelConfig.from_dict({**base, "sliding_window_pattern": 2, "rope_local_base_freq": 1e4})
+    assert gemma.layer_types == ("sliding_attention", "full_attention") * 2
+    assert gemma.layer_windows(64) == (8, None, 8, None) and gemma.layer_windows(8) == (None,) * 4
+    assert (gemma.norm_weight_offset, gemma.post_norms, gemma.hidden_act) == (1.0, True, "gelu_pytorch_tanh")
+    bad = [({"layer_types": ["full_attention"] * 3}, r"layer_types must list 4 entries"),
+           ({"layer_types": ["local"] * 4}, r"layer_types must list 4 entries"),
+           ({"sliding_window_pattern": 2, "layer_types": ["sliding_attention"] * 4},
+            r"layer_types .* disagrees with sliding_window_pattern=2"),
+           ({"sliding_window_pattern": 0}, r"sliding_window_pattern must be a positive integer"),
+           ({"sliding_window": None}, r"sliding_attention layers, but sliding_window is null"),
+           ({"sliding_window": 0}, r"sliding_window must be a positive integer"),
+           ({"sliding_window": 4096, "max_position_embeddings": 2048}, r"sliding_window=4096 is larger than the context"),
+           ({"final_logit_softcapping": 30.0}, r"final_logit_softcapping=30.0 is not supported")]
+    for fields, message in bad:
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_dict({**base, **fields})
+    mistral = {**base, "architectures": ["MistralForCausalLM"]}
+    assert ModelConfig.from_dict(mistral).layer_windows(64) == (8,) * 4
+    assert ModelConfig.from_dict({**mistral, "sliding_window": None}).layer_windows(64) == (None,) * 4
