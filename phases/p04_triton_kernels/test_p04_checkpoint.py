@@ -383,7 +383,7 @@ def test_decode_step_in_c_equals_phase2(bs, d, group, kvh, columns):
     caches = []
     for _ in range(2):
         cache = types.SimpleNamespace(kv=torch.stack((k_cache, v_cache))[None].clone(), checked=True,
-                                      num_blocks=k_cache.shape[0], block_size=k_cache.shape[1])
+                                      num_blocks=k_cache.shape[0], block_size=k_cache.shape[1], windows=())
         cache.layer = lambda i, c=cache: (c.kv[i, 0], c.kv[i, 1])
         cache.write = types.MethodType(KVCache.write, cache)
         caches.append(cache)
