@@ -103,18 +103,20 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(getattr(pytest.mark, f"phase{part[1:3]}"))
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(skip_gpu)
-    # the order of a run: every other test, then the notebooks and the site's, then the timed ones
-    items.sort(key=lambda item: 2 if _is_timed(item) else 1 if _is_notebook(item) or _needs_the_site(item) else 0)
+    # the order of a run: every other test, then those of the background runs, then the timed ones
+    items.sort(key=lambda item: 2 if _is_timed(item)
+               else 1 if _is_notebook(item) or _needs_the_site(item) or _is_mutant(item) else 0)
 
 
-# -- the notebooks and the docs build run in the background -----------------------------------------
+# -- the notebooks, the docs build and the grader's wrong versions run in the background ------------
 # tests/test_notebooks.py runs each notebook in a Jupyter kernel of its own: minutes of one-thread
 # work that needs nothing from the other tests. They start as soon as the session is collected,
 # one at a time, beside the other tests (which leave a core of the 2-core machine idle much of the
-# time), and the docs site's build (tests/test_docs.py) after them; the notebook and docs tests
-# come after the others and collect the results. The tests that time something (markers
-# `throughput` and `timing`) run last, once the background work is done.
-BACKGROUND_RUNS = pytest.StashKey[dict]()   # notebook path, or "site" -> a Future of its result
+# time), and the docs site's build (tests/test_docs.py) after them. tests/test_learn_mutants.py's
+# grading process (a minute and a half) starts then too, beside both. Their tests come after the
+# others and collect the results. The tests that time something (markers `throughput` and
+# `timing`) run last, once the background work is done.
+BACKGROUND_RUNS = pytest.StashKey[dict]()   # notebook path, "site" or "mutants" -> a Future of its result
 
 
 def _is_notebook(item) -> bool:
@@ -123,6 +125,10 @@ def _is_notebook(item) -> bool:
 
 def _needs_the_site(item) -> bool:
     return "site" in getattr(item, "fixturenames", ())
+
+
+def _is_mutant(item) -> bool:
+    return getattr(item, "originalname", None) == "test_a_wrong_version_fails_its_checks"
 
 
 def _is_timed(item) -> bool:
@@ -139,6 +145,9 @@ def pytest_collection_finish(session):
     docs = [item for item in session.items if _needs_the_site(item)]
     if docs and (site := docs[0].module.build_in_background(list(runs.values()))) is not None:
         runs["site"] = site
+    mutants = [item for item in session.items if _is_mutant(item)]
+    if mutants:
+        runs["mutants"] = mutants[0].module.start_in_background(mutants[0].module.chosen_ids(mutants))
     session.config.stash[BACKGROUND_RUNS] = runs
 
 

@@ -23,7 +23,10 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -421,8 +424,10 @@ def _child(argv: list[str]) -> int:
     from tinyvllm.entrypoints import learn
     folders = sorted({f"phases/{learn.phase_package(e.phase)}" for e in learn.exercises()
                       if e.name in {m.task for m in chosen}})
-    return pytest.main([*folders, "tests", f"--ignore={Path(__file__).resolve()}", "-p", "no:cacheprovider",
-                        "-q", "--check-timeout=120", "-o", "addopts="],
+    # as `learn check` collects: without the notebooks and the site (whose runs a session starts in
+    # the background when it is collected)
+    return pytest.main([*folders, "tests", f"--ignore={Path(__file__).resolve()}", "-m", "not docs and not notebooks",
+                        "-p", "no:cacheprovider", "-q", "--check-timeout=120", "-o", "addopts="],
                        plugins=[MutantLoop(chosen, workspace, record)])
 
 
@@ -441,8 +446,10 @@ def _workspace(folder: Path) -> Path:
     return folder
 
 
-def grade_mutants(mutants: list[Mutant], tmp: Path, log=None) -> dict[str, tuple[str, str]]:
-    """mutant id -> (status, detail) as `learn check` reports the task, for each of `mutants`."""
+def grade_mutants(mutants: list[Mutant], tmp: Path, log=None, env: dict[str, str] | None = None
+                  ) -> dict[str, tuple[str, str]]:
+    """mutant id -> (status, detail) as `learn check` reports the task, for each of `mutants`; the
+    grading process gets `env` (by default this process's environment)."""
     from tinyvllm.entrypoints import learn
     from tinyvllm.entrypoints.learn_run import Case, how_it_ended, plain, test_name
 
@@ -454,9 +461,10 @@ def grade_mutants(mutants: list[Mutant], tmp: Path, log=None) -> dict[str, tuple
         workspace = _workspace(tmp / "workspace")
         record = tmp / "record.jsonl"
         record.write_text("")
-        env = {**os.environ, "TINYVLLM_WORKSPACE": str(workspace), "PYTHONPATH": str(REPO)}
+        child_env = {**(os.environ if env is None else env), "TINYVLLM_WORKSPACE": str(workspace),
+                     "PYTHONPATH": str(REPO)}
         proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(workspace), str(record),
-                               json.dumps([m.id for m in left])], cwd=REPO, env=env, stdout=log,
+                               json.dumps([m.id for m in left])], cwd=REPO, env=child_env, stdout=log,
                               stderr=subprocess.STDOUT if log is not None else None, timeout=1800)
         running = {}
         for line in record.read_text().splitlines():
@@ -505,16 +513,38 @@ def test_every_task_has_two_wrong_versions():
     assert len({m.id for m in MUTANTS}) == len(MUTANTS), "two wrong versions share a name"
 
 
+def start_in_background(ids: set[str]) -> Future:
+    """Grade the wrong versions `ids` in a thread (their grading process beside the other tests, as
+    the notebooks run) and return at once a Future of `grade_mutants`' result. The session starts it
+    when it is collected (conftest.py); the tests of this file come after the others and collect it."""
+    future, env = Future(), dict(os.environ)   # the environment now, before a test changes it
+
+    def run():
+        if future.set_running_or_notify_cancel():   # False: the session ended first
+            tmp = Path(tempfile.mkdtemp(prefix="tinyvllm-mutants-"))
+            try:
+                with open(tmp / "log.txt", "w") as log:
+                    future.set_result(grade_mutants([m for m in MUTANTS if m.id in ids], tmp, log, env))
+            except BaseException as e:
+                future.set_exception(e)
+    threading.Thread(target=run, name="mutants", daemon=True).start()
+    return future
+
+
+def chosen_ids(items) -> set[str]:
+    """The wrong versions a session's `items` grade."""
+    return {item.callspec.params["mutant"].id for item in items
+            if getattr(item, "originalname", "") == "test_a_wrong_version_fails_its_checks"}
+
+
 @pytest.fixture(scope="module")
-def graded(request, tmp_path_factory):
-    """The grades of the wrong versions this session runs, all in one process."""
-    chosen = {item.callspec.params["mutant"].id for item in request.session.items
-              if getattr(item, "originalname", "") == "test_a_wrong_version_fails_its_checks"}
-    mutants = [m for m in MUTANTS if m.id in chosen]
-    tmp = tmp_path_factory.mktemp("mutants")
-    with open(tmp / "log.txt", "w") as log:
-        results = grade_mutants(mutants, tmp, log)
-    return results
+def graded(request):
+    """The grades of the wrong versions this session runs, all in one process (started in the
+    background when the session was collected, or here)."""
+    from conftest import BACKGROUND_RUNS
+
+    run = request.config.stash.get(BACKGROUND_RUNS, {}).get("mutants")
+    return (run or start_in_background(chosen_ids(request.session.items))).result()
 
 
 def _params():
