@@ -502,11 +502,13 @@ def test_every_task_has_two_wrong_versions():
     """At least two per task, each a change of the task's current reference body."""
     from tinyvllm.entrypoints import learn
 
-    counts = {e.name: 0 for e in learn.exercises()}
+    tasks = {e.name: e for e in learn.exercises()}
+    counts = dict.fromkeys(tasks, 0)
+    texts = {}
     for m in MUTANTS:
-        e = next((e for e in learn.exercises() if e.name == m.task), None)
+        e = tasks.get(m.task)
         assert e is not None, f"{m.id}: no task {m.task}"
-        mutate((REPO / e.path).read_text(), m)   # its piece is in the body, once
+        mutate(texts.setdefault(e.path, (REPO / e.path).read_text()), m)   # its piece is in the body, once
         counts[m.task] += 1
     short = {task: n for task, n in counts.items() if n < 2}
     assert not short, f"tasks with fewer than two wrong versions: {short}"
