@@ -24,12 +24,11 @@ MAX_TOKENS = 12
 # a window span several blocks; phase 3's small pool and budget preempt and chunk the prompts)
 PHASES = {1: {}, 2: {"block_size": 4, "num_kv_blocks": 64},
           3: {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 16, "max_num_seqs": 3},
-          4: {"attention_backend": "torch"}, 5: {"attention_backend": "torch", "kv_cache_dtype": "auto"},
-          6: {"attention_backend": "torch", "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+          4: {}, 5: {"kv_cache_dtype": "auto"},
+          6: {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
           7: {"attention_backend": "torch", "enforce_eager": True},
-          9: {"attention_backend": "torch", "enforce_eager": True, "async_scheduling": True},
-          10: {"attention_backend": "torch", "enforce_eager": True,
-               "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}}
+          9: {"enforce_eager": True, "async_scheduling": True},
+          10: {"enforce_eager": True, "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}}
 for _args in PHASES.values():   # float32 products at every row count, as transformers' (not the kind's bfloat16)
     _args["dtype"] = "float32"
 _FOLDERS: dict = {}
@@ -98,7 +97,8 @@ CASES = [(p, f) for p in sorted(PHASES) for f in sorted(FAMILIES) if p < 9 or f 
 @pytest.mark.parametrize("phase, family", CASES, ids=[f"phase{p}-{f}" for p, f in CASES])
 def test_every_phase_gives_transformers_tokens_past_the_window(phase, family, folder):
     """Phases 1-3 as they come (phase 3 chunking, preempting and hitting its prefix cache across
-    the window), phases 4-10 on their PyTorch attention (their kernels refuse a window, below);
+    the window), phases 4-10 with phase 4's CPU attention (its C decode kernel in each row's
+    window, a windowed layer's prompts on phase 2's path; phase 7 eagerly on PyTorch's attention);
     phase 6 verifying n-gram drafts across the window's edge, phase 9 scheduling a step ahead,
     phase 10 saving every block to its offload tier."""
     path = folder(family)
@@ -124,7 +124,6 @@ def test_two_ranks_give_transformers_tokens_past_the_window(folder):
 
 
 @pytest.mark.parametrize("engine_args, part, instead", [
-    ({"phase": 4, "device": "cpu"}, r"phase 4's cpu attention kernel", "pass attention_backend='torch'"),
     ({"phase": 7, "attention_backend": "torch", "device": "cpu"}, r"phase 7's static decode step",
      "pass enforce_eager=True"),
     ({"phase": 5, "kv_cache_dtype": "int8", "device": "cpu"}, r"phase 5's cpu attention over a quantized KV cache",

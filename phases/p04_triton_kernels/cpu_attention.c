@@ -154,10 +154,14 @@ static inline void fetch_block(const float *p, int64_t row, int64_t left, int64_
         for (int64_t i = 0; i < d; i += 16) _mm_prefetch((const char *)(p + t * row + i), _MM_HINT_T0);
 }
 
-void paged_decode_attention(const float *q, const float *k_new, const float *v_new, float *k_cache,
-                            float *v_cache, const int64_t *slots, const int64_t *block_tables,
-                            const int64_t *seq_lens, float *out, float *scores, int64_t B, int64_t H,
-                            int64_t KVH, int64_t d, int64_t block_size, int64_t M, int64_t T, float scale) {
+/* starts: each row's first visible key (a layer's sliding window: seq_len - window, at least 0), or
+ * NULL for every key. A row reads from the block holding its first key; that block's keys before
+ * it score -inf (a softmax weight of 0), and the segments wholly before it are skipped. */
+static void decode_attention_from(const float *q, const float *k_new, const float *v_new, float *k_cache,
+                                  float *v_cache, const int64_t *slots, const int64_t *block_tables,
+                                  const int64_t *seq_lens, const int64_t *starts, float *out, float *scores,
+                                  int64_t B, int64_t H, int64_t KVH, int64_t d, int64_t block_size, int64_t M,
+                                  int64_t T, float scale) {
     int64_t row = KVH * d;  /* floats per token in a cache */
     for (int64_t b = 0; slots && b < B; b++) {  /* the step's K/V into their slots, if given */
         memcpy(k_cache + slots[b] * row, k_new + b * row, row * sizeof(float));
@@ -180,8 +184,11 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
     for (int64_t task = 0; task < B * KVH * S * P; task++) {
         int64_t part = task / P, bh = part / S, b = bh / KVH, h = bh % KVH, n = seq_lens[b];
         int64_t lo = part % S * seg, hi = n < lo + seg ? n : lo + seg, g0 = task % P * Gp, g1 = g0 + Gp;
-        if (lo >= n)
+        int64_t first = starts ? starts[b] : 0, from = first / block_size * block_size;
+        if (lo >= n || hi <= from)
             continue;
+        if (lo < from)   /* the segment holding the window's first key: from that key's block */
+            lo = from;
         const int64_t *table = block_tables + b * M;
         const float *qb = q + (b * H + h * G) * d;
         float *s = scores + (b * H + h * G) * T, *o = n <= seg ? out + (b * H + h * G) * d : parts + part * part_len;
@@ -199,6 +206,8 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
             for (; t < end; t += 4, k += 4 * row)
                 for (int64_t g = g0; g < g1; g++) dots(qb + g * d, k, row, end - t < 4 ? end - t : 4, d, scale, s + g * T + t);
         }
+        for (int64_t t = lo; t < first; t++)   /* the first block's keys before the window */
+            for (int64_t g = g0; g < g1; g++) s[g * T + t] = -INFINITY;
         float top[G], sum[G];   /* the softmax's numerators in place of the scores; the sums divide at the end */
         for (int64_t g = g0; g < g1; g++) {
             sum[g] = softmax_numerators(s + g * T + lo, hi - lo, &top[g]);
@@ -225,14 +234,15 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
     #pragma omp parallel for schedule(static)
     for (int64_t bh = 0; bh < B * KVH; bh++) {
         int64_t b = bh / KVH, h = bh % KVH, n = seq_lens[b], nseg = (n + seg - 1) / seg;
+        int64_t j0 = starts ? starts[b] / block_size * block_size / seg : 0;   /* the segments read */
         if (n <= seg)
             continue;
         const float *part = parts + bh * S * part_len;
         for (int64_t g = 0; g < G; g++) {
             float *o = out + (b * H + h * G + g) * d, top = -INFINITY, den = 0.f;
-            for (int64_t j = 0; j < nseg; j++) top = fmaxf(top, part[j * part_len + G * d + g]);
+            for (int64_t j = j0; j < nseg; j++) top = fmaxf(top, part[j * part_len + G * d + g]);
             memset(o, 0, d * sizeof(float));
-            for (int64_t j = 0; j < nseg; j++) {
+            for (int64_t j = j0; j < nseg; j++) {
                 float w = expf(part[j * part_len + G * d + g] - top);
                 den += w * part[j * part_len + G * d + G + g];
                 for (int64_t i = 0; i < d; i++) o[i] += w * part[j * part_len + g * d + i];
@@ -241,6 +251,24 @@ void paged_decode_attention(const float *q, const float *k_new, const float *v_n
         }
     }
     free(parts);
+}
+
+void paged_decode_attention(const float *q, const float *k_new, const float *v_new, float *k_cache,
+                            float *v_cache, const int64_t *slots, const int64_t *block_tables,
+                            const int64_t *seq_lens, float *out, float *scores, int64_t B, int64_t H,
+                            int64_t KVH, int64_t d, int64_t block_size, int64_t M, int64_t T, float scale) {
+    decode_attention_from(q, k_new, v_new, k_cache, v_cache, slots, block_tables, seq_lens, NULL, out, scores,
+                          B, H, KVH, d, block_size, M, T, scale);
+}
+
+/* the same, each row b seeing its keys from starts[b] on (a sliding window) */
+void paged_window_decode_attention(const float *q, const float *k_new, const float *v_new, float *k_cache,
+                                   float *v_cache, const int64_t *slots, const int64_t *block_tables,
+                                   const int64_t *seq_lens, const int64_t *starts, float *out, float *scores,
+                                   int64_t B, int64_t H, int64_t KVH, int64_t d, int64_t block_size, int64_t M,
+                                   int64_t T, float scale) {
+    decode_attention_from(q, k_new, v_new, k_cache, v_cache, slots, block_tables, seq_lens, starts, out, scores,
+                          B, H, KVH, d, block_size, M, T, scale);
 }
 
 /* ---- A prefill chunk: Tq queries, the last Tq of Tk keys, causal (lower-right) ----

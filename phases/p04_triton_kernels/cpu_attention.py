@@ -57,6 +57,7 @@ P, I64 = ctypes.c_void_p, ctypes.c_int64
 KERNELS = CKernel(Path(__file__).with_name("cpu_attention.c"),
                   ["-O3", "-mavx2", "-mfma", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"], AVX2_FLAGS,
                   {"paged_decode_attention": [P] * 10 + [I64] * 7 + [ctypes.c_float],
+                   "paged_window_decode_attention": [P] * 11 + [I64] * 7 + [ctypes.c_float],
                    "causal_prefill_attention": [P] * 5 + [I64] * 9 + [ctypes.c_float],
                    "causal_prefill_attention_bf16": [P] * 6 + [I64] * 9 + [ctypes.c_float]},
                   fallback="attention takes PyTorch's path (phase 2's decode_attention, SDPA)",
@@ -81,20 +82,26 @@ def c_decode_runs(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def c_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                       k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
+                       k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                       window: int | None = None) -> torch.Tensor:
     """The decode rows' attention in one call of cpu_attention.c: q (B, H, d), the query of each
     of meta's decode rows -> (B, H, d). Given k, v (B, KVH, d) (a step of decodes only), the same
-    call first writes them into meta.slot_mapping's slots."""
+    call first writes them into meta.slot_mapping's slots. window: the layer's sliding window
+    (None: every earlier key), each row then reading from its window's first key on."""
+    starts = None
+    if window is not None and window < meta.max_decode_seq_len:
+        starts = (meta.decode_seq_lens - window).clamp_(min=0)
     return paged_decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_seq_lens,
-                        meta.max_decode_seq_len, k, v, meta.slot_mapping)
+                        meta.max_decode_seq_len, k, v, meta.slot_mapping, starts)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                  lens: torch.Tensor, max_len: int, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
-                 slots: torch.Tensor | None = None) -> torch.Tensor:
+                 slots: torch.Tensor | None = None, starts: torch.Tensor | None = None) -> torch.Tensor:
     """cpu_attention.c's `paged_decode_attention`: q (B, H, d), row b seeing the first lens[b]
     keys (int64, at most max_len) of the blocks listed by tables[b] (B, M) int64, rows any number
-    of entries apart (0: one table for all) -> (B, H, d); given k, v, first writes them to slots."""
+    of entries apart (0: one table for all) -> (B, H, d); given k, v, first writes them to slots.
+    Given starts (B,) int64, row b sees only its keys from starts[b] on (`paged_window_decode_attention`)."""
     q, lens = q.contiguous(), lens.contiguous()
     (b, h, d), (block_size, kvh) = q.shape, k_cache.shape[1:3]
     if tables.stride(1) != 1:
@@ -104,10 +111,15 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k, v = k.contiguous(), v.contiguous()
     out = torch.empty_like(q)
     scores = torch.empty(b * h * max_len)
-    (KERNELS.lib or KERNELS.load()).paged_decode_attention(
-        q.data_ptr(), k.data_ptr() if write else None, v.data_ptr() if write else None, k_cache.data_ptr(),
-        v_cache.data_ptr(), slots.data_ptr() if write else None, tables.data_ptr(), lens.data_ptr(),
-        out.data_ptr(), scores.data_ptr(), b, h, kvh, d, block_size, tables.stride(0), max_len, 1 / math.sqrt(d))
+    lib = KERNELS.lib or KERNELS.load()
+    head = (q.data_ptr(), k.data_ptr() if write else None, v.data_ptr() if write else None, k_cache.data_ptr(),
+            v_cache.data_ptr(), slots.data_ptr() if write else None, tables.data_ptr(), lens.data_ptr())
+    tail = (out.data_ptr(), scores.data_ptr(), b, h, kvh, d, block_size, tables.stride(0), max_len, 1 / math.sqrt(d))
+    if starts is None:
+        lib.paged_decode_attention(*head, *tail)
+    else:
+        starts = starts.contiguous()
+        lib.paged_window_decode_attention(*head, starts.data_ptr(), *tail)
     return out
 
 
@@ -264,10 +276,13 @@ class CpuPagedAttention(PagedAttention):
         self.c_prefill, self.bf16_prefill = c_prefill, bf16_prefill
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        window = self.windows[layer_idx] if self.windows else None
         if not self.meta.prefill_rows:
             k_cache, v_cache = self.cache.layer(layer_idx)
             if c_decode_runs(q, k_cache):   # the write and the attention in one call
-                return c_decode_attention(q, k_cache, v_cache, self.meta, k, v)
+                return c_decode_attention(q, k_cache, v_cache, self.meta, k, v, window)
+            return super().__call__(layer_idx, q, k, v)
+        if window is not None:   # a windowed layer's prompt: phase 2's attention, in its window
             return super().__call__(layer_idx, q, k, v)
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer_idx)
@@ -281,7 +296,7 @@ def attention_row(attention) -> torch.Tensor | None:
     length (the static buffers' tensors, contiguous: read in place), the block size, KV heads,
     and where the cache starts and each layer's K and V lie in it. None for any other step or
     attention part."""
-    if type(attention) is not CpuPagedAttention or attention.meta.prefill_rows:
+    if type(attention) is not CpuPagedAttention or attention.meta.prefill_rows or any(attention.windows or ()):
         return None
     meta, kv = attention.meta, attention.cache.kv        # kv: (layers, 2, blocks, block_size, KVH, d)
     tables, lens = meta.decode_block_tables, meta.decode_seq_lens

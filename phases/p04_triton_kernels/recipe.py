@@ -96,10 +96,9 @@ def make_attention(setup: EngineSetup, parts: Parts):
     backend = attention_backend(setup)
     if setup.config.batch_invariant or backend == "torch":
         return PHASE3.attention(setup, parts)
-    if backend == "triton":   # its kernel reads each layer's window (the C kernels below do not)
+    if backend == "triton":   # its kernel reads each layer's window
         return partial(TritonPagedAttention, parts.kv_cache)
-    setup.model_config.refuse_windows(setup.max_model_len, "phase 4's cpu attention kernel",
-                                      "pass attention_backend='torch'")
+    # the C decode kernel reads each row's window; a windowed layer's prompt goes to phase 2's path
     # prefill's attention in bfloat16 where the engine multiplies in bfloat16 and it was measured
     c_prefill, bf16_prefill = prefill_paths()
     return partial(CpuPagedAttention, parts.kv_cache, c_prefill=c_prefill,

@@ -425,6 +425,32 @@ def test_c_decode_splits_long_sequences_the_same_at_any_batch(bs):
     assert torch.equal(c_decode_attention(q[:1], k_cache, v_cache, alone), out[:1])
 
 @pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
+@pytest.mark.parametrize("window", [1, 8, 37, 512, 700])
+def test_c_decode_reads_each_row_s_window(window):
+    """A layer with a sliding window: each row sees only its last `window` keys, from the middle of
+    a block on (its keys before score -inf), the segments before its window's skipped (rows of
+    1,300 and 600 tokens: several segments; 40 and 5: inside one). Phase 2's decode in the same
+    window (its gather starts at the window's block and masks the rest) gives the same output; the
+    last 2 + window keys changed nothing when only those before the window change."""
+    from phases.p02_paged_kv import decode_attention
+
+    meta, k_cache, v_cache, g = make_batch([(1300, 1), (40, 1), (600, 1), (5, 1)], 16, 2, 64, torch.float32, "cpu")
+    q = torch.randn(4, 6, 64, generator=g)
+    out = c_decode_attention(q, k_cache, v_cache, meta, window=window)
+    ref = decode_attention(q, k_cache, v_cache, *meta.decode_inputs(16, torch.float32, window))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, c_decode_attention(q, k_cache, v_cache, meta), atol=1e-3) or window >= 1300
+    # keys before every row's window made huge: no row's output moves
+    spoiled = k_cache.clone()
+    for b, n in enumerate(meta.decode_seq_lens.tolist()):
+        for t in range(max(0, n - window)):
+            block = meta.decode_block_tables[b, t // 16]
+            spoiled[block, t % 16] = 1e4
+    torch.testing.assert_close(c_decode_attention(q, spoiled, v_cache, meta, window=window), out, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 def test_c_decode_fetching_ahead_changes_no_number(monkeypatch):
     """FETCH_AHEAD (the next block's lines asked of memory while one is read, where the platform's
     `decode_fetch_ahead` rule says) only changes when memory is read: the kernel built the other
