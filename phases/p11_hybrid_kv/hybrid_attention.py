@@ -20,6 +20,7 @@ import torch
 
 from phases.p02_paged_kv import AttentionMetadata, KVCache, check_metadata, paged_attention
 from phases.p02_paged_kv.kv_cache import zeros
+from phases.p04_triton_kernels.cpu_attention import c_decode_attention, c_decode_runs
 from tinyvllm.config import ModelConfig
 
 from .kv_cache_interface import KVCacheGroup
@@ -70,10 +71,11 @@ def group_metadata(meta: AttentionMetadata, plan, tables: list[list], block_size
 
 class HybridAttention:
     """The attention backend of a step: each layer writes and reads through its group's tables,
-    attending in its window (phase 2's `paged_attention`)."""
+    attending in its window (phase 2's `paged_attention`; a step of decodes only in one call of
+    phase 4's C decode kernel, which starts each row at its window, where `c_decode` and it runs)."""
 
-    def __init__(self, cache: HybridKVCache, meta: HybridMetadata):
-        self.cache, self.meta = cache, meta
+    def __init__(self, cache: HybridKVCache, meta: HybridMetadata, c_decode: bool = False):
+        self.cache, self.meta, self.c_decode = cache, meta, c_decode
         if cache.checked:
             for m in meta.groups:
                 check_metadata(m, cache.num_blocks, cache.block_size, type(self).__name__)
@@ -84,6 +86,8 @@ class HybridAttention:
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta.groups[self.cache.group_of[layer_idx]]
-        self.cache.write(layer_idx, meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.layer(layer_idx)
+        if self.c_decode and not meta.prefill_rows and c_decode_runs(q, k_cache):   # the write too
+            return c_decode_attention(q, k_cache, v_cache, meta, k, v, self.cache.windows[layer_idx])
+        self.cache.write(layer_idx, meta.slot_mapping, k, v)
         return paged_attention(q, k_cache, v_cache, meta, self.cache.windows[layer_idx])

@@ -8,7 +8,8 @@ phase 10's.
                 (kv_cache_interface.py: a spec per layer, layers of one spec grouped)
     allocator   `HybridKVCacheManager`: per sequence one block table per group; a windowed
                 group gives back the blocks its window left behind; a prefix hit every group serves
-    attention   `HybridAttention`: each layer through its group's tables, in its window
+    attention   `HybridAttention`: each layer through its group's tables, in its window (on a
+                CPU a step of decodes in phase 4's C kernel, which reads each row's window)
     runner      `HybridModelRunner`: phase 2's inputs, with every group's tables and slots
     scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
     model       phase 6's (eager): the static decode step of phase 7 attends to every token
@@ -25,6 +26,7 @@ from functools import partial
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.kv_cache import num_kv_blocks
 from phases.p03_continuous_batching.recipe import max_num_batched_tokens
+from phases.p04_triton_kernels.recipe import attention_backend
 from phases.p06_speculative_decoding import RECIPE as PHASE6
 from phases.p10_kv_tiers import RECIPE as PHASE10
 from tinyvllm import platform
@@ -91,7 +93,7 @@ def make_allocator(setup: EngineSetup, parts: Parts):
 def make_attention(setup: EngineSetup, parts: Parts):
     if not is_hybrid(setup):
         return PREVIOUS.attention(setup, parts)
-    return partial(HybridAttention, parts.kv_cache)
+    return partial(HybridAttention, parts.kv_cache, c_decode=attention_backend(setup) == "cpu")
 
 
 def make_runner(setup: EngineSetup, parts: Parts):
