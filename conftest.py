@@ -112,9 +112,10 @@ def pytest_collection_modifyitems(config, items):
 # tests/test_notebooks.py runs each notebook in a Jupyter kernel of its own: minutes of one-thread
 # work that needs nothing from the other tests. They start as soon as the session is collected,
 # one at a time, beside the other tests (which leave a core of the 2-core machine idle much of the
-# time), and the docs site's build (tests/test_docs.py) after them. tests/test_learn_mutants.py's
-# grading process (a minute and a half) starts then too, beside both. Their tests come after the
-# others and collect the results. The tests that time something (markers `throughput` and
+# time), then the docs site's build (tests/test_docs.py), then tests/test_learn_mutants.py's
+# grading process (a minute and a half): one at a time, so the other tests share the machine with
+# one of them (beside both at once, a full run took longer). Their tests come after the others
+# and collect the results. The tests that time something (markers `throughput` and
 # `timing`) run last, once the background work is done.
 BACKGROUND_RUNS = pytest.StashKey[dict]()   # notebook path, "site" or "mutants" -> a Future of its result
 
@@ -147,7 +148,8 @@ def pytest_collection_finish(session):
         runs["site"] = site
     mutants = [item for item in session.items if _is_mutant(item)]
     if mutants:
-        runs["mutants"] = mutants[0].module.start_in_background(mutants[0].module.chosen_ids(mutants))
+        runs["mutants"] = mutants[0].module.start_in_background(mutants[0].module.chosen_ids(mutants),
+                                                                after=list(runs.values()))
     session.config.stash[BACKGROUND_RUNS] = runs
 
 

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -515,13 +515,15 @@ def test_every_task_has_two_wrong_versions():
     assert len({m.id for m in MUTANTS}) == len(MUTANTS), "two wrong versions share a name"
 
 
-def start_in_background(ids: set[str]) -> Future:
-    """Grade the wrong versions `ids` in a thread (their grading process beside the other tests, as
-    the notebooks run) and return at once a Future of `grade_mutants`' result. The session starts it
-    when it is collected (conftest.py); the tests of this file come after the others and collect it."""
+def start_in_background(ids: set[str], after: list[Future] = ()) -> Future:
+    """Grade the wrong versions `ids` in a thread once `after` (the notebooks' runs and the site's
+    build) are done, their grading process beside the other tests as the notebooks ran, and return
+    at once a Future of `grade_mutants`' result. The session starts it when it is collected
+    (conftest.py); the tests of this file come after the others and collect it."""
     future, env = Future(), dict(os.environ)   # the environment now, before a test changes it
 
     def run():
+        wait(after)
         if future.set_running_or_notify_cancel():   # False: the session ended first
             tmp = Path(tempfile.mkdtemp(prefix="tinyvllm-mutants-"))
             try:

@@ -78,6 +78,11 @@ RULES: dict[str, Rule] = {
     "bf16_mlp": Rule(False, False, True, False, "a prompt's fused MLP stays bfloat16 between its two products, "
                      "silu(gate) * up in one pass (lab note 7: a 2,000-token first token 1.440 -> 1.175 s)"),
     # -- attention: phase 4's CPU path ------------------------------------------------------------
+    "bf16_kv_float32": Rule(False, False, True, False, "a bfloat16 model's KV cache in float32, so its decode "
+                            "steps attend in cpu_attention.c (float32 only; q, k and v made float32 at the "
+                            "call, exactly) instead of phase 2's gather and SDPA in bfloat16: twice the bytes "
+                            "a cached token (lab note 7: bf16-latency-vllm-xeon-amx.json, bf16-throughput-48-vllm-"
+                            "xeon-amx.json)"),
     "c_prefill": Rule(True, True, False, False, "a prompt's float32 attention in cpu_attention.c's register "
                       "tiles, faster than SDPA at every length measured (kernels-prefill-zen4.json, "
                       "kernels-prefill-zen4-avx512.json)"),

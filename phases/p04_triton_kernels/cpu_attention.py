@@ -269,13 +269,17 @@ def cpu_paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
 class CpuPagedAttention(PagedAttention):
     """Phase 2's backend (same cache write) with `cpu_paged_attention` for the attending; a step
     of decodes only is one call of `c_decode_attention` (phase 2's, whole, where it cannot run).
-    c_prefill, bf16_prefill: `cpu_paged_attention`'s, chosen when the recipe builds the part."""
+    c_prefill, bf16_prefill: `cpu_paged_attention`'s, chosen when the recipe builds the part. A
+    bfloat16 model over a float32 pool attends in float32 (its q, k and v made float32, exactly),
+    its output rounded back to bfloat16."""
 
     def __init__(self, cache, meta: AttentionMetadata, c_prefill: bool = True, bf16_prefill: bool = False):
         super().__init__(cache, meta)                                        # (phase 2's: checked mode too)
         self.c_prefill, self.bf16_prefill = c_prefill, bf16_prefill
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.dtype != self.cache.kv.dtype:   # a bfloat16 model over a float32 pool (phase 4's `float32_kv`)
+            return self(layer_idx, q.float(), k.float(), v.float()).to(q.dtype)
         window = self.windows[layer_idx] if self.windows else None
         if not self.meta.prefill_rows:
             k_cache, v_cache = self.cache.layer(layer_idx)

@@ -18,11 +18,14 @@ On a CPU the model gets the CPU's kernels too (`use_cpu_kernels`): every `Linear
 whose products take the library or kernel that is fastest at their row count (cpu_layers.py:
 oneDNN's packed products, cpu_gemv.c, AMX tiles, bfloat16 from a few rows with dtype="auto"),
 and the norms and RoPE in C where the platform measured them (cpu_layers.py, cpu_norm.c). With
-`batch_invariant=True` the model and the attention stay phase 3's fixed-order ones.
+`batch_invariant=True` the model and the attention stay phase 3's fixed-order ones. A bfloat16
+model's KV cache is float32 on a CPU where the platform says (`bf16_kv_float32`), so that its
+steps attend in those C kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import torch
@@ -99,11 +102,26 @@ def make_attention(setup: EngineSetup, parts: Parts):
     if backend == "triton":   # its kernel reads each layer's window
         return partial(TritonPagedAttention, parts.kv_cache)
     # the C decode kernel reads each row's window; a windowed layer's prompt goes to phase 2's path
-    # prefill's attention in bfloat16 where the engine multiplies in bfloat16 and it was measured
+    # prefill's attention in bfloat16 where the engine multiplies in bfloat16 (dtype="auto" from a
+    # few rows; a bfloat16 model over a float32 pool, whose q, k and v are bfloat16 values) and
+    # it was measured
     c_prefill, bf16_prefill = prefill_paths()
     return partial(CpuPagedAttention, parts.kv_cache, c_prefill=c_prefill,
-                   bf16_prefill=bool(setup.bf16_rows) and bf16_prefill)
+                   bf16_prefill=(bool(setup.bf16_rows) or float32_kv(setup)) and bf16_prefill)
+
+
+def float32_kv(setup: EngineSetup) -> bool:
+    """A bfloat16 model whose KV cache is float32 (the platform's `bf16_kv_float32`): on a CPU,
+    attending in cpu_attention.c, whose kernels are float32's."""
+    return (setup.device.type == "cpu" and setup.dtype == torch.bfloat16 and not setup.config.batch_invariant
+            and attention_backend(setup) == "cpu" and bool(platform.current().rule("bf16_kv_float32")))
+
+
+def make_kv_cache(setup: EngineSetup, parts: Parts):
+    if float32_kv(setup):   # K and V are bfloat16 values: float32 holds each exactly
+        return PHASE3.kv_cache(dataclasses.replace(setup, dtype=torch.float32), parts)
+    return PHASE3.kv_cache(setup, parts)
 
 
 RECIPE = PHASE3.extend(phase=4, engine_args={"attention_backend"}, checks=(check_backend,),
-                       model=make_model, attention=make_attention)
+                       model=make_model, kv_cache=make_kv_cache, attention=make_attention)
