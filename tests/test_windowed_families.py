@@ -28,7 +28,8 @@ PHASES = {1: {}, 2: {"block_size": 4, "num_kv_blocks": 64},
           6: {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
           7: {"attention_backend": "torch", "enforce_eager": True},
           9: {"enforce_eager": True, "async_scheduling": True},
-          10: {"enforce_eager": True, "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}}
+          10: {"enforce_eager": True,
+               "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}}
 for _args in PHASES.values():   # float32 products at every row count, as transformers' (not the kind's bfloat16)
     _args["dtype"] = "float32"
 _FOLDERS: dict = {}

@@ -80,9 +80,9 @@ RULES: dict[str, Rule] = {
     # -- attention: phase 4's CPU path ------------------------------------------------------------
     "bf16_kv_float32": Rule(False, False, True, False, "a bfloat16 model's KV cache in float32, so its decode "
                             "steps attend in cpu_attention.c (float32 only; q, k and v made float32 at the "
-                            "call, exactly) instead of phase 2's gather and SDPA in bfloat16: twice the bytes "
-                            "a cached token (lab note 7: bf16-latency-vllm-xeon-amx.json, bf16-throughput-48-vllm-"
-                            "xeon-amx.json)"),
+                            "call, exactly) instead of phase 2's gather and SDPA in bfloat16, and its prompts on "
+                            "the AMX tiles where `bf16_prefill` says: twice the bytes a cached token (lab note 7: "
+                            "bf16-latency-vllm-xeon-amx.json, bf16-throughput-48-vllm-xeon-amx.json)"),
     "c_prefill": Rule(True, True, False, False, "a prompt's float32 attention in cpu_attention.c's register "
                       "tiles, faster than SDPA at every length measured (kernels-prefill-zen4.json, "
                       "kernels-prefill-zen4-avx512.json)"),

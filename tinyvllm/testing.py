@@ -391,7 +391,8 @@ WINDOWED_TINY_COMMAND = ("python -c \"from tinyvllm.testing import make_windowed
 def make_windowed_tiny(folder: str | os.PathLike, sliding_window: int = 16, context: int = 1024) -> Path:
     """`WINDOWED_TINY_GEMMA3` with a window of `sliding_window` tokens (16: 64 windows in its
     context of `context` tokens; Gemma 3's small sizes have 512). Needs transformers."""
-    folder = make_tiny_family(folder, "Gemma3ForCausalLM", **{**WINDOWED_TINY_GEMMA3, "sliding_window": sliding_window})
+    folder = make_tiny_family(folder, "Gemma3ForCausalLM",
+                              **{**WINDOWED_TINY_GEMMA3, "sliding_window": sliding_window})
     path = Path(folder) / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "max_position_embeddings": context}, indent=2))
     return Path(folder)

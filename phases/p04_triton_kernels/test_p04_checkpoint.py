@@ -424,14 +424,15 @@ def test_c_decode_splits_long_sequences_the_same_at_any_batch(bs):
     alone = AttentionMetadata.build(meta.slot_mapping[:1].tolist(), [1], [1300], [table], torch.device("cpu"))
     assert torch.equal(c_decode_attention(q[:1], k_cache, v_cache, alone), out[:1])
 
+
 @pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 @pytest.mark.parametrize("window", [1, 8, 37, 512, 700])
 def test_c_decode_reads_each_row_s_window(window):
     """A layer with a sliding window: each row sees only its last `window` keys, from the middle of
     a block on (its keys before score -inf), the segments before its window's skipped (rows of
     1,300 and 600 tokens: several segments; 40 and 5: inside one). Phase 2's decode in the same
-    window (its gather starts at the window's block and masks the rest) gives the same output; the
-    last 2 + window keys changed nothing when only those before the window change."""
+    window (its gather starts at the window's block and masks the rest) gives the same output, and
+    keys before each row's window, made huge, change no output."""
     from phases.p02_paged_kv import decode_attention
 
     meta, k_cache, v_cache, g = make_batch([(1300, 1), (40, 1), (600, 1), (5, 1)], 16, 2, 64, torch.float32, "cpu")
@@ -566,9 +567,9 @@ def test_a_bfloat16_model_attends_in_float32_over_a_float32_pool(default_model_d
     (q, k and v made float32, exactly; the output rounded back to bfloat16), within bfloat16's
     rounding of phase 2's attention over a bfloat16 pool: on the default model the same greedy
     tokens where no two are near a tie, and each step's top log-probabilities within bfloat16's
-    noise of the bfloat16 pool's (a prompt's next token can be a near tie in bfloat16: "Write a haiku about
-    the sea." ends at once or goes on, as transformers' bfloat16 and float32 forwards disagree).
-    Where the rule is off, the pool is the model's dtype."""
+    noise of the bfloat16 pool's (a prompt's next token can be a near tie in bfloat16: "Write a
+    haiku about the sea." ends at once or goes on, as transformers' bfloat16 and float32 forwards
+    disagree). Where the rule is off, the pool is the model's dtype."""
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
     outs = {}
     for rule in (False, True):
