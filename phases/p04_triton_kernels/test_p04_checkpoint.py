@@ -363,6 +363,15 @@ def test_the_c_decode_path_takes_only_tensors_in_the_cpus_memory():
     assert not c_decode_runs(q.to("meta"), k_cache.to("meta"))
 
 
+def stand_in_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, dtype: torch.dtype):
+    """A one-layer KV pool holding copies of k_cache and v_cache in `dtype`, with phase 2's write."""
+    cache = types.SimpleNamespace(kv=torch.stack((k_cache, v_cache))[None].to(dtype, copy=True), checked=True,
+                                  num_blocks=k_cache.shape[0], block_size=k_cache.shape[1], windows=())
+    cache.layer = lambda i: (cache.kv[i, 0], cache.kv[i, 1])
+    cache.write = types.MethodType(KVCache.write, cache)
+    return cache
+
+
 @pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 @pytest.mark.parametrize("bs,d,group,kvh", [(16, 64, 3, 3), (16, 36, 1, 2), (32, 80, 8, 1), (16, 128, 2, 2)])
 @pytest.mark.parametrize("columns", ["all", "some"])
@@ -380,13 +389,7 @@ def test_decode_step_in_c_equals_phase2(bs, d, group, kvh, columns):
     n = len(meta.slot_mapping)
     q = torch.randn(n, group * kvh, d, generator=g)
     k, v = torch.randn(n, kvh, d, generator=g), torch.randn(n, kvh, d, generator=g)
-    caches = []
-    for _ in range(2):
-        cache = types.SimpleNamespace(kv=torch.stack((k_cache, v_cache))[None].clone(), checked=True,
-                                      num_blocks=k_cache.shape[0], block_size=k_cache.shape[1], windows=())
-        cache.layer = lambda i, c=cache: (c.kv[i, 0], c.kv[i, 1])
-        cache.write = types.MethodType(KVCache.write, cache)
-        caches.append(cache)
+    caches = [stand_in_cache(k_cache, v_cache, torch.float32) for _ in range(2)]
     out = CpuPagedAttention(caches[0], meta)(0, q, k, v)
     ref = PagedAttention(caches[1], meta)(0, q, k, v)
     assert torch.equal(caches[0].kv, caches[1].kv)
@@ -586,13 +589,7 @@ def test_a_bfloat16_model_attends_in_float32_over_a_float32_pool(default_model_d
     meta, k_cache, v_cache, g = make_batch([(40, 1), (17, 1), (3, 1)], 16, 2, 64, torch.float32, "cpu")
     k_cache, v_cache = k_cache.bfloat16().float(), v_cache.bfloat16().float()   # bfloat16 values
     q, k, v = (torch.randn(3, h, 64, generator=g).bfloat16() for h in (6, 2, 2))
-    caches = []
-    for dtype in (torch.float32, torch.bfloat16):
-        cache = types.SimpleNamespace(kv=torch.stack((k_cache, v_cache))[None].to(dtype), checked=True,
-                                      num_blocks=k_cache.shape[0], block_size=16, windows=())
-        cache.layer = lambda i, c=cache: (c.kv[i, 0], c.kv[i, 1])
-        cache.write = types.MethodType(KVCache.write, cache)
-        caches.append(cache)
+    caches = [stand_in_cache(k_cache, v_cache, dtype) for dtype in (torch.float32, torch.bfloat16)]
     out = CpuPagedAttention(caches[0], meta)(0, q, k, v)
     ref = PagedAttention(caches[1], meta)(0, q, k, v)
     assert out.dtype == torch.bfloat16 and torch.equal(caches[0].kv.bfloat16(), caches[1].kv)
