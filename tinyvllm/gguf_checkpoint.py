@@ -8,6 +8,8 @@ with their scales. The types read here:
     Q8_0   32 weights             d * q, q in -127..127                 8.5
     Q4_0   32                     d * (q - 8), q in 0..15               4.5
     Q4_1   32                     d * q + m, q in 0..15                 5
+    Q5_0   32                     d * (q - 16), q in 0..31              5.5
+    Q5_1   32                     d * q + m, q in 0..31                 6
     Q4_K   256 (8 groups of 32)   d*sc_j * q - dmin*m_j, q in 0..15     4.5 (6-bit sc_j, m_j)
     Q5_K   256 (8 groups of 32)   d*sc_j * q - dmin*m_j, q in 0..31     5.5
     Q6_K   256 (16 groups of 16)  d*sc_j * (q - 32), q in 0..63         6.5625 (8-bit sc_j)
@@ -18,8 +20,9 @@ float32 with the `gguf` package's own `dequantize` (so each weight is the refere
 bit), undoes llama.cpp's reordering of a Llama's q/k rows, rebuilds the tokenizer from the
 vocabulary and merges the file stores, and writes the folder in one rename: a bad file leaves
 nothing behind. Phase 5 then reads a float32 layer whose every block of 32 lies on 4- or 8-bit
-codes from those codes (lossless.py): Q8_0, Q4_1 and Q4_0 always, Q4_K where each group's
-minimum is its code 0; Q5_K and Q6_K (5-bit codes; groups of 16) stay float32. vLLM reads a GGUF file in place
+codes from those codes (lossless.py): Q8_0, Q4_1, Q4_0 and Q5_0 (on 8 bits) always, Q4_K where
+each group's minimum is its code 0; Q5_1 and Q5_K (5-bit codes and a minimum) and Q6_K (groups of
+16) stay float32. vLLM reads a GGUF file in place
 (`vllm/model_executor/model_loader/gguf_loader.py`) and multiplies from its blocks on a GPU.
 """
 
@@ -40,7 +43,7 @@ import numpy as np
 GGUF_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama", True),
                       "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
                       "qwen3": ("Qwen3ForCausalLM", "qwen3", False)}
-TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",

@@ -261,12 +261,12 @@ def make_on_codes(source: str | os.PathLike, folder: str | os.PathLike) -> Path:
 # block's bytes drawn at random but its 16-bit scales, set to keep weights near std 0.2 and
 # centered: (bytes a block, [(offset of a float16, its value)])
 _K_BLOCKS = {"Q4_K": (144, [(0, 8e-4), (2, 6e-3)]), "Q5_K": (176, [(0, 4e-4), (2, 6.2e-3)]),
-             "Q6_K": (210, [(208, 1.5e-4)])}
+             "Q6_K": (210, [(208, 1.5e-4)]), "Q2_K": (84, [(80, 2e-3), (82, 2e-3)])}   # Q2_K: a type not read
 
 
 def gguf_blocks(w: torch.Tensor, tensor_type: str, seed: int = 0):
     """w (O, I) as the bytes of a GGUF tensor of `tensor_type` (numpy uint8 (O, bytes a row)):
-    quantized by the gguf package where it can (F32, F16, BF16, Q8_0, Q4_0, Q4_1); for a K-quant,
+    quantized by the gguf package where it can (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); for a K-quant,
     random blocks of the type (w gives only the shape; Q4_K's with a code 0 in every group of 32),
     whose reference is what `gguf.quants.dequantize` makes of them."""
     import numpy as np

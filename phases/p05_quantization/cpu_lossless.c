@@ -4,8 +4,8 @@
  * converted to float32 has weights that lie exactly on a grid: in each block of 32 columns of a
  * row, w = q * scale + zero with q in 0..15 (Q4_1), or w = q * scale with q in -127..127 (Q8_0).
  * `lossless_find` looks for those codes (each block's scale and zero as `quantize_int4` and
- * `quantize_int8` would choose them, but per block of 32; for 4 bits, where the block's codes do
- * not reach 15, the span over a smaller top code) and says whether they give back every
+ * `quantize_int8` would choose them, but per block of 32; where the block's codes do not reach
+ * 15 (4 bits) or are 5- or 6-bit ones (8 bits, Q5_0's), the span over a smaller top code) and says whether they give back every
  * weight bit for bit: q * scale + zero in float32 rounded once (a fused multiply-add), q * scale
  * for 8 bits. A GGUF file's scales and minimums are 16-bit floats, so q * scale is exact in
  * float32 and its reader's float32 weights are rounded once, at the add, whatever it computes
@@ -96,9 +96,12 @@ void lossless_find(const float *w, uint8_t *q, float *scale, float *zero, int32_
                 for (int t = 0; t < 4 && !same; t++) same = block_codes(v, s = tries[t], l, bits, k);
             }
             /* a block whose largest code is under 15 (Q4_0's, whose codes d * (q - 8) rarely reach
-             * both ends; a Q4_K group's): its step is the span over that code */
-            for (int top_code = 14; bits == 4 && !same && top_code >= 1; top_code--) {
-                const float st = (hmax(hi) - l) / (float)top_code;
+             * both ends; a Q4_K group's): its step is the span over that code; for 8 bits, a block
+             * of narrower signed codes (Q5_0's d * (q - 16): its largest magnitude is 16 d or less),
+             * the smallest top code first, so that the step found is d, not d / 2 */
+            for (int t = 1; !same && t <= (bits == 4 ? 14 : 31); t++) {
+                const int top_code = bits == 4 ? 15 - t : t;
+                const float st = (bits == 4 ? hmax(hi) - l : hmax(top)) / (float)top_code;
                 const float tries[3] = {st, nextafterf(st, INFINITY), nextafterf(st, 0.f)};
                 for (int t = 0; t < 3 && !same; t++) same = block_codes(v, s = tries[t], l, bits, k);
             }

@@ -668,6 +668,24 @@ def test_lossless_codes_give_back_every_weight_bit_for_bit(bits, platform_rules)
 
 
 @needs_lossless
+def test_narrower_signed_codes_are_found_on_8_bits(platform_rules):
+    """A block of 5-bit signed codes (GGUF Q5_0's d * (q - 16), q in 0..31: the type llama.cpp
+    writes a Q4_K_M file's rows of 576 in) is read on 8 bits: its scale is d, though its largest
+    magnitude is 16 d (or 15 d, or less), not 127 d; every weight comes back bit for bit."""
+    platform_rules(codes_max_rows=8)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-16, 16, (24, 96), generator=g).float()
+    q[:4, :32] = q[:4, :32].clamp(-9, 9)                              # blocks whose top code is 9
+    d = (torch.rand(24, 3, 1, generator=g) * 1e-2 + 1e-3).half().float().expand(24, 3, 32).reshape(24, 96)
+    w = q * d
+    codes, scale, zero = lossless_codes(w)
+    assert zero is None and codes.dtype == torch.int8 and torch.equal(scale, d[:, ::32])
+    layer = LosslessLinear(_linear(w), codes, scale, zero)
+    eye = torch.eye(96)
+    assert torch.equal(torch.cat([layer(eye[j:j + 8]) for j in range(0, 96, 8)]).T, w)
+
+
+@needs_lossless
 def test_lossless_codes_round_once_as_a_fused_multiply_add(platform_rules):
     """4-bit weights are `q * s + m` rounded once (a GGUF reader's, whose q * s is exact): with
     scales of 24 significant bits, where rounding q * s first would move some weights, the codes

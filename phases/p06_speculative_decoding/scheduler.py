@@ -99,11 +99,15 @@ class SpecScheduler(Scheduler):
             drafts = plan.spec_token_ids.get(seq)
             if drafts:
                 n -= len(drafts) - (len(emitted[seq]) - 1)   # j accepted: keep 1 + j slots
-                truncate_table(self.allocator, seq.block_table, seq.num_computed_tokens + n)
+                self.roll_back(seq, seq.num_computed_tokens + n)
             kept.append((seq, n))
         super().update(dataclasses.replace(plan, scheduled=kept), sampled)
         if hasattr(self.proposer, "sync"):  # the draft model's cache follows the target's
             self.proposer.sync(self.running)
+
+    def roll_back(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back the slots of `seq` past `num_tokens`: its rejected drafts'."""
+        truncate_table(self.allocator, seq.block_table, num_tokens)
 
     def finish(self, seq: Sequence) -> None:
         super().finish(seq)

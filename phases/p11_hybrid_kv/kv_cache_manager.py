@@ -23,6 +23,10 @@ group:
   so equal tokens in two groups are two entries). A hit must be one length every group serves:
   a full group any prefix of its cached blocks, a windowed group a length whose window's blocks
   are cached, whatever came before them (`hit_length`).
+- rollback (phase 6's rejected drafts): every group's table shrinks as phase 6's does
+  (`truncate`). The blocks a window gave back were those before the window of the step's first
+  query, the drafts' last real token; a sequence rolls back to that token or later, whose window
+  starts no earlier, so no block given back is needed again.
 
 vLLM: `SingleTypeKVCacheManager`, `FullAttentionManager` and `SlidingWindowManager`
 (vllm/v1/core/single_type_kv_cache_manager.py), one `BlockPool` (block_pool.py), and
@@ -33,6 +37,7 @@ from __future__ import annotations
 
 from phases.p02_paged_kv import BlockTable
 from phases.p03_continuous_batching import PrefixBlockTable, PrefixCachingBlockAllocator
+from phases.p06_speculative_decoding import truncate_table
 
 from .kv_cache_interface import KVCacheGroup, SlidingWindowSpec
 
@@ -136,6 +141,12 @@ class HybridKVCacheManager(PrefixCachingBlockAllocator):
             if isinstance(group.spec, SlidingWindowSpec):
                 self.remove_skipped_blocks(t, group.spec)
             self.pool.allocate(t, num_tokens)
+
+    def truncate(self, table: BlockTable, num_tokens: int) -> None:
+        """Roll every group's table of the sequence back to `num_tokens` slots (phase 6's
+        `truncate_table` in each: the null blocks lie before the window, never past num_tokens)."""
+        for t in self.group_tables(table):
+            truncate_table(self.pool, t, num_tokens)
 
     def free(self, table: BlockTable) -> None:
         for t in self.tables.pop(table, [table]):

@@ -11,10 +11,12 @@ phase 10's.
     attention   `HybridAttention`: each layer through its group's tables, in its window (on a
                 CPU a step of decodes in phase 4's C kernel, which reads each row's window)
     runner      `HybridModelRunner`: phase 2's inputs, with every group's tables and slots
+                (`HybridSpecModelRunner` with `speculative_config`: phase 6's, drafts scored too)
     scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
+                (`HybridSpecScheduler`: phase 6's, rejected drafts rolled back in every group)
     model       phase 6's (eager): the static decode step of phase 7 attends to every token
 
-Refused by name for such a model: speculative decoding, a quantized KV cache, several ranks,
+Refused by name for such a model: a quantized KV cache, several ranks,
 batch invariance, a KV connector and asynchronous scheduling (their parts hold one table per
 sequence, or wrap a scheduler that does).
 """
@@ -28,13 +30,14 @@ from phases.p02_paged_kv.kv_cache import num_kv_blocks
 from phases.p03_continuous_batching.recipe import max_num_batched_tokens
 from phases.p04_triton_kernels.recipe import attention_backend
 from phases.p06_speculative_decoding import RECIPE as PHASE6
+from phases.p06_speculative_decoding.recipe import spec_config
 from phases.p10_kv_tiers import RECIPE as PHASE10
 from tinyvllm import platform
 
 from .hybrid_attention import HybridAttention, HybridKVCache, bytes_per_block
 from .kv_cache_interface import group_layers, layer_specs
 from .kv_cache_manager import HybridKVCacheManager
-from .scheduler import HybridModelRunner, HybridScheduler
+from .scheduler import HybridModelRunner, HybridScheduler, HybridSpecModelRunner, HybridSpecScheduler
 
 PREVIOUS = PHASE10   # the phase this one extends
 
@@ -53,8 +56,7 @@ def check_hybrid(setup: EngineSetup) -> None:
         return
     c, w = setup.config, setup.model_config.sliding_window
     asynchronous = platform.async_scheduling_default(c.async_scheduling, setup.device.type)
-    for name, value, default in (("speculative_config", c.speculative_config, None),
-                                 ("kv_cache_dtype", c.kv_cache_dtype, "auto"),
+    for name, value, default in (("kv_cache_dtype", c.kv_cache_dtype, "auto"),
                                  ("tensor_parallel_size", c.tensor_parallel_size, 1),
                                  ("batch_invariant", c.batch_invariant, False),
                                  ("kv_transfer_config", c.kv_transfer_config, None),
@@ -99,16 +101,18 @@ def make_attention(setup: EngineSetup, parts: Parts):
 def make_runner(setup: EngineSetup, parts: Parts):
     if not is_hybrid(setup):
         return PREVIOUS.runner(setup, parts)
-    return HybridModelRunner(parts.model, parts.attention, setup.config.block_size, setup.device,
-                             manager=parts.allocator)
+    runner = HybridModelRunner if spec_config(setup) is None else HybridSpecModelRunner
+    return runner(parts.model, parts.attention, setup.config.block_size, setup.device, manager=parts.allocator)
 
 
 def make_scheduler(setup: EngineSetup, parts: Parts):
     if not is_hybrid(setup):
         return PREVIOUS.scheduler(setup, parts)
-    c = setup.config
-    return HybridScheduler(parts.allocator, c.max_num_seqs, max_num_batched_tokens(setup), c.enable_chunked_prefill,
-                           setup.max_model_len)
+    c, spec = setup.config, spec_config(setup)
+    args = (parts.allocator, c.max_num_seqs, max_num_batched_tokens(setup), c.enable_chunked_prefill, setup.max_model_len)
+    if spec is None:
+        return HybridScheduler(*args)
+    return HybridSpecScheduler(*args, proposer=parts.proposer, spec=spec)
 
 
 RECIPE = PREVIOUS.extend(

@@ -4,6 +4,9 @@ The scheduler's rules are phase 3's. Two of its questions change: can a running 
 by n tokens (`can_grow`: the free blocks against what every group takes, less what its windows
 give back), and can a request ever fit (`check_fits`: the most its groups hold at once, against
 the pool). The runner builds phase 2's inputs, then each group's tables and slots beside them.
+With `speculative_config`, phase 6's scheduler and runner do the same (`HybridSpecScheduler`,
+`HybridSpecModelRunner`): a sequence's drafts are tokens every group grows by, and rejected
+ones go back from every group's table.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from phases.p02_paged_kv import ModelInputs, ModelRunner
 from phases.p02_paged_kv.scheduler import max_len
 from phases.p03_continuous_batching import Scheduler
+from phases.p06_speculative_decoding import SpecModelRunner, SpecScheduler
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import Sequence
 from tinyvllm.step import SchedulerOutput
@@ -38,6 +42,14 @@ class HybridScheduler(Scheduler):
                 f"kv_cache_memory)")
 
 
+class HybridSpecScheduler(HybridScheduler, SpecScheduler):
+    """Phase 6's `SpecScheduler` over a `HybridKVCacheManager`: drafts count in every group's
+    growth (`can_grow`), and rejected ones roll back every group's table."""
+
+    def roll_back(self, seq: Sequence, num_tokens: int) -> None:
+        self.allocator.truncate(seq.block_table, num_tokens)
+
+
 class HybridModelRunner(ModelRunner):
     """Phase 2's `ModelRunner`, with each group's tables and slots in the metadata."""
 
@@ -51,3 +63,8 @@ class HybridModelRunner(ModelRunner):
         by_group = [list(group) for group in zip(*tables)]
         inputs.meta = group_metadata(inputs.meta, plan, by_group, self.block_size, self.device)
         return inputs
+
+
+class HybridSpecModelRunner(HybridModelRunner, SpecModelRunner):
+    """Phase 6's `SpecModelRunner` (k + 1 rows of logits for a sequence with k drafts), with each
+    group's tables and slots."""
