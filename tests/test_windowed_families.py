@@ -124,16 +124,21 @@ def test_two_ranks_give_transformers_tokens_past_the_window(folder):
     assert generate(llm) == hf_greedy(path)
 
 
-@pytest.mark.parametrize("engine_args, part, instead", [
-    ({"phase": 7, "attention_backend": "torch", "device": "cpu"}, r"phase 7's static decode step",
-     "pass enforce_eager=True"),
-    ({"phase": 5, "kv_cache_dtype": "int8", "device": "cpu"}, r"phase 5's cpu attention over a quantized KV cache",
-     "pass attention_backend='torch'"),
-])
-def test_a_path_without_windows_refuses_a_windowed_model_by_name(engine_args, part, instead, folder):
-    with pytest.raises(ValueError, match=rf"{part}.*sliding_window=8 .*max_model_len=512: {instead}, "
-                                         r"or pass max_model_len <= 8"):
-        LLM(str(folder("mistral")), num_kv_blocks=64, **engine_args)
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_an_int8_kv_cache_attends_in_each_window_on_the_cpu_path(family, folder):
+    """Phase 5's int8 KV cache on its default CPU attention (a windowed layer through phase 2's
+    paged attention over the dequantized blocks, in its window) gives the tokens of its PyTorch
+    attention (which reads the same dequantized blocks in each window)."""
+    path = folder(family)
+    args = dict(phase=5, kv_cache_dtype="int8", block_size=4, num_kv_blocks=64, dtype="float32")
+    got = generate(LLM(str(path), **args))
+    assert got == generate(LLM(str(path), **args, attention_backend="torch"))
+
+
+def test_a_path_without_windows_refuses_a_windowed_model_by_name(folder):
+    with pytest.raises(ValueError, match=r"phase 7's static decode step.*sliding_window=8 .*max_model_len=512: "
+                                         r"pass enforce_eager=True, or pass max_model_len <= 8"):
+        LLM(str(folder("mistral")), num_kv_blocks=64, phase=7, attention_backend="torch", device="cpu")
 
 
 def test_gemma3_is_refused_by_the_static_decode_step(folder):

@@ -127,9 +127,9 @@ class QuantizedPagedAttention(PagedAttention):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.cache.write(layer_idx, self.meta.slot_mapping, k, v)
         k_cache, v_cache = self.cache.gather(layer_idx, self.used)
-        if self.attend is None:
-            return paged_attention(q, k_cache, v_cache, self.compact_meta,
-                                   self.cache.windows[layer_idx] if self.cache.windows else None)
+        window = self.cache.windows[layer_idx] if self.cache.windows else None
+        if self.attend is None or window is not None:   # a windowed layer: phase 2's, in its window
+            return paged_attention(q, k_cache, v_cache, self.compact_meta, window)
         # the CPU path attends a prompt with nothing cached over this step's K/V directly: hand it
         # what the cache holds (quantized and back), so every query sees the stored values
         k, v = (dequantize_kv(*quantize_kv(x, self.cache.kv_cache_dtype), q.dtype) for x in (k, v))
