@@ -9,6 +9,10 @@ layer's view is made once, so phase 2's `KVCache.layer` and `write` serve unchan
 
 A step's metadata is phase 2's, once per group (`HybridMetadata.groups`): the same queries and
 lengths, each group's block tables and slots.
+
+With `kv_cache_dtype` int8 or fp8 the pool is phase 5's quantized one, laid out the same way
+(`HybridQuantizedKVCache`: a position in a group where phase 5 has a layer), and each group's
+layers attend through phase 5's `QuantizedPagedAttention` over that group's metadata.
 """
 
 from __future__ import annotations
@@ -21,15 +25,28 @@ import torch
 from phases.p02_paged_kv import AttentionMetadata, KVCache, check_metadata, paged_attention
 from phases.p02_paged_kv.kv_cache import zeros
 from phases.p04_triton_kernels.cpu_attention import c_decode_attention, c_decode_runs
+from phases.p05_quantization.kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantized_bytes_per_block
 from tinyvllm.config import ModelConfig
 
 from .kv_cache_interface import KVCacheGroup
 
 
-def bytes_per_block(model: ModelConfig, groups: list[KVCacheGroup], block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(model: ModelConfig, groups: list[KVCacheGroup], block_size: int, dtype: torch.dtype,
+                    kv_cache_dtype: str = "auto") -> int:
     """K and V of one group's layers (they are all the same size) for block_size tokens."""
+    if kv_cache_dtype != "auto":   # phase 5's bytes a layer, for a group's layers
+        return quantized_bytes_per_block(model, block_size) // model.num_hidden_layers * len(groups[0].layers)
     elem = torch.empty((), dtype=dtype).element_size()
     return 2 * len(groups[0].layers) * block_size * model.num_key_value_heads * model.head_dim * elem
+
+
+def group_positions(model: ModelConfig, groups: list[KVCacheGroup]) -> tuple[list[int], list[int]]:
+    """Each layer's group, and its position in that group."""
+    group_of, position = [0] * model.num_hidden_layers, [0] * model.num_hidden_layers
+    for g, group in enumerate(groups):
+        for j, layer in enumerate(group.layers):
+            group_of[layer], position[layer] = g, j
+    return group_of, position
 
 
 class HybridKVCache(KVCache):
@@ -40,11 +57,26 @@ class HybridKVCache(KVCache):
         self.num_blocks, self.block_size, self.windows = num_blocks, block_size, windows
         self.kv = zeros(len(groups[0].layers), 2, num_blocks, block_size, model.num_key_value_heads,
                         model.head_dim, dtype=dtype, device=device)
-        self.group_of = [0] * model.num_hidden_layers     # layer -> its group
-        self.views: list = [None] * model.num_hidden_layers
-        for g, group in enumerate(groups):
-            for j, layer in enumerate(group.layers):
-                self.group_of[layer], self.views[layer] = g, tuple(self.kv[j].unbind(0))
+        self.group_of, position = group_positions(model, groups)     # layer -> its group, its place in it
+        self.views = [tuple(self.kv[j].unbind(0)) for j in position]
+
+
+class HybridQuantizedKVCache(QuantizedKVCache):
+    """Phase 5's 8-bit `QuantizedKVCache`, its memory shared by the groups: `kv` and `scales` hold
+    one layer per position in a group, and layer l reads and writes its position's."""
+
+    def __init__(self, model: ModelConfig, groups: list[KVCacheGroup], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device, kv_cache_dtype: str, windows: tuple[int | None, ...]):
+        one_group = dataclasses.replace(model, num_hidden_layers=len(groups[0].layers), layer_types=None)
+        super().__init__(one_group, num_blocks, block_size, dtype, device, kv_cache_dtype)
+        self.windows = windows
+        self.group_of, self.position = group_positions(model, groups)
+
+    def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().write(self.position[layer_idx], slot_mapping, k, v)
+
+    def gather(self, layer_idx: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().gather(self.position[layer_idx], block_ids)
 
 
 @dataclass
@@ -91,3 +123,20 @@ class HybridAttention:
             return c_decode_attention(q, k_cache, v_cache, meta, k, v, self.cache.windows[layer_idx])
         self.cache.write(layer_idx, meta.slot_mapping, k, v)
         return paged_attention(q, k_cache, v_cache, meta, self.cache.windows[layer_idx])
+
+
+class HybridQuantizedAttention:
+    """The attention backend of a step over a `HybridQuantizedKVCache`: each layer through phase
+    5's `QuantizedPagedAttention` over its group's metadata (the blocks that group's tables use,
+    dequantized; phase 2's paged attention in the layer's window)."""
+
+    def __init__(self, cache: HybridQuantizedKVCache, meta: HybridMetadata):
+        self.cache, self.meta = cache, meta
+        self.groups = [QuantizedPagedAttention(cache, m) for m in meta.groups]
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return self.cache.windows
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.groups[self.cache.group_of[layer_idx]](layer_idx, q, k, v)

@@ -9,14 +9,16 @@ phase 10's.
     allocator   `HybridKVCacheManager`: per sequence one block table per group; a windowed
                 group gives back the blocks its window left behind; a prefix hit every group serves
     attention   `HybridAttention`: each layer through its group's tables, in its window (on a
-                CPU a step of decodes in phase 4's C kernel, which reads each row's window)
+                CPU a step of decodes in phase 4's C kernel, which reads each row's window);
+                with kv_cache_dtype int8/fp8, `HybridQuantizedKVCache` and
+                `HybridQuantizedAttention`: phase 5's 8-bit pool and attention, per group
     runner      `HybridModelRunner`: phase 2's inputs, with every group's tables and slots
                 (`HybridSpecModelRunner` with `speculative_config`: phase 6's, drafts scored too)
     scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
                 (`HybridSpecScheduler`: phase 6's, rejected drafts rolled back in every group)
     model       phase 6's (eager): the static decode step of phase 7 attends to every token
 
-Refused by name for such a model: a quantized KV cache, several ranks,
+Refused by name for such a model: several ranks,
 batch invariance, a KV connector and asynchronous scheduling (their parts hold one table per
 sequence, or wrap a scheduler that does).
 """
@@ -34,7 +36,8 @@ from phases.p06_speculative_decoding.recipe import spec_config
 from phases.p10_kv_tiers import RECIPE as PHASE10
 from tinyvllm import platform
 
-from .hybrid_attention import HybridAttention, HybridKVCache, bytes_per_block
+from .hybrid_attention import (HybridAttention, HybridKVCache, HybridQuantizedAttention, HybridQuantizedKVCache,
+                               bytes_per_block)
 from .kv_cache_interface import group_layers, layer_specs
 from .kv_cache_manager import HybridKVCacheManager
 from .scheduler import HybridModelRunner, HybridScheduler, HybridSpecModelRunner, HybridSpecScheduler
@@ -56,8 +59,7 @@ def check_hybrid(setup: EngineSetup) -> None:
         return
     c, w = setup.config, setup.model_config.sliding_window
     asynchronous = platform.async_scheduling_default(c.async_scheduling, setup.device.type)
-    for name, value, default in (("kv_cache_dtype", c.kv_cache_dtype, "auto"),
-                                 ("tensor_parallel_size", c.tensor_parallel_size, 1),
+    for name, value, default in (("tensor_parallel_size", c.tensor_parallel_size, 1),
                                  ("batch_invariant", c.batch_invariant, False),
                                  ("kv_transfer_config", c.kv_transfer_config, None),
                                  ("async_scheduling", asynchronous, False)):
@@ -75,11 +77,14 @@ def make_model(setup: EngineSetup, parts: Parts):
 def make_kv_cache(setup: EngineSetup, parts: Parts):
     if not is_hybrid(setup):
         return PREVIOUS.kv_cache(setup, parts)
-    c, gs = setup.config, groups(setup)
-    per_block = bytes_per_block(setup.model_config, gs, c.block_size, setup.dtype)
+    c, gs, windows = setup.config, groups(setup), setup.model_config.layer_windows(setup.max_model_len)
+    per_block = bytes_per_block(setup.model_config, gs, c.block_size, setup.dtype, c.kv_cache_dtype)
     blocks = num_kv_blocks(c, setup.model_config, setup.max_model_len, setup.dtype, setup.device, per_block)
-    cache = HybridKVCache(setup.model_config, gs, blocks, c.block_size, setup.dtype, setup.device,
-                          setup.model_config.layer_windows(setup.max_model_len))
+    if c.kv_cache_dtype != "auto":   # phase 5's 8-bit pool, shared by the groups as the float one
+        cache = HybridQuantizedKVCache(setup.model_config, gs, blocks, c.block_size, setup.dtype, setup.device,
+                                       c.kv_cache_dtype, windows)
+    else:
+        cache = HybridKVCache(setup.model_config, gs, blocks, c.block_size, setup.dtype, setup.device, windows)
     cache.checked = setup.check_kernels
     return cache
 
@@ -95,6 +100,8 @@ def make_allocator(setup: EngineSetup, parts: Parts):
 def make_attention(setup: EngineSetup, parts: Parts):
     if not is_hybrid(setup):
         return PREVIOUS.attention(setup, parts)
+    if isinstance(parts.kv_cache, HybridQuantizedKVCache):
+        return partial(HybridQuantizedAttention, parts.kv_cache)
     return partial(HybridAttention, parts.kv_cache, c_decode=attention_backend(setup) == "cpu")
 
 

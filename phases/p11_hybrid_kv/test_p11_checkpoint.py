@@ -138,6 +138,25 @@ def test_drafts_roll_back_in_every_group_past_the_window(draft, folders, tmp_pat
     assert manager.num_free_blocks == manager.num_blocks - 1, "every block but the null one is free after generate"
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_an_int8_kv_cache_shared_by_the_groups(family, folders):
+    """kv_cache_dtype="int8": phase 5's 8-bit pool, one layer of it per position in a group, each
+    group through phase 5's attention over its own tables: phase 5's tokens on the same cache
+    (which holds every layer's whole context), with preemption, the pool's blocks 8-bit sized."""
+    from phases.p11_hybrid_kv import HybridQuantizedKVCache
+
+    args = dict(ARGS, kv_cache_dtype="int8", max_num_batched_tokens=16)
+    llm = LLM(str(folders[family]), **args, num_kv_blocks={"gemma3": 40, "qwen2": 24}[family])
+    got, cache = generate(llm, 20), llm.llm_engine.parts.kv_cache
+    assert isinstance(cache, HybridQuantizedKVCache) and cache.kv.dtype == torch.int8
+    assert cache.kv.shape[0] == 1   # a group's layers (here one), not the model's 3 or 2
+    assert got == generate(LLM(str(folders[family]), **dict(args, phase=5), attention_backend="torch",
+                               num_kv_blocks=64), 20)
+    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    manager = llm.llm_engine.parts.allocator
+    assert manager.num_free_blocks == manager.num_blocks - 1
+
+
 def test_a_long_request_holds_the_window_not_the_context(folders):
     """At every decode step a request holds its full group's blocks, and in each windowed group only
     the blocks its window reaches, one more at most: here 64 tokens hold 16 + 2 x 3 blocks, not 3 x 16."""
@@ -190,7 +209,6 @@ def test_more_requests_fit_one_pool(folders):
 
 
 @pytest.mark.parametrize("engine_args, name", [
-    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
     ({"batch_invariant": True}, "batch_invariant"),
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, "kv_transfer_config"),
     ({"async_scheduling": True}, "async_scheduling"),
