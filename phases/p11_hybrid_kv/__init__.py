@@ -1,13 +1,12 @@
 """Phase 11: per-layer KV specs, layers grouped by spec, a sliding-window manager in one pool."""
 
-from .hybrid_attention import (HybridAttention, HybridKVCache, HybridMetadata, HybridQuantizedAttention,
-                               HybridQuantizedKVCache)
+from .hybrid_attention import GroupAttention, HybridAttention, HybridKVCache, HybridMetadata, HybridQuantizedKVCache
 from .kv_cache_interface import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers, layer_specs
 from .kv_cache_manager import CacheHit, HybridKVCacheManager, hit_length
 from .recipe import RECIPE
 from .scheduler import HybridModelRunner, HybridScheduler, HybridSpecModelRunner, HybridSpecScheduler
 
-__all__ = ["RECIPE", "CacheHit", "FullAttentionSpec", "HybridAttention", "HybridKVCache", "HybridKVCacheManager",
-           "HybridMetadata", "HybridModelRunner", "HybridQuantizedAttention", "HybridQuantizedKVCache",
-           "HybridScheduler", "HybridSpecModelRunner", "HybridSpecScheduler", "KVCacheGroup", "SlidingWindowSpec",
-           "group_layers", "hit_length", "layer_specs"]
+__all__ = ["RECIPE", "CacheHit", "FullAttentionSpec", "GroupAttention", "HybridAttention", "HybridKVCache",
+           "HybridKVCacheManager", "HybridMetadata", "HybridModelRunner", "HybridQuantizedKVCache", "HybridScheduler",
+           "HybridSpecModelRunner", "HybridSpecScheduler", "KVCacheGroup", "SlidingWindowSpec", "group_layers",
+           "hit_length", "layer_specs"]

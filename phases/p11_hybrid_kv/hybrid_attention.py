@@ -12,7 +12,8 @@ lengths, each group's block tables and slots.
 
 With `kv_cache_dtype` int8 or fp8 the pool is phase 5's quantized one, laid out the same way
 (`HybridQuantizedKVCache`: a position in a group where phase 5 has a layer), and each group's
-layers attend through phase 5's `QuantizedPagedAttention` over that group's metadata.
+layers attend through phase 5's `QuantizedPagedAttention` over that group's metadata; with
+`batch_invariant=True` through phase 3's `BatchInvariantAttention` (`GroupAttention`).
 """
 
 from __future__ import annotations
@@ -125,14 +126,16 @@ class HybridAttention:
         return paged_attention(q, k_cache, v_cache, meta, self.cache.windows[layer_idx])
 
 
-class HybridQuantizedAttention:
-    """The attention backend of a step over a `HybridQuantizedKVCache`: each layer through phase
-    5's `QuantizedPagedAttention` over its group's metadata (the blocks that group's tables use,
-    dequantized; phase 2's paged attention in the layer's window)."""
+class GroupAttention:
+    """The attention backend of a step as an earlier phase's, once per group: each layer through
+    `backend` (cache, metadata) built over its group's metadata. Phase 5's `QuantizedPagedAttention`
+    over a `HybridQuantizedKVCache` (the blocks that group's tables use, dequantized; phase 2's
+    paged attention in the layer's window), phase 3's `BatchInvariantAttention` over a
+    `HybridKVCache` (its C kernel starts each query at its window)."""
 
-    def __init__(self, cache: HybridQuantizedKVCache, meta: HybridMetadata):
+    def __init__(self, cache: KVCache, meta: HybridMetadata, backend=QuantizedPagedAttention):
         self.cache, self.meta = cache, meta
-        self.groups = [QuantizedPagedAttention(cache, m) for m in meta.groups]
+        self.groups = [backend(cache, m) for m in meta.groups]
 
     @property
     def windows(self) -> tuple[int | None, ...]:

@@ -10,16 +10,15 @@ phase 10's.
                 group gives back the blocks its window left behind; a prefix hit every group serves
     attention   `HybridAttention`: each layer through its group's tables, in its window (on a
                 CPU a step of decodes in phase 4's C kernel, which reads each row's window);
-                with kv_cache_dtype int8/fp8, `HybridQuantizedKVCache` and
-                `HybridQuantizedAttention`: phase 5's 8-bit pool and attention, per group
+                with kv_cache_dtype int8/fp8, `HybridQuantizedKVCache` and `GroupAttention`:
+                phase 5's 8-bit pool and attention, per group; with batch_invariant, phase 3's
     runner      `HybridModelRunner`: phase 2's inputs, with every group's tables and slots
                 (`HybridSpecModelRunner` with `speculative_config`: phase 6's, drafts scored too)
     scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
                 (`HybridSpecScheduler`: phase 6's, rejected drafts rolled back in every group)
     model       phase 6's (eager): the static decode step of phase 7 attends to every token
 
-Refused by name for such a model: several ranks,
-batch invariance, a KV connector and asynchronous scheduling (their parts hold one table per
+Refused by name for such a model: several ranks, a KV connector and asynchronous scheduling (their parts hold one table per
 sequence, or wrap a scheduler that does).
 """
 
@@ -30,14 +29,15 @@ from functools import partial
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.kv_cache import num_kv_blocks
 from phases.p03_continuous_batching.recipe import max_num_batched_tokens
+from phases.p03_continuous_batching.batch_invariant import BatchInvariantAttention
 from phases.p04_triton_kernels.recipe import attention_backend
+from phases.p05_quantization.kv_quant import QuantizedPagedAttention
 from phases.p06_speculative_decoding import RECIPE as PHASE6
 from phases.p06_speculative_decoding.recipe import spec_config
 from phases.p10_kv_tiers import RECIPE as PHASE10
 from tinyvllm import platform
 
-from .hybrid_attention import (HybridAttention, HybridKVCache, HybridQuantizedAttention, HybridQuantizedKVCache,
-                               bytes_per_block)
+from .hybrid_attention import GroupAttention, HybridAttention, HybridKVCache, HybridQuantizedKVCache, bytes_per_block
 from .kv_cache_interface import group_layers, layer_specs
 from .kv_cache_manager import HybridKVCacheManager
 from .scheduler import HybridModelRunner, HybridScheduler, HybridSpecModelRunner, HybridSpecScheduler
@@ -60,7 +60,6 @@ def check_hybrid(setup: EngineSetup) -> None:
     c, w = setup.config, setup.model_config.sliding_window
     asynchronous = platform.async_scheduling_default(c.async_scheduling, setup.device.type)
     for name, value, default in (("tensor_parallel_size", c.tensor_parallel_size, 1),
-                                 ("batch_invariant", c.batch_invariant, False),
                                  ("kv_transfer_config", c.kv_transfer_config, None),
                                  ("async_scheduling", asynchronous, False)):
         if value != default:
@@ -101,7 +100,9 @@ def make_attention(setup: EngineSetup, parts: Parts):
     if not is_hybrid(setup):
         return PREVIOUS.attention(setup, parts)
     if isinstance(parts.kv_cache, HybridQuantizedKVCache):
-        return partial(HybridQuantizedAttention, parts.kv_cache)
+        return partial(GroupAttention, parts.kv_cache, backend=QuantizedPagedAttention)
+    if setup.config.batch_invariant:
+        return partial(GroupAttention, parts.kv_cache, backend=BatchInvariantAttention)
     return partial(HybridAttention, parts.kv_cache, c_decode=attention_backend(setup) == "cpu")
 
 

@@ -157,6 +157,24 @@ def test_an_int8_kv_cache_shared_by_the_groups(family, folders):
     assert manager.num_free_blocks == manager.num_blocks - 1
 
 
+def test_batch_invariant_in_each_window(folders):
+    """batch_invariant=True: phase 3's fixed-order attention per group, in each layer's window:
+    transformers' tokens, and each prompt's log-probabilities the same alone as beside the others,
+    chunked and preempted."""
+    from phases.p03_continuous_batching.batch_invariant import KERNELS
+
+    if not KERNELS.available():
+        pytest.skip("batch_invariant.c needs an x86 CPU with AVX2 and a C compiler")
+    llm = LLM(str(folders["gemma3"]), **ARGS, num_kv_blocks=40, max_num_batched_tokens=16, batch_invariant=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    together = llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in together] == hf_greedy(folders["gemma3"], 12)
+    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+    for p, both in zip(prompts(), together):
+        alone = llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0].outputs[0]
+        assert alone.logprobs == both.outputs[0].logprobs, "a prompt alone scores otherwise than in a batch"
+
+
 def test_a_long_request_holds_the_window_not_the_context(folders):
     """At every decode step a request holds its full group's blocks, and in each windowed group only
     the blocks its window reaches, one more at most: here 64 tokens hold 16 + 2 x 3 blocks, not 3 x 16."""
@@ -209,7 +227,6 @@ def test_more_requests_fit_one_pool(folders):
 
 
 @pytest.mark.parametrize("engine_args, name", [
-    ({"batch_invariant": True}, "batch_invariant"),
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, "kv_transfer_config"),
     ({"async_scheduling": True}, "async_scheduling"),
 ])
