@@ -16,9 +16,10 @@ pytestmark = pytest.mark.server
 
 @pytest.fixture(scope="module")
 def page_server(tmp_path_factory):
-    # a tiny model a little wider than the suite's: its steps last long enough that the page's
-    # polls (which the browser queues behind the burst's streams) see the burst running
-    model = make_tiny_llama(tmp_path_factory.mktemp("page-model"), hidden_size=256, num_layers=4)
+    # a tiny model wider and deeper than the suite's: its steps last long enough that the page's
+    # polls (which the browser queues behind the burst's streams) see the burst running, on a
+    # loaded machine too
+    model = make_tiny_llama(tmp_path_factory.mktemp("page-model"), hidden_size=384, num_layers=8)
     proc, url = start_server(model, "--max-num-seqs", "4", "--api-key", API_KEY)
     yield url
     proc.terminate()
