@@ -172,7 +172,7 @@ def test_throughput_checkpoint(phase, cp, wide_tiny_dir, record_property, tmp_pa
     baseline = baseline_runner(cp, model, candidate)
     workload = build_workload(cp, model)
     try:
-        cand, base = measure(workload, candidate, baseline, cp.rounds)
+        cand, base = measure(workload, candidate, baseline, cp.rounds_here(on_gpu(cp)))
     finally:
         if cp.model != "wide-tiny":  # no other checkpoint shares them: give their memory back
             for key in [k for k in _RUNNERS if k[1] == model]:
@@ -286,5 +286,7 @@ def test_a_checkpoint_asserts_the_claim_of_this_cpu_kind():
     assert not judge(here, 2, [150.0], [100.0]).passed          # 1.5x < this kind's 2.0x
     assert judge(elsewhere, 2, [150.0], [100.0]).passed         # 1.5x >= the default 1.0x
     assert f"kind {current().kind}" in judge(here, 2, [150.0], [100.0]).message
+    fewer = replace(here, rounds=6, per_cpu_kind={current().kind: KindClaim(3.0, 2.0, "this kind", rounds=2)})
+    assert (fewer.rounds_here(), replace(fewer, per_cpu_kind={}).rounds_here(), fewer.rounds_here(on_gpu=True)) == (2, 6, 6)
     with pytest.raises(ValueError, match=r"min_gain \(avx2\)"):
         replace(cp, per_cpu_kind={"avx2": KindClaim(1.0, 1.5, "x")})

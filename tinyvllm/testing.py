@@ -401,11 +401,13 @@ def make_windowed_tiny(folder: str | os.PathLike, sliding_window: int = 16, cont
 @dataclass(frozen=True)
 class KindClaim:
     """A checkpoint's claim on one kind of CPU (the kind `tinyvllm.platform` acts as), where the gain
-    differs there: what was measured, where, and what the test asserts."""
+    differs there: what was measured, where, and what the test asserts; `rounds`, where this
+    kind's rounds spread less than the checkpoint's were chosen for (None: the checkpoint's)."""
 
     claimed_gain: float
     min_gain: float
     claim_source: str
+    rounds: int | None = None
 
 
 @dataclass(frozen=True)
@@ -437,7 +439,7 @@ class ThroughputCheckpoint:
         gpu_min_gain: the same on a CUDA GPU (its runs recorded in `claim_source`, which a GPU's
             verdict quotes); None: not measured.
         bench_command: the command that reproduces the comparison.
-        rounds: measured rounds per engine (after one warm-up each).
+        rounds: measured rounds per engine (after one warm-up each); a kind's claim may set its own.
         per_cpu_kind: claims for the kinds of CPU where the gain differs ("avx2",
             "avx512_vnni", "amx"), each a `KindClaim`; `claimed_gain`, `min_gain` and `claim_source`
             stand for every other kind (each source says which CPU it was measured on).
@@ -463,6 +465,10 @@ class ThroughputCheckpoint:
 
         kind = platform.current().kind
         return kind, self.per_cpu_kind.get(kind, KindClaim(self.claimed_gain, self.min_gain, self.claim_source))
+
+    def rounds_here(self, on_gpu: bool = False) -> int:
+        """The rounds this machine measures: this CPU kind's claim's, if it sets them, else `rounds`."""
+        return self.rounds if on_gpu else (self.on_this_cpu()[1].rounds or self.rounds)
 
     def __post_init__(self) -> None:
         if self.model not in ("wide-tiny", "windowed-tiny", "default"):
