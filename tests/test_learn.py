@@ -48,8 +48,19 @@ print(json.dumps(plugin.items))
 """
 
 
+def _markers(items) -> list[tuple[str, list[str]]]:
+    return [(i.nodeid, sorted({m.name for m in i.iter_markers()})) for i in items]
+
+
 @pytest.fixture(scope="module")
-def collected_items() -> list[tuple[str, list[str]]]:
+def collected_items(request) -> list[tuple[str, list[str]]]:
+    """Every test of the suite and its markers: this session's own where it collected the whole
+    suite (a plain `pytest`, as `make test` runs it), else a collection in a process of its own."""
+    config = request.config
+    if (config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.option.keyword
+            and not config.option.markexpr and not config.getoption("deselect")
+            and not config.getoption("lf", False) and not config.getoption("stepwise", False)):
+        return _markers(request.session.items)
     out = subprocess.run([sys.executable, "-c", _COLLECT], cwd=REPO, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
