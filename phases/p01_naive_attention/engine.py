@@ -212,6 +212,9 @@ class Engine:
             "num_preemptions": int(stats.get("num_preemptions", 0)),
             "prefix_cache_queries": int(stats.get("prefix_cache_queries", 0)),
             "prefix_cache_hits": int(stats.get("prefix_cache_hits", 0)),
+            # a KV connector's (phase 10): blocks loaded from and saved to its tier
+            "kv_offload_loaded_blocks": int(stats.get("kv_offload_loaded_blocks", 0)),
+            "kv_offload_saved_blocks": int(stats.get("kv_offload_saved_blocks", 0)),
         }
 
     def check_health(self) -> None:

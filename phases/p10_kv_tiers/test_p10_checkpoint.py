@@ -375,3 +375,72 @@ def test_a_bad_kv_transfer_config_is_refused_by_name(args, error, tiny_model_dir
     args = {"phase": 10, **args}
     with pytest.raises((ValueError, TypeError), match=error):
         LLM(str(tiny_model_dir), num_kv_blocks=24, block_size=BS, **args)
+
+
+@pytest.mark.server
+def test_a_proxy_gives_one_endpoint_for_a_producer_and_a_consumer(tiny_model_dir, tmp_path):
+    """`tinyvllm serve` as kv_producer and as kv_consumer, `tinyvllm proxy` in front of them: a
+    completion through the proxy, whole and streamed, gives phase 9's greedy text, and the
+    consumer loaded the prompts' full blocks from the tier; a bad request is the prefill server's
+    400, which the decode server never sees."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tinyvllm.entrypoints.bench.serve import _free_port, start_builtin_server
+
+    path = str(tmp_path / "shared.bin")
+    procs = []
+
+    def serve(kv_role: str) -> str:
+        proc, url = start_builtin_server(
+            [str(tiny_model_dir), "--phase", "10", "--block-size", str(BS), "--num-kv-blocks", "24",
+             "--compilation-mode", "0", "--log-level", "warning", "--served-model-name", "tiny",
+             "--kv-transfer-config", json.dumps(role(kv_role, path))], timeout=120,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        procs.append(proc)
+        return url
+
+    try:
+        prefill = serve("kv_producer")          # the consumer opens the producer's tier file at start
+        decode = serve("kv_consumer")
+        port = _free_port()
+        procs.append(subprocess.Popen([sys.executable, "-m", "tinyvllm.entrypoints.cli", "proxy", "--prefill", prefill,
+                                       "--decode", decode, "--port", str(port), "--log-level", "warning"]))
+        proxy = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(proxy + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the proxy did not answer /health within 60 s"
+            time.sleep(0.3)
+        texts = ["one two three four five six seven eight nine ten eleven twelve",
+                 "the quick brown fox jumps over the lazy dog again and again"]
+        body = dict(model="tiny", max_tokens=8, temperature=0, ignore_eos=True)
+        whole = httpx.post(proxy + "/v1/completions", json={**body, "prompt": texts[0]}, timeout=60)
+        assert whole.status_code == 200, whole.text
+        got = [whole.json()["choices"][0]["text"]]
+        with httpx.stream("POST", proxy + "/v1/completions", json={**body, "prompt": texts[1], "stream": True},
+                          timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        got.append("".join(c["choices"][0]["text"] for c in chunks))
+        offline = LLM(str(tiny_model_dir), phase=9, compilation_mode=0)
+        assert got == [o.outputs[0].text for o in offline.generate(texts, SamplingParams(**{
+            k: body[k] for k in ("max_tokens", "temperature", "ignore_eos")}), use_tqdm=False)]
+        metrics = httpx.get(decode + "/metrics", timeout=10).text
+        loaded = float(next(line.split()[-1] for line in metrics.splitlines()
+                            if line.startswith("tinyvllm:kv_offload_loaded_blocks_total")))
+        assert loaded >= 2 * 2, f"the consumer loaded {loaded} blocks of the two prompts from the tier"
+        bad = httpx.post(proxy + "/v1/completions", json={**body, "prompt": texts[0], "temperature": -1}, timeout=60)
+        assert bad.status_code == 400 and "temperature" in bad.text
+        assert httpx.post(proxy + "/v1/completions", content=b"{not json", timeout=10).status_code == 400
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)

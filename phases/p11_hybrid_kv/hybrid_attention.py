@@ -26,7 +26,7 @@ import torch
 from phases.p02_paged_kv import AttentionMetadata, KVCache, check_metadata, paged_attention
 from phases.p02_paged_kv.kv_cache import zeros
 from phases.p04_triton_kernels.cpu_attention import c_decode_attention, c_decode_runs
-from phases.p05_quantization.kv_quant import QuantizedKVCache, QuantizedPagedAttention, quantized_bytes_per_block
+from phases.p05_quantization.kv_quant import QuantizedKVCache, quantized_bytes_per_block
 from tinyvllm.config import ModelConfig
 
 from .kv_cache_interface import KVCacheGroup
@@ -133,7 +133,7 @@ class GroupAttention:
     paged attention in the layer's window), phase 3's `BatchInvariantAttention` over a
     `HybridKVCache` (its C kernel starts each query at its window)."""
 
-    def __init__(self, cache: KVCache, meta: HybridMetadata, backend=QuantizedPagedAttention):
+    def __init__(self, cache: KVCache, meta: HybridMetadata, backend):
         self.cache, self.meta = cache, meta
         self.groups = [backend(cache, m) for m in meta.groups]
 

@@ -18,8 +18,8 @@ phase 10's.
                 (`HybridSpecScheduler`: phase 6's, rejected drafts rolled back in every group)
     model       phase 6's (eager): the static decode step of phase 7 attends to every token
 
-Refused by name for such a model: several ranks, a KV connector and asynchronous scheduling (their parts hold one table per
-sequence, or wrap a scheduler that does).
+Refused by name for such a model: several ranks, a KV connector and asynchronous scheduling
+(their parts hold one table per sequence, or wrap a scheduler that does).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from functools import partial
 
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.kv_cache import num_kv_blocks
-from phases.p03_continuous_batching.recipe import max_num_batched_tokens
 from phases.p03_continuous_batching.batch_invariant import BatchInvariantAttention
+from phases.p03_continuous_batching.recipe import max_num_batched_tokens
 from phases.p04_triton_kernels.recipe import attention_backend
 from phases.p05_quantization.kv_quant import QuantizedPagedAttention
 from phases.p06_speculative_decoding import RECIPE as PHASE6

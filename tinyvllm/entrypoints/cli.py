@@ -136,6 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)  # its flags live beside the harness, in tinyvllm/entrypoints/bench/cli.py
     from tinyvllm.entrypoints.server.cli import add_serve_parser
     add_serve_parser(sub)  # its flags live beside the server, in tinyvllm/entrypoints/server/cli.py
+    from tinyvllm.entrypoints.server.proxy import add_proxy_parser
+    add_proxy_parser(sub)
     from tinyvllm.entrypoints.learn import add_learn_parser
     add_learn_parser(sub)
     return parser
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from tinyvllm.entrypoints.server.cli import run_serve
             return run_serve(args)
+        if args.command == "proxy":
+            from tinyvllm.entrypoints.server.proxy import run_proxy
+            return run_proxy(args)
         params = _sampling_params(args)
         from tinyvllm.entrypoints.llm import LLM
         llm = LLM(args.model, phase=args.phase, **_engine_kwargs(args))

@@ -37,7 +37,10 @@ class _EngineCollector:
                 ("num_preemptions", "Sequences preempted since start.", s["num_preemptions"]),
                 ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                  s["prefix_cache_queries"]),
-                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_cache_hits"])):
+                ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s["prefix_cache_hits"]),
+                ("kv_offload_loaded_blocks", "KV blocks a KV connector loaded from its tier.",
+                 s["kv_offload_loaded_blocks"]),
+                ("kv_offload_saved_blocks", "KV blocks a KV connector saved to its tier.", s["kv_offload_saved_blocks"])):
             yield CounterMetricFamily(f"tinyvllm:{name}", doc, value=value)
 
 
