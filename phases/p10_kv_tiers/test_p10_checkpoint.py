@@ -382,7 +382,7 @@ def test_a_proxy_gives_one_endpoint_for_a_producer_and_a_consumer(tiny_model_dir
     """`tinyvllm serve` as kv_producer and as kv_consumer, `tinyvllm proxy` in front of them: a
     completion through the proxy, whole and streamed, gives phase 9's greedy text, and the
     consumer loaded the prompts' full blocks from the tier; a bad request is the prefill server's
-    400, which the decode server never sees."""
+    400, which the decode server never sees; with the prefill server killed, a 502 naming it."""
     import json
     import subprocess
     import sys
@@ -440,6 +440,12 @@ def test_a_proxy_gives_one_endpoint_for_a_producer_and_a_consumer(tiny_model_dir
         bad = httpx.post(proxy + "/v1/completions", json={**body, "prompt": texts[0], "temperature": -1}, timeout=60)
         assert bad.status_code == 400 and "temperature" in bad.text
         assert httpx.post(proxy + "/v1/completions", content=b"{not json", timeout=10).status_code == 400
+        procs[0].kill()                                   # the prefill server dies: named, and the proxy goes on
+        procs[0].wait(30)
+        gone = httpx.post(proxy + "/v1/completions", json={**body, "prompt": texts[0]}, timeout=60)
+        assert gone.status_code == 502 and f"the prefill server {prefill} cannot be reached" in gone.text
+        assert httpx.get(proxy + "/health", timeout=10).status_code == 502
+        assert httpx.get(proxy + "/v1/models", timeout=10).status_code == 200
     finally:
         for proc in procs:
             proc.terminate()
