@@ -7,9 +7,9 @@
  * `quantize_int8` would choose them, but per block of 32; where the block's codes do not reach
  * 15 (4 bits) or are 5- or 6-bit ones (8 bits, Q5_0's), the span over a smaller top code) and
  * says whether they give back every weight bit for bit: q * scale + zero in float32 rounded once
- * (a fused multiply-add), q * scale for 8 bits. A GGUF file's scales and minimums are 16-bit floats, so q * scale is exact in
- * float32 and its reader's float32 weights are rounded once, at the add, whatever it computes
- * them with. (This file is compiled with -ffp-contract=off: no multiply-add is fused but those
+ * (a fused multiply-add), q * scale for 8 bits. A GGUF file's scales and minimums are 16-bit
+ * floats, so q * scale is exact in float32 and its reader's float32 weights are rounded once, at
+ * the add, whatever it computes them with. (This file is compiled with -ffp-contract=off: no multiply-add is fused but those
  * written so.)
  *
  * `lossless_matmul` is then the float32 product y (M, O) = x (M, I) @ w (O, I)^T with the weight
