@@ -9,8 +9,8 @@
  * says whether they give back every weight bit for bit: q * scale + zero in float32 rounded once
  * (a fused multiply-add), q * scale for 8 bits. A GGUF file's scales and minimums are 16-bit
  * floats, so q * scale is exact in float32 and its reader's float32 weights are rounded once, at
- * the add, whatever it computes them with. (This file is compiled with -ffp-contract=off: no multiply-add is fused but those
- * written so.)
+ * the add, whatever it computes them with. (This file is compiled with -ffp-contract=off: no
+ * multiply-add is fused but those written so.)
  *
  * `lossless_matmul` is then the float32 product y (M, O) = x (M, I) @ w (O, I)^T with the weight
  * read from its codes: 6 or 9 bits a weight from memory instead of 32 (scales included). Each
