@@ -42,9 +42,12 @@ import phases  # noqa: E402
 PHASE_NUMBERS = sorted(phases.PHASES)
 
 
-def phase_params(min_phase: int = 1):
-    """pytest.param for each registered phase >= min_phase, marked phaseNN."""
-    return [pytest.param(p, id=f"phase{p}", marks=getattr(pytest.mark, f"phase{p:02d}"))
+def phase_params(min_phase: int = 1, kinds_from: int | None = None):
+    """pytest.param for each registered phase >= min_phase, marked phaseNN, and `kinds` from phase
+    `kinds_from` on (the phases whose paths the platform chooses by CPU kind, for a test that
+    runs every phase)."""
+    return [pytest.param(p, id=f"phase{p}", marks=[getattr(pytest.mark, f"phase{p:02d}"),
+                                                   *([pytest.mark.kinds] if kinds_from and p >= kinds_from else [])])
             for p in PHASE_NUMBERS if p >= min_phase]
 
 

@@ -84,17 +84,17 @@ def test_the_weights_are_gguf_s_dequantize_of_each_block(gguf_dir):
 
 
 def test_layers_on_4_and_8_bit_codes_are_read_from_them(gguf_dir):
-    """Phase 5 keeps a Q4_0, Q4_1, Q8_0, Q5_0 or Q4_K file's projections as their codes
+    """Phase 5 keeps a Q4_0, Q4_1, Q8_0, Q5_0, Q4_K or Q6_K file's projections as their codes
     (`LosslessLinear`: Q5_0's 5-bit signed codes on 8 bits; Q4_K where each group of 32 has its
-    minimum on code 0, as these do), where this CPU's kind reads codes at all; Q5_1's, Q5_K's and
-    Q6_K's stay float32."""
+    minimum on code 0, as these do; Q6_K's on 8 bits with a scale per 16 columns, "6"), where this
+    CPU's kind reads codes at all; Q5_1's and Q5_K's stay float32."""
     from phases.p05_quantization.lossless import LOSSLESS, LosslessLinear
     from tinyvllm import LLM, platform
 
     if not (LOSSLESS.available() and platform.current().rule("codes_max_rows")):
         pytest.skip("this CPU's kind keeps float32 layers (no codes_max_rows, or no AVX2 compiler)")
-    for t, bits in (("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8), ("Q5_0", 8), ("Q4_K", 4), ("Q5_1", None),
-                    ("Q5_K", None), ("Q6_K", None)):
+    for t, bits in (("Q4_0", 4), ("Q4_1", 4), ("Q8_0", 8), ("Q5_0", 8), ("Q4_K", 4), ("Q6_K", 6),
+                    ("Q5_1", None), ("Q5_K", None)):
         model = LLM(str(gguf_dir / f"tiny-{t}.gguf"), phase=5).llm_engine.model
         layers = [m for m in model.modules() if isinstance(m, LosslessLinear)]
         assert len(layers) == (2 * 7 + 1 if bits else 0) and {m.bits for m in layers} <= {bits}, t

@@ -147,8 +147,8 @@ def ensure_gguf_model(gguf_path: str | os.PathLike, tokenizer: str | os.PathLike
         types = (out / _DONE_MARKER).read_text().splitlines()[1]
         print(f"tinyvllm: {path.name}: tensors {types}, each decoded exactly to float32 at load; from "
               f"phase 5 on a layer is read from its 4- or 8-bit codes where they give it back bit for bit "
-              f"(Q8_0, Q4_1, Q4_0, Q5_0; Q4_K where each group's minimum is its code 0), Q5_1, Q5_K and "
-              f"Q6_K stay float32", file=sys.stderr)
+              f"(Q8_0, Q4_1, Q4_0, Q5_0, Q6_K; Q4_K where each group's minimum is its code 0), Q5_1 and "
+              f"Q5_K stay float32", file=sys.stderr)
     return out
 
 

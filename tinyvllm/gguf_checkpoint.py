@@ -20,9 +20,9 @@ float32 with the `gguf` package's own `dequantize` (so each weight is the refere
 bit), undoes llama.cpp's reordering of a Llama's q/k rows, rebuilds the tokenizer from the
 vocabulary and merges the file stores, and writes the folder in one rename: a bad file leaves
 nothing behind. Phase 5 then reads a float32 layer whose every block of 32 lies on 4- or 8-bit
-codes from those codes (lossless.py): Q8_0, Q4_1, Q4_0 and Q5_0 (on 8 bits) always, Q4_K where
-each group's minimum is its code 0; Q5_1 and Q5_K (5-bit codes and a minimum) and Q6_K (groups of
-16) stay float32. vLLM reads a GGUF file in place
+codes from those codes (lossless.py): Q8_0, Q4_1, Q4_0, Q5_0 (on 8 bits) and Q6_K (on 8 bits, a
+scale per 16 columns) always, Q4_K where each group's minimum is its code 0; Q5_1 and Q5_K (5-bit
+codes and a minimum) stay float32. vLLM reads a GGUF file in place
 (`vllm/model_executor/model_loader/gguf_loader.py`) and multiplies from its blocks on a GPU.
 """
 

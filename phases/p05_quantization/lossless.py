@@ -37,12 +37,15 @@ LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-con
 def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """The codes of a float32 weight (O, I) that lies exactly on a grid of blocks of 32 columns:
     4-bit ones (codes, scale, zero) if they give it back bit for bit, else 8-bit ones (codes,
-    scale, None), else None."""
+    scale, None), else 8-bit codes with a scale per 16 columns (GGUF Q6_K's groups: "6 bits";
+    scale (O, I/16)), else None."""
     if w.dtype != torch.float32 or not w.is_cpu or w.dim() != 2 or w.shape[1] % 32 or not LOSSLESS.available():
         return None
     (o, i), exact, w = w.shape, torch.zeros(1, dtype=torch.int32), w.detach().contiguous()
-    for bits, dtype in ((4, torch.uint8), (8, torch.int8)):
-        codes, scale, zero = torch.empty(o, i * bits // 8, dtype=dtype), torch.empty(o, i // 32), torch.empty(o, i // 32)
+    for bits, dtype in ((4, torch.uint8), (8, torch.int8), (6, torch.int8)):
+        per = 16 if bits == 6 else 32
+        codes, scale = torch.empty(o, i // 2 if bits == 4 else i, dtype=dtype), torch.empty(o, i // per)
+        zero = torch.empty(o, i // 32)
         LOSSLESS.lib.lossless_find(w.data_ptr(), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), exact.data_ptr(),
                                    o, i, bits)
         if exact.item():
@@ -61,9 +64,10 @@ class LosslessLinear(CpuLinear):
         self.weight, self.bias = linear.weight, linear.bias      # the same Parameters (a tied head stays tied)
         self.bf16_rows = linear.bf16_rows
         self.max_rows = platform.current().rule("codes_max_rows")
-        self.bits = 4 if zero is not None else 8
+        # 4: codes and zero points; 8: int8 codes, a scale per 32 columns; 6: a scale per 16
+        self.bits = 4 if zero is not None else 6 if scale.shape[1] * 16 == linear.in_features else 8
         self.register_buffer("codes", codes)                    # (O, I/2) uint8 or (O, I) int8
-        self.register_buffer("scale", scale)                    # (O, I/32) float32
+        self.register_buffer("scale", scale)                    # (O, I/32) float32 (6 bits: (O, I/16))
         self.register_buffer("zero", zero)                      # (O, I/32) float32, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

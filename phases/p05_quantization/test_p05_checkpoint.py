@@ -686,6 +686,28 @@ def test_narrower_signed_codes_are_found_on_8_bits(platform_rules):
 
 
 @needs_lossless
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_codes_with_a_scale_per_16_columns(rows, platform_rules):
+    """GGUF Q6_K's groups: 6-bit signed codes, a scale per 16 columns (d * sc_j, sc_j a signed
+    byte): found as int8 codes with a scale per 16 ("6 bits"), every weight given back bit for
+    bit through the kernel, and its product the float32 one up to the order of the sums."""
+    platform_rules(codes_max_rows=8)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-32, 32, (40, 128), generator=g).float()
+    sc = torch.randint(-128, 128, (40, 8, 1), generator=g).float()
+    sc[0, 0] = 0                                                         # a group of zeros
+    d = (torch.rand(40, 1, 1, generator=g) * 1e-4 + 1e-5).half().float()
+    w = (d * sc).expand(40, 8, 16).reshape(40, 128) * q
+    codes, scale, zero = lossless_codes(w)
+    layer = LosslessLinear(_linear(w), codes, scale, zero)
+    assert layer.bits == 6 and zero is None and scale.shape == (40, 8) and codes.dtype == torch.int8
+    eye = torch.eye(128)
+    assert torch.equal(torch.cat([layer(eye[j:j + 8]) for j in range(0, 128, 8)]).T, w)
+    x = torch.randn(rows, 128)
+    torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-6)
+
+
+@needs_lossless
 def test_lossless_codes_round_once_as_a_fused_multiply_add(platform_rules):
     """4-bit weights are `q * s + m` rounded once (a GGUF reader's, whose q * s is exact): with
     scales of 24 significant bits, where rounding q * s first would move some weights, the codes
