@@ -231,8 +231,8 @@ def _recomputing_engine(model: str, engine_args: dict):
 
 
 def test_one_quiet_round_of_the_baseline_does_not_decide():
-    """The rounds of phase 7 against phase 6 in a fresh clone's run on amx: phase 6 had one round
-    far quieter than any of phase 7's (best of each 0.88x); the rounds run back to back say 1.08x
+    """The rounds of phase 7 against phase 6 in a fresh clone's run on amx: phase 6 had two rounds
+    quieter than any of phase 7's (best of each 0.88x); the rounds run back to back say 1.08x
     (their median), and that judgment passes. A loss in every pair fails both ways."""
     cp = replace(declared_checkpoints(2)[0], claimed_gain=1.05, min_gain=0.9, per_cpu_kind={})
     if on_gpu(cp):
