@@ -29,7 +29,8 @@ PHASES = {1: {}, 2: {"block_size": 4, "num_kv_blocks": 64},
           7: {"attention_backend": "torch", "enforce_eager": True},
           9: {"enforce_eager": True, "async_scheduling": True},
           10: {"enforce_eager": True,
-               "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}}
+               "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}},
+          11: {"async_scheduling": True, "block_size": 4, "num_kv_blocks": 40, "max_num_batched_tokens": 16}}
 for _args in PHASES.values():   # float32 products at every row count, as transformers' (not the kind's bfloat16)
     _args["dtype"] = "float32"
 _FOLDERS: dict = {}
@@ -101,7 +102,8 @@ def test_every_phase_gives_transformers_tokens_past_the_window(phase, family, fo
     the window), phases 4-10 with phase 4's CPU attention (its C decode kernel in each row's
     window, a windowed layer's prompts on phase 2's path; phase 7 eagerly on PyTorch's attention);
     phase 6 verifying n-gram drafts across the window's edge, phase 9 scheduling a step ahead,
-    phase 10 saving every block to its offload tier."""
+    phase 10 saving every block to its offload tier, phase 11 scheduling a step ahead over its
+    groups' tables (each step's frozen, while the next gives back what a window left), preempting."""
     path = folder(family)
     got = generate(LLM(str(path), phase=phase, **PHASES[phase]))
     assert got == hf_greedy(path)

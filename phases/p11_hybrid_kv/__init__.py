@@ -4,9 +4,10 @@ from .hybrid_attention import GroupAttention, HybridAttention, HybridKVCache, Hy
 from .kv_cache_interface import FullAttentionSpec, KVCacheGroup, SlidingWindowSpec, group_layers, layer_specs
 from .kv_cache_manager import CacheHit, HybridKVCacheManager, hit_length
 from .recipe import RECIPE
-from .scheduler import HybridModelRunner, HybridScheduler, HybridSpecModelRunner, HybridSpecScheduler
+from .scheduler import (HybridAsyncScheduler, HybridModelRunner, HybridScheduler, HybridSpecModelRunner,
+                        HybridSpecScheduler)
 
-__all__ = ["RECIPE", "CacheHit", "FullAttentionSpec", "GroupAttention", "HybridAttention", "HybridKVCache",
-           "HybridKVCacheManager", "HybridMetadata", "HybridModelRunner", "HybridQuantizedKVCache", "HybridScheduler",
-           "HybridSpecModelRunner", "HybridSpecScheduler", "KVCacheGroup", "SlidingWindowSpec", "group_layers",
-           "hit_length", "layer_specs"]
+__all__ = ["RECIPE", "CacheHit", "FullAttentionSpec", "GroupAttention", "HybridAsyncScheduler", "HybridAttention",
+           "HybridKVCache", "HybridKVCacheManager", "HybridMetadata", "HybridModelRunner", "HybridQuantizedKVCache",
+           "HybridScheduler", "HybridSpecModelRunner", "HybridSpecScheduler", "KVCacheGroup", "SlidingWindowSpec",
+           "group_layers", "hit_length", "layer_specs"]

@@ -35,6 +35,8 @@ vLLM: `SingleTypeKVCacheManager`, `FullAttentionManager` and `SlidingWindowManag
 
 from __future__ import annotations
 
+import copy
+
 from phases.p02_paged_kv import BlockTable
 from phases.p03_continuous_batching import PrefixBlockTable, PrefixCachingBlockAllocator
 from phases.p06_speculative_decoding import truncate_table
@@ -141,6 +143,17 @@ class HybridKVCacheManager(PrefixCachingBlockAllocator):
             if isinstance(group.spec, SlidingWindowSpec):
                 self.remove_skipped_blocks(t, group.spec)
             self.pool.allocate(t, num_tokens)
+
+    def frozen_tables(self, table: BlockTable) -> list[PrefixBlockTable]:
+        """Copies of the other groups' tables of the sequence whose group-0 table is `table`, as
+        they are now (phase 9's `frozen_copy` copies group 0's): a step planned ahead runs on
+        them while the step planned after it grows the live ones and gives back what a window left."""
+        frozen = []
+        for t in self.group_tables(table)[1:]:
+            f = copy.copy(t)
+            f.block_ids = list(t.block_ids)
+            frozen.append(f)
+        return frozen
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Roll every group's table of the sequence back to `num_tokens` slots (phase 6's

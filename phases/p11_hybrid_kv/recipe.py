@@ -15,11 +15,12 @@ phase 10's.
     runner      `HybridModelRunner`: phase 2's inputs, with every group's tables and slots
                 (`HybridSpecModelRunner` with `speculative_config`: phase 6's, drafts scored too)
     scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
-                (`HybridSpecScheduler`: phase 6's, rejected drafts rolled back in every group)
+                (`HybridSpecScheduler`: phase 6's, rejected drafts rolled back in every group;
+                with async_scheduling, phase 9's around it: `HybridAsyncScheduler`)
     model       phase 6's (eager): the static decode step of phase 7 attends to every token
 
-Refused by name for such a model: several ranks, a KV connector and asynchronous scheduling
-(their parts hold one table per sequence, or wrap a scheduler that does).
+Refused by name for such a model: several ranks and a KV connector (their parts hold one table
+per sequence).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from tinyvllm import platform
 from .hybrid_attention import GroupAttention, HybridAttention, HybridKVCache, HybridQuantizedKVCache, bytes_per_block
 from .kv_cache_interface import group_layers, layer_specs
 from .kv_cache_manager import HybridKVCacheManager
-from .scheduler import HybridModelRunner, HybridScheduler, HybridSpecModelRunner, HybridSpecScheduler
+from .scheduler import (HybridAsyncScheduler, HybridModelRunner, HybridScheduler, HybridSpecModelRunner,
+                        HybridSpecScheduler)
 
 PREVIOUS = PHASE10   # the phase this one extends
 
@@ -58,10 +60,8 @@ def check_hybrid(setup: EngineSetup) -> None:
     if not is_hybrid(setup):
         return
     c, w = setup.config, setup.model_config.sliding_window
-    asynchronous = platform.async_scheduling_default(c.async_scheduling, setup.device.type)
     for name, value, default in (("tensor_parallel_size", c.tensor_parallel_size, 1),
-                                 ("kv_transfer_config", c.kv_transfer_config, None),
-                                 ("async_scheduling", asynchronous, False)):
+                                 ("kv_transfer_config", c.kv_transfer_config, None)):
         if value != default:
             raise ValueError(f"{name}={value!r}: phase 11 runs a model with a sliding window "
                              f"(sliding_window={w}, shorter than max_model_len={setup.max_model_len}) "
@@ -118,9 +118,10 @@ def make_scheduler(setup: EngineSetup, parts: Parts):
         return PREVIOUS.scheduler(setup, parts)
     c, spec = setup.config, spec_config(setup)
     args = (parts.allocator, c.max_num_seqs, max_num_batched_tokens(setup), c.enable_chunked_prefill, setup.max_model_len)
-    if spec is None:
-        return HybridScheduler(*args)
-    return HybridSpecScheduler(*args, proposer=parts.proposer, spec=spec)
+    inner = HybridScheduler(*args) if spec is None else HybridSpecScheduler(*args, proposer=parts.proposer, spec=spec)
+    if not platform.async_scheduling_default(c.async_scheduling, setup.device.type):
+        return inner
+    return HybridAsyncScheduler(inner)   # phase 9's, each step ahead with every group's tables frozen
 
 
 RECIPE = PREVIOUS.extend(

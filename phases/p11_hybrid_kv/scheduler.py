@@ -6,7 +6,8 @@ give back), and can a request ever fit (`check_fits`: the most its groups hold a
 the pool). The runner builds phase 2's inputs, then each group's tables and slots beside them.
 With `speculative_config`, phase 6's scheduler and runner do the same (`HybridSpecScheduler`,
 `HybridSpecModelRunner`): a sequence's drafts are tokens every group grows by, and rejected
-ones go back from every group's table.
+ones go back from every group's table. With `async_scheduling`, phase 9's scheduler wraps it
+(`HybridAsyncScheduler`): a step planned ahead carries frozen copies of every group's tables.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from phases.p02_paged_kv import ModelInputs, ModelRunner
 from phases.p02_paged_kv.scheduler import max_len
 from phases.p03_continuous_batching import Scheduler
 from phases.p06_speculative_decoding import SpecModelRunner, SpecScheduler
+from phases.p09_engine_core.async_scheduler import AsyncScheduler, Batch
 from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import Sequence
 from tinyvllm.step import SchedulerOutput
@@ -50,6 +52,20 @@ class HybridSpecScheduler(HybridScheduler, SpecScheduler):
         self.allocator.truncate(seq.block_table, num_tokens)
 
 
+class HybridAsyncScheduler(AsyncScheduler):
+    """Phase 9's `AsyncScheduler` over a `HybridScheduler`: a step planned ahead runs on frozen
+    copies of its sequences, each of which also carries frozen copies of every group's tables
+    (`group_tables`, read by the runner): the step planned after it meanwhile grows the live
+    tables and gives back the blocks a window left."""
+
+    def schedule_ahead(self) -> Batch:
+        batch = super().schedule_ahead()
+        for view, _ in batch.view.scheduled:
+            real = batch.real[view.seq_id].block_table
+            view.group_tables = [view.block_table, *self.inner.allocator.frozen_tables(real)]
+        return batch
+
+
 class HybridModelRunner(ModelRunner):
     """Phase 2's `ModelRunner`, with each group's tables and slots in the metadata."""
 
@@ -59,7 +75,9 @@ class HybridModelRunner(ModelRunner):
 
     def prepare(self, plan: SchedulerOutput) -> ModelInputs:
         inputs = super().prepare(plan)       # group 0's tables are the ones the scheduler holds
-        tables = [self.manager.group_tables(seq.block_table) for seq, _ in plan.scheduled]
+        # a step planned ahead (phase 9) carries its own frozen copies of every group's tables
+        tables = [getattr(seq, "group_tables", None) or self.manager.group_tables(seq.block_table)
+                  for seq, _ in plan.scheduled]
         by_group = [list(group) for group in zip(*tables)]
         inputs.meta = group_metadata(inputs.meta, plan, by_group, self.block_size, self.device)
         return inputs

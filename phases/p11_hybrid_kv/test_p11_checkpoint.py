@@ -228,7 +228,6 @@ def test_more_requests_fit_one_pool(folders):
 
 @pytest.mark.parametrize("engine_args, name", [
     ({"kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}}, "kv_transfer_config"),
-    ({"async_scheduling": True}, "async_scheduling"),
 ])
 def test_what_holds_one_table_per_sequence_refuses_a_windowed_model_by_name(engine_args, name, folders):
     """(A CPU that cannot build the batch-invariant kernel refuses batch_invariant=True before.)"""
