@@ -10,8 +10,8 @@ user's alone (`private_dir`): anyone who could write it would choose the code th
 libraries, wherever the environment keeps them) so that they are not in the name. It is loaded
 only where the CPU kind tinyvllm acts as has the instructions it was compiled for
 (`tinyvllm.platform`), with the macros its rules set (`defines`: `-DFETCH_AHEAD=1` on the kind
-whose rule says so); where it cannot be built, `load()` warns once and returns None, and the
-caller takes another path.
+whose rule says so, `-DCODES_AHEAD=4096` where a rule is a number); where it cannot be built,
+`load()` warns once and returns None, and the caller takes another path.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class CKernel:
     signatures: dict[str, list]
     fallback: str = "another kernel is used"   # what happens where it cannot be built (the warning)
     search: dict[str, str] = field(default_factory=dict)   # CPATH, LIBRARY_PATH, ...: not in the key
-    defines: dict[str, str] = field(default_factory=dict)  # macro -> the platform rule it is (0 or 1)
+    defines: dict[str, str] = field(default_factory=dict)  # macro -> the platform rule it is (0/1, or a number)
     lib: ctypes.CDLL | None = None
     tried: bool = False
 
@@ -49,7 +49,7 @@ class CKernel:
 
         src = self.source.read_bytes()
         cc = os.environ.get("CXX", "c++") if self.source.suffix == ".cpp" else os.environ.get("CC", "cc")
-        flags = self.flags + [f"-D{macro}={int(bool(platform.current().rule(rule)))}" for macro, rule in self.defines.items()]
+        flags = self.flags + [f"-D{macro}={int(platform.current().rule(rule) or 0)}" for macro, rule in self.defines.items()]
         key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
         out = private_dir(cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
         if not out.exists():

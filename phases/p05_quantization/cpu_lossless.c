@@ -29,13 +29,21 @@
  * a time against up to 4 rows of x, four sums a row of x (two from the 3rd row of x on) so that
  * several chains of multiply-adds are in flight; output rows split between OpenMP threads.
  *
- * Built by lossless.py with `cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp`, called through
+ * Built by lossless.py with `cc -O3 -mavx2 -mfma -ffp-contract=off -fopenmp -DCODES_AHEAD=n`, called through
  * ctypes (and from phase 7's compiled step, cpu_ops.cpp). */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
 #define BLOCK 32
+
+/* CODES_AHEAD (-DCODES_AHEAD=bytes, the platform's `codes_fetch_ahead` rule; 0: 1024): how far
+ * ahead of the codes it reads a product asks memory for the next ones. The farther, the more lines
+ * are on their way at once; the best distance is the machine's (codes-fetch-ahead-*.txt). */
+#ifndef CODES_AHEAD
+#define CODES_AHEAD 0
+#endif
+#define AHEAD (CODES_AHEAD ? CODES_AHEAD : 1024)
 
 /* 8 int32 lanes -> 8 bytes at dst (unsigned, or signed: each lane fits) */
 static inline void store8(void *dst, __m256i v, const int is_signed) {
@@ -179,7 +187,7 @@ static inline __attribute__((always_inline)) void row(const uint8_t *q, const fl
     const int64_t bytes = bits == 4 ? BLOCK / 2 : BLOCK;
     for (int64_t b = 0; b < I / BLOCK; b++) {
         const uint8_t *qb = q + b * bytes;
-        if (bits != 4 || (b & 1) == 0) _mm_prefetch((const char *)(qb + 1024), _MM_HINT_T0);
+        if (bits != 4 || (b & 1) == 0) _mm_prefetch((const char *)(qb + AHEAD), _MM_HINT_T0);
         const __m256 s = _mm256_broadcast_ss(scale + (bits == 6 ? 2 * b : b));
         rebuild(qb, bits, s, bits == 6 ? _mm256_broadcast_ss(scale + 2 * b + 1) : s,
                 bits == 4 ? _mm256_broadcast_ss(zero + b) : _mm256_setzero_ps(), w);

@@ -31,7 +31,8 @@ from .cpu_int8 import HERE, I64, P
 
 SIGNATURES = {"lossless_find": [P] * 5 + [I64] * 3, "lossless_matmul": [P] * 5 + [I64] * 4}
 LOSSLESS = CKernel(HERE / "cpu_lossless.c", ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"],
-                   AVX2_FLAGS, SIGNATURES, fallback="float32 layers keep their float32 products")
+                   AVX2_FLAGS, SIGNATURES, fallback="float32 layers keep their float32 products",
+                   defines={"CODES_AHEAD": "codes_fetch_ahead"})
 
 
 def lossless_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:

@@ -26,6 +26,7 @@ from phases.p05_quantization.quant import (QuantizedLinear, dequantize_int4, deq
 from tinyvllm import LLM, SamplingParams
 from phases.p04_triton_kernels import CpuLinear
 from tinyvllm import platform
+from tinyvllm.ckernel import CKernel
 from tinyvllm.testing import on_codes, resident_bytes
 
 pytestmark = pytest.mark.kinds   # paths the platform chooses by CPU kind (make test-kinds)
@@ -705,6 +706,40 @@ def test_codes_with_a_scale_per_16_columns(rows, platform_rules):
     assert torch.equal(torch.cat([layer(eye[j:j + 8]) for j in range(0, 128, 8)]).T, w)
     x = torch.randn(rows, 128)
     torch.testing.assert_close(layer(x), x @ w.T, rtol=1e-5, atol=1e-6)
+
+
+@needs_lossless
+@pytest.mark.parametrize("bits", [4, 8, 6])
+def test_codes_fetched_from_farther_ahead_change_no_number(bits, monkeypatch):
+    """CODES_AHEAD (how far ahead cpu_lossless.c asks for the codes, the platform's
+    `codes_fetch_ahead` rule, a number of bytes) only changes when memory is read: the kernel
+    built with another distance is another library and gives the same outputs bit for bit, for
+    1 to 6 rows, over rows longer than the distance and a last one shorter."""
+    assert LOSSLESS.defines == {"CODES_AHEAD": "codes_fetch_ahead"}
+    ours = platform.current().rule("codes_fetch_ahead")
+    g = torch.Generator().manual_seed(7)
+    if bits == 6:                                  # Q6_K's: d * sc_j * q, a scale per 16 columns
+        sc = torch.randint(-128, 128, (37, 256, 1), generator=g).float() * 2e-4
+        w = sc.half().float().expand(37, 256, 16).reshape(37, 4096) * torch.randint(-32, 32, (37, 4096), generator=g)
+    else:
+        w = on_codes(torch.randn(37, 4096, generator=g) * 0.05, bits)
+    codes = lossless_codes(w)
+    assert codes is not None
+    layer = LosslessLinear(_linear(w), *codes)
+    layer.max_rows = 8
+    assert layer.bits == bits
+    xs = [torch.randn(rows, w.shape[1], generator=g) for rows in range(1, 7)]
+    outs = [layer(x) for x in xs]
+    names = {LOSSLESS.load()._name}
+    for other in (2048 if ours != 2048 else 8192, 16384):
+        farther = CKernel(LOSSLESS.source, LOSSLESS.flags, LOSSLESS.needs, LOSSLESS.signatures, defines=LOSSLESS.defines)
+        with platform.using(platform.current().with_rules(codes_fetch_ahead=other)):
+            lib = farther.load()                                         # built with -DCODES_AHEAD=other
+        assert lib is not None and lib._name not in names                # the distance reached the compiler
+        names.add(lib._name)
+        monkeypatch.setattr(LOSSLESS, "lib", lib)
+        assert all(torch.equal(layer(x), y) for x, y in zip(xs, outs))
+        monkeypatch.undo()
 
 
 @needs_lossless
