@@ -49,7 +49,8 @@ class CKernel:
 
         src = self.source.read_bytes()
         cc = os.environ.get("CXX", "c++") if self.source.suffix == ".cpp" else os.environ.get("CC", "cc")
-        flags = self.flags + [f"-D{macro}={int(platform.current().rule(rule) or 0)}" for macro, rule in self.defines.items()]
+        rules = platform.current()
+        flags = self.flags + [f"-D{macro}={int(rules.rule(rule) or 0)}" for macro, rule in self.defines.items()]
         key = hashlib.sha256(src + " ".join([cc, *flags]).encode()).hexdigest()[:16]
         out = private_dir(cache or cache_dir() / "kernels") / f"{self.source.stem}-{key}.so"
         if not out.exists():

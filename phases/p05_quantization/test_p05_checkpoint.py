@@ -513,6 +513,19 @@ def test_step_parts_times_every_way(tiny_model_dir, capsys):
     assert quant.QuantizedLinear.choose_kernel is chosen and "_step_parts" not in quant.KERNEL_FNS
 
 
+@pytest.mark.skipif(not LOSSLESS.available(), reason="cpu_lossless.c needs AVX2 and a C compiler")
+def test_fetch_ahead_times_a_pass_at_each_distance(tiny_codes_dir, platform_rules, capsys):
+    """The tool behind the `codes_fetch_ahead` rule: a pass over every weight on codes, for each
+    distance and row count asked."""
+    from phases.p05_quantization.tools import fetch_ahead
+
+    platform_rules(codes_max_rows=8)
+    fetch_ahead.main(["--model", str(tiny_codes_dir), "--ahead", "0", "2048", "--rows", "1", "3", "--repeat", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert "bits [4, 8]" in lines[0] and lines[1].split() == ["rows", "ahead", "1024", "ahead", "2048"]
+    assert [line.split()[0] for line in lines[2:]] == ["1", "3"] and all(len(line.split()) == 5 for line in lines[2:])
+
+
 @cpu_int8_here
 def test_bench_kernels_times_a_decode_step(monkeypatch, capsys):
     """The tool's --step mode: every product of a step with its own weights, per kernel that runs
@@ -732,7 +745,8 @@ def test_codes_fetched_from_farther_ahead_change_no_number(bits, monkeypatch):
     outs = [layer(x) for x in xs]
     names = {LOSSLESS.load()._name}
     for other in (2048 if ours != 2048 else 8192, 16384):
-        farther = CKernel(LOSSLESS.source, LOSSLESS.flags, LOSSLESS.needs, LOSSLESS.signatures, defines=LOSSLESS.defines)
+        farther = CKernel(LOSSLESS.source, LOSSLESS.flags, LOSSLESS.needs, LOSSLESS.signatures,
+                          defines=LOSSLESS.defines)
         with platform.using(platform.current().with_rules(codes_fetch_ahead=other)):
             lib = farther.load()                                         # built with -DCODES_AHEAD=other
         assert lib is not None and lib._name not in names                # the distance reached the compiler
