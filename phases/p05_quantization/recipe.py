@@ -79,9 +79,7 @@ def make_attention(setup: EngineSetup, parts: Parts):
     if not isinstance(parts.kv_cache, QuantizedKVCache):
         return PHASE4.attention(setup, parts)
     backend = attention_backend(setup)
-    if backend == "triton":   # (on the CPU path a windowed layer attends through phase 2's)
-        setup.model_config.refuse_windows(setup.max_model_len, "phase 5's triton attention over a quantized KV "
-                                          "cache", "pass attention_backend='torch'")
+    if backend == "triton":   # each layer in its window (on the CPU path through phase 2's)
         from .triton_kv_quant import TritonQuantizedPagedAttention  # imports Triton
 
         return partial(TritonQuantizedPagedAttention, parts.kv_cache)

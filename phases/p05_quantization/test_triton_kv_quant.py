@@ -5,6 +5,7 @@ H100 without a GPU; and compiled on CUDA (`gpu`). The cases are in `kv_quant_cas
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -49,6 +50,24 @@ def test_engine_with_triton_over_a_quantized_cache_gives_the_cpu_paths_tokens(ti
     triton = run_cases("--engine", str(tiny_model_dir), "int8")
     assert triton["backend"] == "triton"
     ref = engine_tokens(str(tiny_model_dir), 5, sampled=False, kv_cache_dtype="int8")  # the CPU path, here
+    assert ref["backend"] == "cpu"
+    assert triton["greedy"] == ref["greedy"] and len(ref["greedy"]) == 5
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow  # two tiny windowed engines in the interpreter, greedy: ~10 s
+def test_engine_with_triton_over_a_quantized_cache_reads_each_layer_s_window(tmp_path):
+    """A windowed model (Mistral, window 8, prompts of up to 5 windows) with the Triton kernels
+    over an int8 cache gives the tokens of the CPU path, which attends each windowed layer through
+    phase 2's paged attention over the same dequantized blocks."""
+    from phases.p04_triton_kernels.tools.kernel_cases import engine_tokens
+    from tinyvllm.testing import make_tiny_family
+
+    folder = make_tiny_family(tmp_path / "mistral", "MistralForCausalLM", sliding_window=8, seed=5)
+    args = dict(dtype="float32", block_size=16, num_kv_blocks=48)
+    triton = run_cases("--engine", str(folder), "int8", json.dumps(args))
+    assert triton["backend"] == "triton"
+    ref = engine_tokens(str(folder), 5, sampled=False, kv_cache_dtype="int8", **args)
     assert ref["backend"] == "cpu"
     assert triton["greedy"] == ref["greedy"] and len(ref["greedy"]) == 5
 

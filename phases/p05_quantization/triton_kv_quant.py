@@ -126,11 +126,12 @@ def unified_attention_quantized(q: torch.Tensor, kv: torch.Tensor, scales: torch
 
 class TritonQuantizedPagedAttention(TritonPagedAttention):
     """Phase 4's Triton backend over a `QuantizedKVCache`: the same two launches a layer, with
-    the quantizing write and the dequantizing read."""
+    the quantizing write and the dequantizing read, each layer in its sliding window if it has one."""
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv, scales = self.cache.kv[layer_idx], self.cache.scales[layer_idx]
         reshape_and_cache_quantized(k, v, kv, scales, self.meta.slot_mapping)
         return unified_attention_quantized(q, kv, scales, torch.empty_like(q), self.query_start_loc,
                                            self.seq_lens, self.block_tables, self.max_query_len,
-                                           self.max_seq_len)
+                                           self.max_seq_len,
+                                           window=self.cache.windows[layer_idx] if self.cache.windows else None)

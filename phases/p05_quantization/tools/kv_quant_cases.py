@@ -3,12 +3,13 @@
 Used by `test_triton_kv_quant.py` as phase 4's `kernel_cases.py` is by its tests: on a CPU in a
 subprocess with TRITON_INTERPRET=1 (`python -m phases.p05_quantization.tools.kv_quant_cases` prints one
 JSON object, {case: {"max_err": ..., "tol": ...}}), on a CUDA GPU compiled in the test process,
-and without a GPU compiled ahead of time for one (`--compile 90`); `--engine MODEL_DIR FMT` runs
-phase 5's engine with attention_backend="triton" and kv_cache_dtype=FMT (greedy tokens).
+and without a GPU compiled ahead of time for one (`--compile 90`); `--engine MODEL_DIR FMT [ARGS]` runs
+phase 5's engine with attention_backend="triton", kv_cache_dtype=FMT and the engine arguments
+of the JSON object ARGS (greedy tokens).
 
 - Attention cases: phase 4's batches (decodes at the block edges, a whole prompt, a chunk after
-  cached tokens; or decodes with split-KV) over a quantized cache whose every slot holds random
-  quantized values. The Triton path (`reshape_and_cache_quantized`, then
+  cached tokens; or decodes with split-KV; two in a sliding window) over a quantized cache whose
+  every slot holds random quantized values. The Triton path (`reshape_and_cache_quantized`, then
   `unified_attention_quantized`) against the CPU path over the same cache
   (`QuantizedPagedAttention` with phase 4's `cpu_paged_attention`, in float32): the written
   bytes and scales must be equal, the outputs within phase 4's float tolerances.
@@ -38,6 +39,11 @@ CASES = {  # name: block size, head_dim, query heads per KV head, KV heads, batc
                                                  dtype="float16", splits=2),
     "fp8-bs16-d80-gqa3-mixed-f16": dict(fmt="fp8", bs=16, d=80, group=3, kvh=1, batch=MIXED,
                                         dtype="float16", splits=1),
+    # a sliding window (keys p - window + 1 .. p): across block edges, in prefill chunks and split decodes
+    "int8-bs16-d64-gqa2-mixed-window20-f32": dict(fmt="int8", bs=16, d=64, group=2, kvh=2, batch=MIXED,
+                                                  dtype="float32", splits=1, window=20),
+    "fp8-bs16-d64-gqa1-decode-split4-window37-f32": dict(fmt="fp8", bs=16, d=64, group=1, kvh=2, batch=DECODES,
+                                                         dtype="float32", splits=4, window=37),
 }
 WRITE_CASES = {
     "write-int8-d80-f32": dict(fmt="int8", d=80, kvh=3, dtype="float32"),
@@ -64,12 +70,13 @@ def run_case(name: str, device: str = "cpu", dtype: str | None = None) -> dict:
     dtype = dtype or c["dtype"]
     meta, (k_cache, v_cache), (q, k, v), launch = case_inputs(c, device, getattr(torch, dtype))
     ref = _cache(c["fmt"], k_cache.shape[0], c["bs"], c["kvh"], c["d"], device)
+    ref.windows = (c.get("window"),)                                        # the reference's window too
     every_slot = torch.arange(k_cache.shape[0] * c["bs"], device=device)
     ref.write(0, every_slot, k_cache.flatten(0, 1), v_cache.flatten(0, 1))  # random, quantized
     kv, scales = ref.kv[0].clone(), ref.scales[0].clone()                   # the Triton path's copy
     reshape_and_cache_quantized(k, v, kv, scales, meta.slot_mapping)
     out = torch.full_like(q, float("nan"))
-    unified_attention_quantized(q, kv, scales, out, *launch, num_kv_splits=c["splits"])
+    unified_attention_quantized(q, kv, scales, out, *launch, num_kv_splits=c["splits"], window=c.get("window"))
 
     from phases.p04_triton_kernels import cpu_paged_attention
     expect = QuantizedPagedAttention(ref, meta, cpu_paged_attention)(0, q.float(), k.float(), v.float())
@@ -141,10 +148,11 @@ def main(argv: list[str]) -> None:
     if argv and argv[0] == "--compile":  # --compile CAPABILITY (without the interpreter)
         print(json.dumps(compile_for_cuda(int(argv[1]))))
         return
-    if argv and argv[0] == "--engine":  # --engine MODEL_DIR KV_CACHE_DTYPE: phase 5 with the kernels
+    if argv and argv[0] == "--engine":  # --engine MODEL_DIR KV_CACHE_DTYPE [ENGINE_ARGS_JSON]: phase 5
         from phases.p04_triton_kernels.tools.kernel_cases import engine_tokens
+        extra = json.loads(argv[3]) if len(argv) > 3 else {}
         print(json.dumps(engine_tokens(argv[1], 5, sampled=False, attention_backend="triton",
-                                       kv_cache_dtype=argv[2])))
+                                       kv_cache_dtype=argv[2], **extra)))
         return
     results = {name: run_case(name) for name in CASES}
     results.update({name: run_write_case(name) for name in WRITE_CASES})
