@@ -271,6 +271,15 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
                             seed=3)
 
 
+@pytest.fixture(scope="session")
+def tiny_windowed_dir(tmp_path_factory) -> Path:
+    """A tiny random Mistral, written by transformers, whose every layer attends in a sliding
+    window of 8 tokens: prompts and outputs of a few windows test the windowed paths."""
+    from tinyvllm.testing import make_tiny_family
+    return make_tiny_family(tmp_path_factory.mktemp("tiny-windowed"), "MistralForCausalLM", sliding_window=8,
+                            seed=5)
+
+
 _LLMS: dict = {}
 # Engines of a large model held at once: one engine of the default model holds its weights
 # (plus oneDNN's packed copy) and a KV pool, about 1.5 GB; seven phases' worth would not fit.

@@ -26,7 +26,7 @@ PHASES = {1: {}, 2: {"block_size": 4, "num_kv_blocks": 64},
           3: {"block_size": 4, "num_kv_blocks": 24, "max_num_batched_tokens": 16, "max_num_seqs": 3},
           4: {}, 5: {"kv_cache_dtype": "auto"},
           6: {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
-          7: {"attention_backend": "torch", "enforce_eager": True},
+          7: {},   # the static decode step: the C step where it serves, else the fused forward (Gemma 3: eager)
           9: {"enforce_eager": True, "async_scheduling": True},
           10: {"enforce_eager": True,
                "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}},
@@ -100,12 +100,14 @@ CASES = [(p, f) for p in sorted(PHASES) for f in sorted(FAMILIES) if p < 9 or f 
 def test_every_phase_gives_transformers_tokens_past_the_window(phase, family, folder):
     """Phases 1-3 as they come (phase 3 chunking, preempting and hitting its prefix cache across
     the window), phases 4-10 with phase 4's CPU attention (its C decode kernel in each row's
-    window, a windowed layer's prompts on phase 2's path; phase 7 eagerly on PyTorch's attention);
+    window, a windowed layer's prompts on phase 2's path; phase 7 in its static decode step, Gemma 3
+    eagerly);
     phase 6 verifying n-gram drafts across the window's edge, phase 9 scheduling a step ahead,
     phase 10 saving every block to its offload tier, phase 11 scheduling a step ahead over its
     groups' tables (each step's frozen, while the next gives back what a window left), preempting."""
     path = folder(family)
-    got = generate(LLM(str(path), phase=phase, **PHASES[phase]))
+    eager = {"enforce_eager": True} if phase == 7 and family == "gemma3" else {}   # not Llama's layers
+    got = generate(LLM(str(path), phase=phase, **PHASES[phase], **eager))
     assert got == hf_greedy(path)
     if phase == 3:   # the same prompts again: prefix hits past the window, still transformers' tokens
         llm = LLM(str(path), phase=3, block_size=4, num_kv_blocks=64)
@@ -137,10 +139,30 @@ def test_an_int8_kv_cache_attends_in_each_window_on_the_cpu_path(family, folder)
     assert got == generate(LLM(str(path), **args, attention_backend="torch"))
 
 
-def test_a_path_without_windows_refuses_a_windowed_model_by_name(folder):
-    with pytest.raises(ValueError, match=r"phase 7's static decode step.*sliding_window=8 .*max_model_len=512: "
-                                         r"pass enforce_eager=True, or pass max_model_len <= 8"):
-        LLM(str(folder("mistral")), num_kv_blocks=64, phase=7, attention_backend="torch", device="cpu")
+@pytest.mark.parametrize("kind", ["avx2", None])
+def test_the_static_decode_step_reads_each_layer_s_window(kind, folder):
+    """Phase 7's static decode step on Mistral and Qwen2 with windows: as the avx2 kind (where the
+    C step serves a float32 model: each layer's window in its attention row) and as this machine
+    acts, transformers' tokens; the static step ran."""
+    from contextlib import nullcontext
+
+    from tinyvllm import platform
+
+    if kind is not None and kind not in platform.acting_kinds():
+        pytest.skip(f"this CPU cannot act as {kind}")
+    with platform.using(platform.platform_as(kind)) if kind else nullcontext():
+        _static_steps_give_transformers_tokens(folder, kind)
+
+
+def _static_steps_give_transformers_tokens(folder, kind):
+    for family in ("mistral", "qwen2"):
+        path = folder(family)
+        llm = LLM(str(path), phase=7, dtype="float32", num_kv_blocks=64)
+        assert generate(llm) == hf_greedy(path)
+        runner = llm.llm_engine.runner
+        assert runner.num_static_steps >= len(prompts()) * (MAX_TOKENS - 1) // 3   # decodes in the static step
+        if kind == "avx2":
+            assert runner.decode_runner.c_step is not None and runner.decode_runner.c_step.serves(1)
 
 
 def test_gemma3_is_refused_by_the_static_decode_step(folder):

@@ -109,19 +109,13 @@ class ModelConfig:
         w = self.sliding_window
         return tuple(w if t == "sliding_attention" and w < max_model_len else None for t in types)
 
-    def refuse_windows(self, max_model_len: int, part: str, instead: str, llama_layers: bool = False) -> None:
-        """For a part that attends to every earlier token: refuse a model with a window shorter
-        than `max_model_len` (its tokens past the window would be wrong), naming the part, the
-        window and what runs it (`instead`). `llama_layers`: the part runs Llama's layers itself
-        (a fused forward), so Gemma 3's are refused too."""
-        if llama_layers and self.post_norms:
+    def refuse_other_layers(self, part: str, instead: str) -> None:
+        """For a part that runs Llama's layers itself (a fused forward): refuse a model whose layers
+        are another family's (Gemma 3's norms after attention and the MLP, its scaled embedding and
+        GELU gate), naming the part and what runs the model (`instead`)."""
+        if self.post_norms:
             raise ValueError(f"{part} runs Llama's layers, not {self.architecture}'s (norms after attention "
                              f"and the MLP, a scaled embedding, a GELU gate): {instead}")
-        if any(self.layer_windows(max_model_len)):
-            raise ValueError(
-                f"{part} attends to every earlier token, but {self.architecture}'s sliding_window="
-                f"{self.sliding_window} (config.json) is shorter than max_model_len={max_model_len}: "
-                f"{instead}, or pass max_model_len <= {self.sliding_window}")
 
     @property
     def num_queries_per_kv(self) -> int:

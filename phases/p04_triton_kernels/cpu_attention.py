@@ -298,14 +298,24 @@ def attention_row(attention) -> torch.Tensor | None:
     where it is decodes through `CpuPagedAttention` with cpu_attention.c over a float32 cache:
     the C function, the step's slots, block table (and its row stride), lengths and longest
     length (the static buffers' tensors, contiguous: read in place), the block size, KV heads,
-    and where the cache starts and each layer's K and V lie in it. None for any other step or
-    attention part."""
-    if type(attention) is not CpuPagedAttention or attention.meta.prefill_rows or any(attention.windows or ()):
+    and where the cache starts and each layer's K and V lie in it; then, for a model with sliding
+    windows, each layer's window (0: none), the C function that starts each row at its window
+    (`paged_window_decode_attention`) and room for those starts (0, 0, 0 without windows: the
+    tensors hang on the row, alive while it is). None for any other step or attention part."""
+    if type(attention) is not CpuPagedAttention or attention.meta.prefill_rows:
         return None
     meta, kv = attention.meta, attention.cache.kv        # kv: (layers, 2, blocks, block_size, KVH, d)
     tables, lens = meta.decode_block_tables, meta.decode_seq_lens
     if not c_decode_runs(kv, kv) or tables.stride(1) != 1 or not lens.is_contiguous():
         return None
-    return torch.tensor([KERNELS.address("paged_decode_attention"), meta.slot_mapping.data_ptr(), tables.data_ptr(),
-                         tables.stride(0), lens.data_ptr(), meta.max_decode_seq_len, *kv.shape[3:5], kv.data_ptr(),
-                         *kv.stride()[:2]])
+    windowed = [0, 0, 0]
+    if any(attention.windows or ()):
+        windows = torch.tensor([w or 0 for w in attention.windows], dtype=torch.int64)
+        starts = torch.zeros(len(lens), dtype=torch.int64)
+        windowed = [windows.data_ptr(), KERNELS.address("paged_window_decode_attention"), starts.data_ptr()]
+    row = torch.tensor([KERNELS.address("paged_decode_attention"), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+                        tables.stride(0), lens.data_ptr(), meta.max_decode_seq_len, *kv.shape[3:5], kv.data_ptr(),
+                        *kv.stride()[:2], *windowed])
+    if windowed[0]:
+        row.windows, row.starts = windows, starts
+    return row

@@ -39,12 +39,16 @@ using AmxFn = void (*)(const float *, const uint16_t *, const float *, float *, 
 using AttentionFn = void (*)(const float *, const float *, const float *, float *, float *, const int64_t *,
                              const int64_t *, const int64_t *, float *, float *, int64_t, int64_t, int64_t,
                              int64_t, int64_t, int64_t, int64_t, float);
+using WindowFn = void (*)(const float *, const float *, const float *, float *, float *, const int64_t *,
+                          const int64_t *, const int64_t *, const int64_t *, float *, float *, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float);
 
 /* a layer's row of the layer table (int64 each; pointers as integers); BITS: 32, 8 or 4 for the float32, int8
  * and int4 products, 1 for a float32 weight read from its codes (GROUP: their bits) */
 enum { FN, BITS, WEIGHT, SCALE, ZERO, BIAS, OUT, IN, GROUP, MANY, LAYER_FIELDS };
 /* the step's attention row */
-enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET };
+enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET, WINDOWS,
+       W_FN, STARTS };
 
 struct Step {
     const int64_t *layers = nullptr;
@@ -193,10 +197,20 @@ at::Tensor unified_attention(int64_t layer_idx, const at::Tensor &query, const a
     const int64_t B = q.size(0), H = q.size(1), d = q.size(2);
     at::Tensor out = at::empty(q.sizes(), q.options());
     float *k_cache = (float *)a[KV] + layer_idx * a[LAYER_STRIDE];
+    const int64_t *lens = (const int64_t *)a[LENS], T = a[MAX_LEN];
+    const int64_t window = a[WINDOWS] ? ((const int64_t *)a[WINDOWS])[layer_idx] : 0;
+    const float scale = (float)(1.0 / std::sqrt((double)d));
+    if (window > 0 && window < T) {   /* a sliding window: each row from its key lens[b] - window on */
+        int64_t *starts = (int64_t *)a[STARTS];
+        for (int64_t b = 0; b < B; b++) starts[b] = lens[b] > window ? lens[b] - window : 0;
+        reinterpret_cast<WindowFn>(a[W_FN])(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k_cache,
+            k_cache + a[V_OFFSET], (const int64_t *)a[SLOTS], (const int64_t *)a[TABLES], lens, starts,
+            out.data_ptr<float>(), scratch(B * H * T), B, H, a[KV_HEADS], d, a[BLOCK], a[TABLE_STRIDE], T, scale);
+        return out;
+    }
     reinterpret_cast<AttentionFn>(a[A_FN])(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k_cache,
-        k_cache + a[V_OFFSET], (const int64_t *)a[SLOTS], (const int64_t *)a[TABLES], (const int64_t *)a[LENS],
-        out.data_ptr<float>(), scratch(B * H * a[MAX_LEN]), B, H, a[KV_HEADS], d, a[BLOCK], a[TABLE_STRIDE],
-        a[MAX_LEN], (float)(1.0 / std::sqrt((double)d)));
+        k_cache + a[V_OFFSET], (const int64_t *)a[SLOTS], (const int64_t *)a[TABLES], lens,
+        out.data_ptr<float>(), scratch(B * H * T), B, H, a[KV_HEADS], d, a[BLOCK], a[TABLE_STRIDE], T, scale);
     return out;
 }
 

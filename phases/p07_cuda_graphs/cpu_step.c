@@ -3,7 +3,8 @@
  * Phase 7's `decode_forward` is a layer's work in about twenty PyTorch operators and seven C
  * calls through ctypes, each microseconds in the interpreter: a third of a batch-1 step of the
  * default model. This is the same loop in C, as llama.cpp runs its graph: per layer the fused
- * q/k/v product, RoPE, the step's K/V written and attended (phase 4's C kernel), o_proj, the
+ * q/k/v product, RoPE, the step's K/V written and attended (phase 4's C kernel; a layer with a
+ * sliding window from each row's window on, `attend`), o_proj, the
  * residual add and RMSNorm (cpu_norm.c), gate/up, SiLU times up, down, the next add + norm
  * (Qwen3's per-head norms of q and k too, before RoPE).
  * The products and the attention are the kernels the eager step calls, reached by the addresses
@@ -31,10 +32,14 @@ typedef void (*NormFn)(float *, float *, const float *, float *, int64_t, int64_
 typedef void (*AttentionFn)(const float *, const float *, const float *, float *, float *, const int64_t *,
                             const int64_t *, const int64_t *, float *, float *, int64_t, int64_t, int64_t,
                             int64_t, int64_t, int64_t, int64_t, float);
+typedef void (*WindowFn)(const float *, const float *, const float *, float *, float *, const int64_t *,
+                         const int64_t *, const int64_t *, const int64_t *, float *, float *, int64_t, int64_t,
+                         int64_t, int64_t, int64_t, int64_t, int64_t, float);
 
 /* a product's row (layer_row), the step's attention row (attention_row), as cpu_ops.cpp reads them */
 enum { FN, BITS, WEIGHT, SCALE, ZERO, BIAS, OUT, IN, GROUP, MANY, LAYER_FIELDS };
-enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET };
+enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET, WINDOWS,
+       W_FN, STARTS };
 /* a decoder layer's row of the plan: its norms' weights (q's and k's per head, Qwen3's, or 0),
  * then its four products' rows */
 enum { POST_NORM, NEXT_NORM, Q_NORM, K_NORM, QKV, O_PROJ = QKV + LAYER_FIELDS, GATE_UP = O_PROJ + LAYER_FIELDS,
@@ -74,6 +79,26 @@ static void rope(const float *x, const float *cos, const float *sin, float *out,
     }
 }
 
+/* layer l's attention over the step's M rows (the new k, v written first): in its sliding window
+ * where the row gives it one shorter than the longest row, each row b from its key lens[b] - window
+ * on (as cpu_attention.c_decode_attention starts it), else over every key */
+void attend(const int64_t *a, int64_t l, const float *q, const float *k, const float *v, float *out,
+            float *scores, int64_t M, int64_t H, int64_t KVH, int64_t d) {
+    float *k_cache = (float *)a[KV] + l * a[LAYER_STRIDE];
+    const int64_t *lens = (const int64_t *)a[LENS], T = a[MAX_LEN];
+    const int64_t window = a[WINDOWS] ? ((const int64_t *)a[WINDOWS])[l] : 0;
+    const float scale = (float)(1.0 / sqrt((double)d));
+    if (window > 0 && window < T) {
+        int64_t *starts = (int64_t *)a[STARTS];
+        for (int64_t b = 0; b < M; b++) starts[b] = lens[b] > window ? lens[b] - window : 0;
+        ((WindowFn)a[W_FN])(q, k, v, k_cache, k_cache + a[V_OFFSET], (const int64_t *)a[SLOTS],
+            (const int64_t *)a[TABLES], lens, starts, out, scores, M, H, KVH, d, a[BLOCK], a[TABLE_STRIDE], T, scale);
+    } else {
+        ((AttentionFn)a[A_FN])(q, k, v, k_cache, k_cache + a[V_OFFSET], (const int64_t *)a[SLOTS],
+            (const int64_t *)a[TABLES], lens, out, scores, M, H, KVH, d, a[BLOCK], a[TABLE_STRIDE], T, scale);
+    }
+}
+
 /* Every layer of a decode step of M rows. x (M, D): the embeddings in, then the residual stream;
  * h (M, D): the final norm's output. work: the buffers below, sized by cpu_step.py. */
 void decode_layers(const int64_t *plan, int64_t L, const int64_t *attention, const int64_t *shape, float *x,
@@ -100,10 +125,7 @@ void decode_layers(const int64_t *plan, int64_t L, const int64_t *attention, con
             for (int64_t j = 0; j < KVH; j++) rope(row + (H + j) * d, c, s, k + (m * KVH + j) * d, d);
             memcpy(v + m * KVH * d, row + (H + KVH) * d, KVH * d * sizeof(float));
         }
-        float *k_cache = (float *)attention[KV] + l * attention[LAYER_STRIDE];
-        ((AttentionFn)attention[A_FN])(q, k, v, k_cache, k_cache + attention[V_OFFSET],
-            (const int64_t *)attention[SLOTS], (const int64_t *)attention[TABLES], (const int64_t *)attention[LENS],
-            att, scores, M, H, KVH, d, attention[BLOCK], attention[TABLE_STRIDE], T, (float)(1.0 / sqrt((double)d)));
+        attend(attention, l, q, k, v, att, scores, M, H, KVH, d);
         linear(p + O_PROJ, att, h, M, scratch);
         norm(h, x, (const float *)p[POST_NORM], h, M, D, eps);       /* x += h; h = norm(x) */
         linear(p + GATE_UP, h, gu, M, scratch);

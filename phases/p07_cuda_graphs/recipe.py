@@ -114,8 +114,9 @@ def make_runner(setup: EngineSetup, parts: Parts):
     inner = PHASE6.runner(setup, parts)
     if setup.config.enforce_eager:
         return inner
-    # its static decode step (the fused forward, the compiled or C step): Llama's layers, every token
-    setup.model_config.refuse_windows(setup.max_model_len, "phase 7's static decode step", "pass enforce_eager=True", True)
+    # its static decode step (the fused forward, the compiled or C step) runs Llama's layers, each
+    # in its sliding window where it has one (the attention part's, or the C kernel's in its row)
+    setup.model_config.refuse_other_layers("phase 7's static decode step", "pass enforce_eager=True")
     c, sizes = setup.config, capture_sizes(setup)
     max_blocks = cdiv(setup.max_model_len, c.block_size)
     input_batch = InputBatch(c.max_num_seqs, setup.max_model_len, max_blocks, setup.model_config.vocab_size)

@@ -36,6 +36,7 @@ from tinyvllm.testing import token_difference
 
 PROMPTS = ["hello world", "a b c d e f g", "the cat sat", "x", "one two three four five six seven"]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)   # three windows of 8 tokens
 NEW_GRAPH = ("a step made a graph of its own: the two graphs of the start must serve every bucket "
              "(batch 1, and every larger bucket through one graph whose batch dimension is marked dynamic)")
 
@@ -128,6 +129,20 @@ def test_compiled_step_gives_eager_tokens(make_llm, tiny_model_dir, quantization
     assert engine.runner.num_static_steps - before >= 2 * (GREEDY.max_tokens - 1)   # the decodes ran compiled
     assert engine.runner.decode_runner.shapes_seen == {True, False}, "run must record bucket == 1 in shapes_seen"
     assert graphs_made(engine.runner.decode_runner) == (2, {True, False}), NEW_GRAPH
+
+
+def test_compiled_step_reads_each_layer_s_window(make_llm, tiny_windowed_dir):
+    """A model whose every layer attends in a sliding window of 8 tokens: the compiled step's
+    attention (cpu_ops.cpp, each layer's window from the step's attention row) gives the eager
+    step's tokens over outputs of three windows (one graph, of one row: a step of one request)."""
+    compiled = make_llm(tiny_windowed_dir, 7, compilation_mode=1, cudagraph_capture_sizes=[1])
+    eager = make_llm(tiny_windowed_dir, 7, enforce_eager=True)
+    before = compiled.llm_engine.runner.num_static_steps
+    for prompt in PROMPTS[1:3]:
+        got, want = tokens(compiled, [prompt], LONG), tokens(eager, [prompt], LONG)
+        assert got == want, token_difference(got, want, "one request past the window")
+    assert compiled.llm_engine.runner.num_static_steps - before >= 2 * (LONG.max_tokens - 1)
+    assert graphs_made(compiled.llm_engine.runner.decode_runner)[0] == 1
 
 
 def test_compiled_logits_equal_eager_and_two_graphs_serve_every_bucket(make_llm, tiny_model_dir):

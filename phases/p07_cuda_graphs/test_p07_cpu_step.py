@@ -4,7 +4,8 @@
   SiLU takes libm's expf), the first layer's K/V written bit for bit (the same products, RoPE's
   same roundings, the same cache write; but Qwen3's, normed per head in C), later layers' within
   rounding; on float32 weights (cpu_gemv.c), a checkpoint on codes, int8 and int4 weights, q/k/v
-  biases (Qwen2), per-head norms of q and k (Qwen3); and `decode_forward` does not run;
+  biases (Qwen2), per-head norms of q and k (Qwen3), sliding windows (Mistral's: each row from
+  its window's first key); and `decode_forward` does not run;
 - greedy tokens equal phase 6's (enforce_eager=True) at batch 1 and across buckets;
 - it serves only where every product and the attention have C kernels: bfloat16 and an int8 KV
   cache take `decode_forward`, as do more rows than the products' kernels take; and only on the
@@ -45,7 +46,8 @@ def serving(llm, rows: int = 1) -> CStep:
 
 
 CASES = [("tiny_model_dir", {}), ("tiny_codes_dir", {}), ("tiny_model_dir", {"quantization": "int8"}),
-         ("tiny_model_dir", {"quantization": "int4"}), ("tiny_qwen2_dir", {}), ("tiny_qwen3_dir", {})]
+         ("tiny_model_dir", {"quantization": "int4"}), ("tiny_qwen2_dir", {}), ("tiny_qwen3_dir", {}),
+         ("tiny_windowed_dir", {})]   # each layer in a window of 8 tokens
 
 
 @pytest.mark.parametrize("fixture, kw", CASES)

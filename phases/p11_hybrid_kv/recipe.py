@@ -17,7 +17,7 @@ phase 10's.
     scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
                 (`HybridSpecScheduler`: phase 6's, rejected drafts rolled back in every group;
                 with async_scheduling, phase 9's around it: `HybridAsyncScheduler`)
-    model       phase 6's (eager): the static decode step of phase 7 attends to every token
+    model       phase 6's (eager): phase 7's static decode step reads one block table per sequence
 
 Refused by name for such a model: several ranks and a KV connector (their parts hold one table
 per sequence).
