@@ -46,6 +46,9 @@ FILE_HEADER = 4096
 SLOT_HEADER = 64
 SLOT_MAGIC = b"BLK1"
 _SLOT = struct.Struct("<4s32sIQ")   # magic, digest, crc32 of the block's bytes, the block's bytes
+# a block one engine writes for another may lie in any of WAYS slots from the one its digest names
+# (set-associative): a long prompt's blocks that name one slot no longer replace each other
+WAYS = 8
 
 
 # what a header's fields are called in a warning, in the order they are compared
@@ -68,8 +71,10 @@ class OffloadStore:
         path: the file, kept between runs; None: a temporary file in `directory` (default
             /dev/shm, memory, where it exists), gone at exit.
         role: "kv_both" (this engine's own tier, an LRU), or "kv_producer" / "kv_consumer": one
-            engine writes the file, another reads it, each block in the slot its digest names
-            (direct-mapped: the reader needs no index, a new block replaces whatever was there).
+            engine writes the file, another reads it, each block in one of the `WAYS` slots from
+            the one its digest names (set-associative: the reader needs no index, it reads those
+            slots' headers; a new block takes a free one of them, else replaces the one written
+            longest ago).
     """
 
     def __init__(self, capacity_bytes: int, block_shape: tuple[int, ...], dtype: torch.dtype, identity: dict,
@@ -86,6 +91,8 @@ class OffloadStore:
                          "num_slots": self.num_slots, "slot_bytes": self.slot_bytes}
         self.path, self.directory, self.role = path, directory, role
         self.owner: dict[int, bytes] = {}   # a producer's slot -> the digest it holds
+        self.written: dict[int, int] = {}   # a producer's slot -> when it was last written (a count)
+        self.writes = 0
         self.index: OrderedDict[bytes, int] = OrderedDict()   # digest -> slot, least recently used first
         self.free_slots = list(reversed(range(self.num_slots)))
         self.pinned: set[int] = set()     # slots a step loads from: not evicted until it has run
@@ -173,6 +180,8 @@ class OffloadStore:
             magic, digest, _, nbytes = _SLOT.unpack_from(self.mm, self._offset(slot) - SLOT_HEADER)
             if magic == SLOT_MAGIC and nbytes == self.block_bytes:
                 self.index[digest] = slot
+                if self.role == "kv_producer":
+                    self.owner[slot], self.written[slot] = digest, 0
         self.free_slots = [s for s in reversed(range(self.num_slots)) if s not in set(self.index.values())]
 
     def _offset(self, slot: int) -> int:
@@ -192,16 +201,26 @@ class OffloadStore:
         return os.fstat(self.fd).st_size if self.usable else 0
 
     # -- the scheduler's side: the index and its LRU --------------------------------------------
+    def ways(self, digest: bytes) -> list[int]:
+        """The slots block `digest` may lie in, in a file one engine writes for another."""
+        first = int.from_bytes(digest[:8], "little") % self.num_slots
+        return [(first + i) % self.num_slots for i in range(min(WAYS, self.num_slots))]
+
     def slot_of(self, digest: bytes) -> int | None:
-        """Where block `digest` is (or would be, in a file one engine writes for another)."""
-        if self.role == "kv_both":
+        """Where block `digest` is: this engine's index, or for a consumer the one of its `ways`
+        whose header names it (None: not there)."""
+        if self.role != "kv_consumer":
             return self.index.get(digest)
-        return int.from_bytes(digest[:8], "little") % self.num_slots
+        for slot in self.ways(digest):
+            magic, saved, _, _ = _SLOT.unpack_from(self.mm, self._offset(slot) - SLOT_HEADER)
+            if magic == SLOT_MAGIC and saved == digest:
+                return slot
+        return None
 
     def lookup(self, digest: bytes) -> int | None:
         """The slot holding `digest`, its bytes checked against the CRC-32 saved with them; None if
         absent or (with a warning, the slot dropped) damaged."""
-        slot = self.index.get(digest) if self.role != "kv_consumer" else self.slot_of(digest)
+        slot = self.slot_of(digest)
         if slot is None:
             return None
         off = self._offset(slot)
@@ -238,14 +257,20 @@ class OffloadStore:
     def allocate(self, digest: bytes) -> int | None:
         """A slot for a new block `digest`: a free one, else the least recently used entry's that no
         step is loading from (pinned); None when every slot is pinned. A producer's block goes to
-        the slot its digest names, replacing what was there."""
+        one of its `ways`: its own slot if it is there already, else a free one, else the one
+        written longest ago, replacing what was there."""
         if self.role != "kv_both":
-            slot = self.slot_of(digest)
-            replaced = self.owner.pop(slot, None)
-            if replaced is not None:
-                self.index.pop(replaced, None)
-                self.num_evicted += 1
+            slot = self.index.get(digest)
+            if slot is None:
+                ways = self.ways(digest)
+                slot = next((w for w in ways if w not in self.owner), None)
+                if slot is None:
+                    slot = min(ways, key=self.written.__getitem__)
+                    self.index.pop(self.owner.pop(slot), None)
+                    self.num_evicted += 1
             self.index[digest], self.owner[slot] = slot, digest
+            self.writes += 1
+            self.written[slot] = self.writes
             return slot
         # >>> exercise tier_lru (2 stars): A slot for a new block: a free slot if there is one, else the slot of the least recently used entry that is not pinned, that entry forgotten.
         # hint: self.index is an OrderedDict, least recently used first; skip pinned slots; the new digest goes in at the most recent end; count evictions in self.num_evicted.

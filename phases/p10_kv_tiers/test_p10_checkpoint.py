@@ -316,6 +316,50 @@ def test_a_producer_prefills_and_a_consumer_decodes_from_its_blocks(tiny_model_d
     assert p["kv_offload_saved_blocks"] >= 4 * 10
 
 
+def test_blocks_that_name_one_slot_share_its_ways(tmp_path):
+    """In a file one engine writes for another, nine blocks whose digests name the same slot: the
+    producer puts the first eight in the eight slots from it (`WAYS`), the consumer finds each by
+    its header; the ninth replaces the one written longest ago, which the consumer no longer finds."""
+    from phases.p10_kv_tiers.offload_store import WAYS
+
+    shape, path = (2, 2, BS, 1, 4), str(tmp_path / "shared.bin")
+    identity = {"model": "m", "block_size": BS}
+    size = 4096 + 32 * (64 + 256)
+    producer = OffloadStore(size, shape, torch.float32, identity, path=path, role="kv_producer")
+    assert producer.open() and producer.num_slots == 32
+    digests = [bytes([5]) + bytes(7) + i.to_bytes(24, "little") for i in range(WAYS + 1)]   # all name slot 5
+    slots = [producer.allocate(d) for d in digests[:WAYS]]
+    assert slots == list(range(5, 5 + WAYS)), f"the first {WAYS} take the {WAYS} ways from slot 5: {slots}"
+    for i, (d, slot) in enumerate(zip(digests, slots)):
+        producer.block(slot).fill_(float(i))
+        producer.commit(slot, d)
+    producer.allocate(digests[1])                        # written again: its own slot, now the newest
+    consumer = OffloadStore(size, shape, torch.float32, identity, path=path, role="kv_consumer")
+    assert consumer.open()
+    assert [consumer.lookup(d) for d in digests[:WAYS]] == slots
+    assert consumer.lookup(digests[WAYS]) is None
+    last = producer.allocate(digests[WAYS])
+    assert last == slots[0], "a full set: the block written longest ago (the first) makes room"
+    producer.block(last).fill_(-1.0)
+    producer.commit(last, digests[WAYS])
+    assert consumer.lookup(digests[0]) is None and consumer.lookup(digests[WAYS]) == slots[0]
+    assert torch.equal(consumer.block(slots[2]), torch.full(shape, 2.0)) and producer.num_evicted == 1
+
+
+def test_a_long_prompt_is_loaded_whole_from_a_small_shared_file(tiny_model_dir, tmp_path, in_process):
+    """A prompt of 60 blocks in a shared file of 96 slots (a file where, if each block had only the
+    slot its digest names, several of them would replace each other): the consumer loads all 60."""
+    path = str(tmp_path / "shared.bin")
+    ps = prompts(1, 241, seed=12)
+    size = 4096 + 96 * (64 + 2048)                    # the tiny model's block: 2 layers, K and V, 2 KiB
+    producer = make(tiny_model_dir, num_kv_blocks=80, kv_transfer_config=role("kv_producer", path, size))
+    consumer = make(tiny_model_dir, num_kv_blocks=80, kv_transfer_config=role("kv_consumer", path, size))
+    store = consumer.llm_engine.parts.scheduler.connector.store
+    producer.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1))
+    assert run(consumer, [ps]) == run(make(tiny_model_dir, phase=9, num_kv_blocks=80), [ps])
+    assert store.num_slots == 96 and consumer.llm_engine.get_stats()["kv_offload_loaded_blocks"] == 60
+
+
 def test_a_producer_and_a_consumer_each_in_an_engine_core_process(tiny_model_dir, tmp_path):
     """Two engines, two engine core processes, one shared file: the consumer reads what the
     producer's process wrote."""
