@@ -576,6 +576,26 @@ def test_bench_serve_against_the_server(server, tiny_model_dir, tmp_path):
     assert row["itl_p99_ms"] == report["itl"]["p99_ms"]
 
 
+def test_bench_serve_sends_long_prompts_beside_the_requests(server, tiny_model_dir, tmp_path):
+    """--background-rate: long prompts keep arriving while the requests run, reported apart (the
+    requests' own numbers do not count them); the row names them and the label."""
+    from tinyvllm.entrypoints.cli import main
+    out = tmp_path / "serve.json"
+    rc = main(["bench", "serve", "--base-url", server, "--api-key", API_KEY, "--model", str(tiny_model_dir),
+               "--num-prompts", "4", "--dataset", "random", "--input-len", "8", "--output-len", "24",
+               "--request-rate", "8", "--background-rate", "20", "--background-input-len", "200",
+               "--label", "one server", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    bg = report["background"]
+    assert report["completed"] == 4 and report["total_output_tokens"] == 4 * 24
+    assert report["total_input_tokens"] == 4 * 8
+    assert bg["completed"] >= 1 and bg["total_input_tokens"] == 200 * bg["completed"] and bg["failed"] == 0
+    assert (bg["input_len"], bg["output_len"], bg["request_rate"]) == (200, 1, 20)
+    [row] = report["rows"]
+    assert row["server"] == "one server" and row["background"] == "200-token prompts at 20/s"
+
+
 @pytest.mark.parametrize("phase", [1, 2])
 def test_every_phase_can_be_served(tiny_model_dir, phase):
     """Every phase runs the one engine loop, so the server drives phases 1 and 2 as it does the

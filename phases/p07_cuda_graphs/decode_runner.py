@@ -137,10 +137,19 @@ class DecodeRunner:
         b = self.buf if buf is None else buf
         ids, positions = b.input_ids[:bucket], b.positions[:bucket]
         attention = self.attention(b.metadata(bucket, self.fixed_shapes))
-        hidden = self.c_step(ids, positions, attention_row(attention)) if self.c_step else None
+        hidden = None
+        if self.c_step and not hooked(attention):
+            hidden = self.c_step(ids, positions, attention_row(attention))
         if hidden is None:
             hidden = self.model_forward(ids, positions, attention)                       # (bucket, D)
         return self.model.compute_logits(hidden)                                          # (bucket, V)
+
+
+def hooked(attention) -> bool:
+    """Whether this step's attention is another part's wrapped with calls around each layer (phase
+    10's connector, in a step with transfers: its `backend`): the fused forward runs that step,
+    since cpu_step.c runs every layer in one call; the C step stays for the next."""
+    return getattr(attention, "backend", None) is not None
 
 
 class CudaGraphDecodeRunner(DecodeRunner):

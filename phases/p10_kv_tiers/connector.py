@@ -62,10 +62,14 @@ class OffloadingConnectorScheduler:
     Args:
         store: the tier (its index and LRU are used here, its bytes by the worker side).
         allocator: the prefix-caching allocator of the pool.
+        load_blocks_per_step: while other requests run, the most blocks a waiting request loads a
+            step (0: all at once); it waits, its loaded blocks held, until the rest are in.
     """
 
-    def __init__(self, store: OffloadStore, allocator):
+    def __init__(self, store: OffloadStore, allocator, load_blocks_per_step: int = 0):
         self.store, self.allocator = store, allocator
+        self.load_blocks_per_step = load_blocks_per_step
+        self.held: dict[Sequence, PrefixBlockTable] = {}   # blocks loaded for a request still loading
         self.block_size = allocator.block_size
         self.digests: dict[Sequence, list[bytes]] = {}     # each running sequence's block digests
         self.loads: list[tuple[int, int, tuple]] = []      # (pool block, slot, prefix-cache key) for this step
@@ -109,28 +113,44 @@ class OffloadingConnectorScheduler:
             self.store.touch(digests[i])
             self.loads.append((block_ids[i], slot, self.allocator.block_key[block_ids[i]]))
 
-    def load_prefix(self, seq: Sequence) -> None:
+    def load_prefix(self, seq: Sequence, others_running: bool = False) -> bool:
         """Before the scheduler looks at a waiting `seq`: the blocks of its prefix that the tier
         holds past the pool's become keyed pool blocks (a prefix-cache hit for the scheduler),
-        loaded this step; as many as leave the pool room for the rest of its tokens."""
+        loaded this step; as many as leave the pool room for the rest of its tokens, their bytes
+        checked. With `others_running`, at most `load_blocks_per_step` of them: then False while
+        more remain (the request waits; what it loaded is held for it till the rest is in)."""
         a, bs = self.allocator, self.block_size
+        before = self.held.pop(seq, None)
         if self.store.role == "kv_producer" or not self.store.open():
-            return
+            return True
         cached = a.match_prefix(seq.token_ids)
         num_external = self.get_num_new_matched_tokens(seq, len(cached) * bs)
-        if not num_external:
-            return
         table = PrefixBlockTable()
         if cached:
             a.allocate_cached(table, cached)   # held, so taking blocks below cannot evict them
+        if before is not None:
+            a.free(before)                     # (now held by `table` instead)
         rest = seq.num_tokens - table.num_tokens
         while num_external and a.blocks_needed(num_external) + a.blocks_needed(rest - num_external) > a.num_free_blocks:
             num_external -= bs
+        limit = self.load_blocks_per_step if others_running else 0
+        more = bool(limit) and num_external > limit * bs
+        if more:
+            num_external = limit * bs
+        digests = self.block_digests(seq, (table.num_tokens + num_external) // bs)
+        for i in range(table.num_tokens // bs, len(digests)):   # the bytes of those the step takes
+            if not self.store.verify(digests[i], self.store.slot_of(digests[i])):
+                num_external, more = (i - table.num_tokens // bs) * bs, False
+                break
         if num_external:
             a.allocate(table, num_external)
             a.cache_full_blocks(table, seq.token_ids, table.num_tokens)   # keyed: the scheduler finds them
             self.update_state_after_alloc(seq, table.block_ids, num_external)
+        if more:
+            self.held[seq] = table
+            return False
         a.free(table)   # back to the cache, evictable, till the scheduler shares them
+        return True
 
     # -- one step's record ------------------------------------------------------------------------
     def build_connector_meta(self, plan: SchedulerOutput) -> KVConnectorMetadata | None:
@@ -166,6 +186,9 @@ class OffloadingConnectorScheduler:
         """`seq` left: forget its digests. True would keep its blocks until a save still under way
         ends (vLLM's asynchronous connectors); here every save ends with its step."""
         self.digests.pop(seq, None)
+        held = self.held.pop(seq, None)
+        if held is not None:   # it left while loading: its blocks go back to the cache
+            self.allocator.free(held)
         return False
 
     def invalidate_blocks(self, block_ids: list[int]) -> None:

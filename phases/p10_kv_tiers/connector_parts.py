@@ -1,8 +1,9 @@
 """Where the connector's two sides meet the engine's parts: three thin wrappers.
 
     ConnectorScheduler    the phase before's scheduler; before it plans, the waiting requests'
-                          prefixes the tier holds become prefix-cache hits (`load_prefix`); after,
-                          the plan carries the step's record (`build_connector_meta`)
+                          prefixes the tier holds become prefix-cache hits (`load_prefix`; one
+                          still loading sits this step out); after, the plan carries the step's
+                          record (`build_connector_meta`)
     ConnectorModelRunner  the phase before's runner, between `start_load_kv` and `wait_for_save`
     ConnectorAttention    the step's attention; in a step with transfers, each layer's call is
                           wrapped by `wait_for_layer_load` and `save_kv_layer` (vLLM calls them
@@ -45,10 +46,13 @@ class ConnectorScheduler:
     def schedule(self) -> SchedulerOutput:
         self.connector.invalidate_blocks(self.worker.failed_loads())
         seats = self.inner.max_num_seqs - len(self.inner.running)
-        for seq in list(self.inner.waiting)[:seats]:
-            if seq.params.prompt_logprobs is None:   # it wants every prompt position computed
-                self.connector.load_prefix(seq)
+        others = bool(self.inner.running)
+        loading = [seq for seq in list(self.inner.waiting)[:seats]   # (prompt_logprobs: every position computed)
+                   if seq.params.prompt_logprobs is None and not self.connector.load_prefix(seq, others)]
+        for seq in loading:   # still loading: not admitted this step
+            self.inner.waiting.remove(seq)
         plan = self.inner.schedule()
+        self.inner.waiting.extendleft(reversed(loading))
         plan.kv_connector_metadata = self.connector.build_connector_meta(plan)
         return plan
 

@@ -8,9 +8,12 @@ vLLM's KVTransferConfig (vllm/config/kv_transfer.py) as a dict, with its names:
          "cpu_bytes_to_use": 1073741824,        the tier file's largest size (default 1 GiB)
          "path": "/data/kv-tier.bin",           a file kept between runs (default: a private
                                                 temporary file, gone with the engine)
-         "dir": "/tmp"}}                        where the temporary file goes (default /dev/shm,
+         "dir": "/tmp",                         where the temporary file goes (default /dev/shm,
                                                 memory, where it exists: written at a few GB a
                                                 minute, a tier on disk is throttled to the disk)
+         "load_blocks_per_step": 16}}           while other requests run, a waiting one loads at
+                                                most this many blocks a step (0: all at once), so
+                                                a long prompt's load does not stall their tokens
 
 kv_role "kv_producer" / "kv_consumer": prefill in one engine, decode in another. The producer
 saves every block it computes into `path`, the consumer loads the prompt's blocks from there (on
@@ -28,8 +31,9 @@ from pathlib import Path
 CONNECTORS = ("OffloadingConnector",)
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 DEFAULT_CPU_BYTES = 1 << 30
+DEFAULT_LOAD_BLOCKS = 16
 _KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config"}
-_EXTRA_KEYS = {"cpu_bytes_to_use", "path", "dir"}
+_EXTRA_KEYS = {"cpu_bytes_to_use", "path", "dir", "load_blocks_per_step"}
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class KVTransferConfig:
     cpu_bytes_to_use: int = DEFAULT_CPU_BYTES
     path: str | None = None
     directory: str | None = None
+    load_blocks_per_step: int = DEFAULT_LOAD_BLOCKS
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "KVTransferConfig | None":
@@ -64,6 +69,10 @@ class KVTransferConfig:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"kv_transfer_config['kv_connector_extra_config']['cpu_bytes_to_use'] must be an "
                              f"int >= 1 (bytes), got {size!r}")
+        per_step = extra.get("load_blocks_per_step", DEFAULT_LOAD_BLOCKS)
+        if isinstance(per_step, bool) or not isinstance(per_step, int) or per_step < 0:
+            raise ValueError(f"kv_transfer_config['kv_connector_extra_config']['load_blocks_per_step'] must be an "
+                             f"int >= 0 (0: every block at once), got {per_step!r}")
         for key in ("path", "dir"):
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise TypeError(f"kv_transfer_config['kv_connector_extra_config'][{key!r}] must be a str, "
@@ -71,7 +80,7 @@ class KVTransferConfig:
         if role != "kv_both" and extra.get("path") is None:
             raise ValueError(f"kv_transfer_config['kv_connector_extra_config']['path'] is needed with kv_role={role!r}: "
                              f"the file the producer writes and the consumer reads (on one host, in /dev/shm)")
-        return cls(connector, role, size, extra.get("path"), extra.get("dir"))
+        return cls(connector, role, size, extra.get("path"), extra.get("dir"), per_step)
 
 
 def model_fingerprint(folder: Path) -> str:

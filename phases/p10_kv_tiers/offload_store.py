@@ -16,11 +16,12 @@ Integrity: the header names the model (a fingerprint of its config and weights),
 the dtype and the block's shape; a file whose header differs, or that is shorter than its header
 says, is refused with a warning naming why, and started empty. Each slot's header keeps the
 block's digest and a CRC-32 of its bytes, checked before a block is loaded: a slot that fails is
-dropped, and its tokens are recomputed. A file that cannot be made (an unwritable folder, a full
+dropped, and its tokens are recomputed (a lookup reads the headers only; the bytes of a block are
+checked when a step takes it). A file that cannot be made (an unwritable folder, a full
 disk) turns the tier off with a warning: every request is recomputed, none fails.
 
 The split follows vLLM's offloading (vllm/v1/kv_offload/): the scheduler's side keeps the index
-and its LRU (`lookup`, `allocate`, `touch`, `pin`: its `LRUOffloadingManager`), the worker's side
+and its LRU (`lookup`, `verify`, `allocate`, `touch`, `pin`: its `LRUOffloadingManager`), the worker's side
 moves the bytes (`block`, `commit`: its CPU<->GPU transfer handlers).
 """
 
@@ -218,27 +219,30 @@ class OffloadStore:
         return None
 
     def lookup(self, digest: bytes) -> int | None:
-        """The slot holding `digest`, its bytes checked against the CRC-32 saved with them; None if
-        absent or (with a warning, the slot dropped) damaged."""
+        """The slot holding `digest` by its header (None if absent); its bytes are checked when a
+        step takes it (`verify`)."""
         slot = self.slot_of(digest)
         if slot is None:
             return None
+        magic, saved, _, nbytes = _SLOT.unpack_from(self.mm, self._offset(slot) - SLOT_HEADER)
+        return slot if magic == SLOT_MAGIC and saved == digest and nbytes == self.block_bytes else None
+
+    def verify(self, digest: bytes, slot: int) -> bool:
+        """Whether `slot` holds block `digest` whole: its bytes against the CRC-32 saved with them.
+        A slot that fails is dropped (with a warning), and its tokens are recomputed."""
         off = self._offset(slot)
         magic, saved, crc, nbytes = _SLOT.unpack_from(self.mm, off - SLOT_HEADER)
-        if self.role == "kv_consumer" and (magic != SLOT_MAGIC or saved != digest):
-            return None   # the producer has not saved this block, or has put another in its slot since
-        if magic != SLOT_MAGIC or saved != digest or nbytes != self.block_bytes or \
-                zlib.crc32(memoryview(self.mm)[off:off + nbytes]) != crc:
-            logger.warning("KV tier: slot %d does not hold the block saved there (damaged or overwritten); "
-                           "its tokens are recomputed", slot)
-            self.num_refused += 1
-            if self.role == "kv_consumer":
-                return None
+        if magic == SLOT_MAGIC and saved == digest and nbytes == self.block_bytes and \
+                zlib.crc32(memoryview(self.mm)[off:off + nbytes]) == crc:
+            return True
+        logger.warning("KV tier: slot %d does not hold the block saved there (damaged or overwritten); "
+                       "its tokens are recomputed", slot)
+        self.num_refused += 1
+        if self.role != "kv_consumer" and self.index.get(digest) == slot:
             del self.index[digest]
             self.mm[off - SLOT_HEADER:off] = bytes(SLOT_HEADER)
             self.free_slots.append(slot)
-            return None
-        return slot
+        return False
 
     def touch(self, digest: bytes) -> None:
         """`digest` was used: it leaves the tier last."""

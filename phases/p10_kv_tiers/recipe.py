@@ -76,7 +76,8 @@ def make_scheduler(setup: EngineSetup, parts: Parts):
     if not isinstance(parts.attention, ConnectorAttention):
         return inner
     worker = parts.attention.worker
-    return ConnectorScheduler(inner, OffloadingConnectorScheduler(worker.store, parts.allocator), worker)
+    connector = OffloadingConnectorScheduler(worker.store, parts.allocator, transfer_config(setup).load_blocks_per_step)
+    return ConnectorScheduler(inner, connector, worker)
 
 
 RECIPE = PHASE9.extend(

@@ -360,6 +360,75 @@ def test_a_long_prompt_is_loaded_whole_from_a_small_shared_file(tiny_model_dir, 
     assert store.num_slots == 96 and consumer.llm_engine.get_stats()["kv_offload_loaded_blocks"] == 60
 
 
+def test_a_long_load_waits_its_turns_beside_running_requests(tiny_model_dir, tmp_path, in_process):
+    """load_blocks_per_step=4: a prompt of 10 tier blocks that arrives while another request
+    decodes loads 4, 4, then 2 blocks in three steps (its loaded blocks held for it, the other
+    request's tokens coming every step), then runs; alone, a request loads its 10 at once. Both
+    give phase 9's tokens; a request aborted while it loads gives back what it held."""
+    path = str(tmp_path / "shared.bin")
+    ps = prompts(3, 41, seed=13)
+    want = run(make(tiny_model_dir, phase=9), [[p] for p in ps])
+    producer = make(tiny_model_dir, kv_transfer_config=role("kv_producer", path))
+    producer.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1))
+    config = role("kv_consumer", path)
+    config["kv_connector_extra_config"]["load_blocks_per_step"] = 4
+    consumer = make(tiny_model_dir, num_kv_blocks=64, kv_transfer_config=config)
+    engine, loads = consumer.llm_engine, []
+    worker = engine.parts.attention.worker
+    start = worker.start_load_kv
+    worker.start_load_kv = lambda meta: loads.append(len(meta.loads) if meta else 0) or start(meta)
+    long_output = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine.add_request("busy", {"prompt_token_ids": [7, 8, 9]}, long_output)
+    engine.step()
+    engine.add_request("long", {"prompt_token_ids": ps[0]}, GREEDY)
+    outputs, busy_tokens = {}, []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == "busy":
+                busy_tokens.append(len(out.outputs[0].token_ids))
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    assert [n for n in loads if n] == [4, 4, 2], f"the loads of each step: {loads}"
+    assert busy_tokens[:4] == [2, 3, 4, 5], f"the running request got a token every step: {busy_tokens}"
+    assert outputs["long"] == want[0]
+    loads.clear()
+    engine.add_request("alone", {"prompt_token_ids": ps[1]}, GREEDY)
+    assert [o.request_id for o in engine.step()] == ["alone"] and loads == [10]   # alone: at once, and runs
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    assert outputs["alone"] == want[1]
+    free = engine.parts.allocator.num_free_blocks
+    engine.add_request("busy2", {"prompt_token_ids": [5, 6]}, long_output)
+    engine.step()
+    engine.add_request("gone", {"prompt_token_ids": ps[2]}, GREEDY)
+    engine.step()
+    assert engine.parts.scheduler.connector.held, "the long prompt is loading, its first blocks held"
+    engine.abort_request(["gone", "busy2"])
+    assert not engine.parts.scheduler.connector.held and engine.parts.allocator.num_free_blocks == free
+
+
+def test_a_step_with_transfers_leaves_the_c_step_to_the_next(tiny_codes_dir, in_process, monkeypatch):
+    """A decode step that saves a block (every 4 tokens here) runs its layers one by one, between
+    their saves; the steps after it are cpu_step.c's again, where it serves this model."""
+    llm = make(tiny_codes_dir, num_kv_blocks=48, kv_transfer_config=tier())
+    c_step = llm.llm_engine.runner.decode_runner.c_step
+    if c_step is None or not c_step.serves(1):
+        pytest.skip("cpu_step.c serves no step of this model on this CPU kind (the platform's rules)")
+    served, call = [], type(c_step).__call__
+
+    def counted(self, *args):
+        out = call(self, *args)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(type(c_step), "__call__", counted)
+    want = run(make(tiny_codes_dir, phase=9, num_kv_blocks=48), [prompts(1, 9, seed=14)])
+    served.clear()
+    assert run(llm, [prompts(1, 9, seed=14)]) == want
+    assert llm.llm_engine.get_stats()["kv_offload_saved_blocks"] >= 3
+    assert c_step.serves(1) and served and all(served), f"cpu_step.c ran these decode steps: {served}"
+
+
 def test_a_producer_and_a_consumer_each_in_an_engine_core_process(tiny_model_dir, tmp_path):
     """Two engines, two engine core processes, one shared file: the consumer reads what the
     producer's process wrote."""
@@ -409,6 +478,8 @@ def test_a_consumer_of_another_model_or_block_size_is_refused_at_start(change, e
     (dict(kv_transfer_config=tier(num_cpu_blocks=8)), r"kv_connector_extra_config'\]: unknown key\(s\) \['num_cpu_blocks'\]"),
     (dict(kv_transfer_config=tier(0)), r"\['cpu_bytes_to_use'\] must be an int >= 1"),
     (dict(kv_transfer_config=tier(5000)), r"cpu_bytes_to_use=5000 holds no KV block"),
+    (dict(kv_transfer_config=tier(load_blocks_per_step=-1)), r"\['load_blocks_per_step'\] must be an int >= 0"),
+    (dict(kv_transfer_config=tier(load_blocks_per_step=2.5)), r"\['load_blocks_per_step'\] must be an int >= 0"),
     (dict(kv_transfer_config=tier(), enable_prefix_caching=False), r"leave enable_prefix_caching=True"),
     (dict(kv_transfer_config=tier(), kv_cache_dtype="int8"), r"kv_cache_dtype='int8'"),
     (dict(kv_transfer_config=tier(), async_scheduling=True), r"async_scheduling: a step's loads and saves must end"),

@@ -91,6 +91,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="bearer token for the server")
     s.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="targets for goodput, e.g. ttft:500 tpot:50 (ms)")
+    s.add_argument("--label", default=None, help="the server's name in the report's row (default: its URL)")
+    s.add_argument("--background-rate", type=float, default=0.0, metavar="R",
+                   help="long prompts a second (Poisson) sent beside the requests until they finish, "
+                        "reported apart (default 0: none)")
+    s.add_argument("--background-input-len", type=int, default=2000, help="their prompt tokens (default 2000)")
+    s.add_argument("--background-output-len", type=int, default=1, help="their output tokens (default 1)")
+    s.add_argument("--background-num-prompts", type=int, default=1000,
+                   help="at most this many of them (default 1000)")
 
     r = p.add_argument_group("runs and output")
     r.add_argument("--repeat", type=int, default=1,

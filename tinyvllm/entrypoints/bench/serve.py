@@ -6,6 +6,9 @@ streamed /v1/completions call with its prompt as token ids and an exact output l
 first token (TTFT), the time per output token after it (TPOT), the gaps between tokens (ITL)
 and the end-to-end latency; the report gives their mean, median and p99, the request and
 output-token throughput, and the goodput: requests per second that met every --goodput target.
+With --background-rate, long prompts (--background-input-len tokens, --background-output-len
+out) keep arriving beside them until they are done, reported apart (`background`): how much a
+prefill elsewhere in the batch, or on another server, lengthens their gaps between tokens.
 Without --base-url it starts `tinyvllm serve` itself; with one it measures any such server
 (vLLM, llama.cpp's server, an earlier phase).
 
@@ -100,22 +103,43 @@ async def _one(client, url: str, model: str | None, req, headers) -> RequestResu
 
 
 async def run_load(url: str, requests, request_rate: float, model: str | None = None,
-                   api_key: str | None = None, seed: int = 0) -> tuple[list[RequestResult], float]:
-    """Send `requests` with Poisson arrivals; return their results and the wall time."""
+                   api_key: str | None = None, seed: int = 0, background=None,
+                   background_rate: float = 0.0) -> tuple[list[RequestResult], float, list[RequestResult]]:
+    """Send `requests` with Poisson arrivals; return their results, the wall time and those of
+    the `background` requests, sent beside them at `background_rate` a second (Poisson too) until
+    the last of `requests` has its answer; a background request still running then is dropped."""
     import httpx
 
-    rng = random.Random(seed)
+    rng, bg_rng = random.Random(seed), random.Random(seed + 1)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=None, limits=limits) as client:
-        tasks = []
+        tasks, bg_tasks, done = [], [], asyncio.Event()
+
+        async def send_background():
+            for req in background or ():
+                bg_tasks.append(asyncio.create_task(_one(client, url, model, req, headers)))
+                try:
+                    await asyncio.wait_for(done.wait(), bg_rng.expovariate(background_rate))
+                    return
+                except asyncio.TimeoutError:
+                    pass
+
+        sender = asyncio.create_task(send_background())
         t0 = time.perf_counter()
         for req in requests:
             tasks.append(asyncio.create_task(_one(client, url, model, req, headers)))
             if math.isfinite(request_rate):
                 await asyncio.sleep(rng.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        duration = time.perf_counter() - t0
+        done.set()
+        await sender
+        for task in bg_tasks:
+            if not task.done():
+                task.cancel()
+        finished = [t.result() for t in bg_tasks if t.done() and not t.cancelled()]
+        return results, duration, finished
 
 
 def summarize(results: list[RequestResult], duration: float, goodput: dict[str, float]) -> dict:
@@ -147,10 +171,12 @@ def summarize(results: list[RequestResult], duration: float, goodput: dict[str, 
 
 def table_row(s: dict, server: str) -> dict:
     """The run as one row of a page's table (scripts/bench_tables.py's `columns: key = header`)."""
+    bg = s.get("background")
     return {"server": server, "clients": s["num_prompts"], "output_tok_s": round(s["output_throughput"], 1),
             "ttft_median_ms": s["ttft"]["median_ms"], "tpot_median_ms": s["tpot"]["median_ms"],
             "itl_median_ms": s["itl"]["median_ms"], "itl_p99_ms": s["itl"]["p99_ms"],
-            "failed": s["failed"]}
+            "failed": s["failed"],
+            "background": f"{bg['input_len']}-token prompts at {bg['request_rate']:g}/s" if bg else "none"}
 
 
 def format_summary(s: dict, title: str) -> str:
@@ -218,6 +244,14 @@ def run_serve_bench(args, engine_args: dict, command: str) -> int:
                              num_prompts=args.num_prompts, dataset=args.dataset, input_len=args.input_len,
                              output_len=args.output_len, seed=args.seed)
     requests = workload.requests
+    background = []
+    if args.background_rate:
+        if args.background_rate < 0 or not math.isfinite(args.background_rate):
+            raise ValueError(f"--background-rate must be a number of requests a second > 0, got {args.background_rate}")
+        background = make_workload("throughput", Tokenizer(model_path), ModelConfig.from_pretrained(model_path).vocab_size,
+                                   num_prompts=args.background_num_prompts, dataset="random",
+                                   input_len=args.background_input_len, output_len=args.background_output_len,
+                                   seed=args.seed + 1).requests
     proc, phase = None, None
     url = args.base_url
     load_before = load_average()
@@ -234,9 +268,9 @@ def run_serve_bench(args, engine_args: dict, command: str) -> int:
                       *(["--phase", str(phase)] if phase else []), *engine_flags_from(engine_args)]
         proc, url = start_builtin_server(serve_args)
     try:
-        results, duration = asyncio.run(run_load(url.rstrip("/"), requests, args.request_rate,
-                                                 model=args.served_model_name, api_key=args.api_key,
-                                                 seed=args.seed))
+        results, duration, bg_results = asyncio.run(run_load(
+            url.rstrip("/"), requests, args.request_rate, model=args.served_model_name, api_key=args.api_key,
+            seed=args.seed, background=background, background_rate=args.background_rate))
     finally:
         if proc is not None:
             proc.terminate()
@@ -244,11 +278,18 @@ def run_serve_bench(args, engine_args: dict, command: str) -> int:
     summary = summarize(results, duration, goodput)
     summary.update(command=command, base_url=args.base_url or "built-in", request_rate=args.request_rate,
                    num_prompts=len(requests), model=model_path.name)
+    if background:
+        summary["background"] = dict(summarize(bg_results, duration, {}), request_rate=args.background_rate,
+                                     input_len=args.background_input_len, output_len=args.background_output_len)
     summary.update(machine=dict(machine_info(torch.device("cpu")), load_average_1min_before=load_before,
                                 load_average_1min_after=load_average()),
-                   rows=[table_row(summary, args.base_url or f"phase {phase or 'newest'}'s server")])
+                   rows=[table_row(summary, args.label or args.base_url or f"phase {phase or 'newest'}'s server")])
     print(format_summary(summary, f"tinyvllm bench serve: {len(requests)} requests at "
                                   f"{args.request_rate} req/s against {summary['base_url']}"))
+    if background:
+        print(format_summary(summary["background"], f"beside them, {len(bg_results)} background requests of "
+                                                    f"{args.background_input_len} prompt tokens answered at "
+                                                    f"{args.background_rate} req/s"))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(summary, indent=2) + "\n")
         print(f"wrote {args.json_path}", file=sys.stderr)
