@@ -125,6 +125,8 @@ class OffloadingConnectorScheduler:
             return True
         cached = a.match_prefix(seq.token_ids)
         num_external = self.get_num_new_matched_tokens(seq, len(cached) * bs)
+        if not num_external and before is None:
+            return True
         table = PrefixBlockTable()
         if cached:
             a.allocate_cached(table, cached)   # held, so taking blocks below cannot evict them

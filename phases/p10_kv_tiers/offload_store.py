@@ -17,12 +17,12 @@ the dtype and the block's shape; a file whose header differs, or that is shorter
 says, is refused with a warning naming why, and started empty. Each slot's header keeps the
 block's digest and a CRC-32 of its bytes, checked before a block is loaded: a slot that fails is
 dropped, and its tokens are recomputed (a lookup reads the headers only; the bytes of a block are
-checked when a step takes it). A file that cannot be made (an unwritable folder, a full
-disk) turns the tier off with a warning: every request is recomputed, none fails.
+checked when a step takes it). A file that cannot be made (an unwritable folder, a full disk)
+turns the tier off with a warning: every request is recomputed, none fails.
 
 The split follows vLLM's offloading (vllm/v1/kv_offload/): the scheduler's side keeps the index
-and its LRU (`lookup`, `verify`, `allocate`, `touch`, `pin`: its `LRUOffloadingManager`), the worker's side
-moves the bytes (`block`, `commit`: its CPU<->GPU transfer handlers).
+and its LRU (`lookup`, `verify`, `allocate`, `touch`, `pin`: its `LRUOffloadingManager`), the
+worker's side moves the bytes (`block`, `commit`: its CPU<->GPU transfer handlers).
 """
 
 from __future__ import annotations
@@ -227,9 +227,11 @@ class OffloadStore:
         magic, saved, _, nbytes = _SLOT.unpack_from(self.mm, self._offset(slot) - SLOT_HEADER)
         return slot if magic == SLOT_MAGIC and saved == digest and nbytes == self.block_bytes else None
 
-    def verify(self, digest: bytes, slot: int) -> bool:
+    def verify(self, digest: bytes, slot: int | None) -> bool:
         """Whether `slot` holds block `digest` whole: its bytes against the CRC-32 saved with them.
         A slot that fails is dropped (with a warning), and its tokens are recomputed."""
+        if slot is None:
+            return False
         off = self._offset(slot)
         magic, saved, crc, nbytes = _SLOT.unpack_from(self.mm, off - SLOT_HEADER)
         if magic == SLOT_MAGIC and saved == digest and nbytes == self.block_bytes and \
