@@ -596,6 +596,14 @@ def test_bench_serve_sends_long_prompts_beside_the_requests(server, tiny_model_d
     assert row["server"] == "one server" and row["background"] == "200-token prompts at 20/s"
 
 
+@pytest.mark.parametrize("rate", ["-1", "inf", "nan"])
+def test_bench_serve_refuses_a_bad_background_rate_by_name(tiny_model_dir, rate, capsys):
+    from tinyvllm.entrypoints.cli import main
+    assert main(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--model", str(tiny_model_dir),
+                 "--num-prompts", "1", "--background-rate", rate]) == 2
+    assert "--background-rate must be a number of requests a second > 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("phase", [1, 2])
 def test_every_phase_can_be_served(tiny_model_dir, phase):
     """Every phase runs the one engine loop, so the server drives phases 1 and 2 as it does the

@@ -239,19 +239,19 @@ def run_serve_bench(args, engine_args: dict, command: str) -> int:
         raise ValueError(f"--request-rate must be > 0 (inf: all at once), got {args.request_rate}")
     goodput = parse_goodput(args.goodput)
     model_path = resolve_model(args.model)
-    workload = make_workload("throughput", Tokenizer(model_path),
-                             ModelConfig.from_pretrained(model_path).vocab_size,
+    tokenizer, vocab_size = Tokenizer(model_path), ModelConfig.from_pretrained(model_path).vocab_size
+    workload = make_workload("throughput", tokenizer, vocab_size,
                              num_prompts=args.num_prompts, dataset=args.dataset, input_len=args.input_len,
                              output_len=args.output_len, seed=args.seed)
     requests = workload.requests
     background = []
     if args.background_rate:
         if args.background_rate < 0 or not math.isfinite(args.background_rate):
-            raise ValueError(f"--background-rate must be a number of requests a second > 0, got {args.background_rate}")
-        background = make_workload("throughput", Tokenizer(model_path), ModelConfig.from_pretrained(model_path).vocab_size,
-                                   num_prompts=args.background_num_prompts, dataset="random",
-                                   input_len=args.background_input_len, output_len=args.background_output_len,
-                                   seed=args.seed + 1).requests
+            raise ValueError(f"--background-rate must be a number of requests a second > 0, "
+                             f"got {args.background_rate}")
+        background = make_workload("throughput", tokenizer, vocab_size, num_prompts=args.background_num_prompts,
+                                   dataset="random", input_len=args.background_input_len,
+                                   output_len=args.background_output_len, seed=args.seed + 1).requests
     proc, phase = None, None
     url = args.base_url
     load_before = load_average()
