@@ -165,6 +165,20 @@ def _static_steps_give_transformers_tokens(folder, kind):
             assert runner.decode_runner.c_step is not None and runner.decode_runner.c_step.serves(1)
 
 
+def test_a_llama_folder_made_windowed_is_transformers_mistral(tmp_path):
+    """`make_windowed_like` (the lesson's windowed default model): a Llama folder as a Mistral with
+    a window, the same weights: transformers' tokens as a Mistral on phase 11, not the Llama's."""
+    from tinyvllm.testing import make_tiny_family, make_windowed_like
+
+    llama = make_tiny_family(tmp_path / "llama", "LlamaForCausalLM", seed=5)
+    path = make_windowed_like(llama, tmp_path / "windowed", sliding_window=WINDOW)
+    want = hf_greedy(path)
+    assert generate(LLM(str(path), phase=11, dtype="float32", num_kv_blocks=64)) == want
+    assert want != hf_greedy(llama), "the window changes no token at 6.5 windows"
+    with pytest.raises(ValueError, match="not a Llama"):
+        make_windowed_like(path, tmp_path / "again")
+
+
 def test_gemma3_is_refused_by_the_static_decode_step(folder):
     with pytest.raises(ValueError, match=r"phase 7's static decode step runs Llama's layers, not Gemma3ForCausalLM"):
         LLM(str(folder("gemma3")), phase=7, num_kv_blocks=64, max_model_len=WINDOW)

@@ -488,3 +488,20 @@ if __name__ == "__main__":
     if len(sys.argv) != 4 or sys.argv[1] != "random-like":
         sys.exit("usage: python -m tinyvllm.testing random-like SOURCE_MODEL_DIR OUT_DIR")
     print(make_random_like(sys.argv[2], sys.argv[3]))
+
+
+def make_windowed_like(source: str | os.PathLike, folder: str | os.PathLike, sliding_window: int = 512) -> Path:
+    """A Llama folder (`source`: the default model's, say) as a Mistral with a window of
+    `sliding_window` tokens: the same weights and tokenizer (linked, not copied), every layer
+    windowed, as `MistralForCausalLM` is Llama's layers with a window."""
+    source, folder = Path(source), Path(folder)
+    cfg = json.loads((source / "config.json").read_text())
+    if cfg.get("model_type") != "llama":
+        raise ValueError(f"make_windowed_like: {source} is a {cfg.get('model_type')!r} model, not a Llama")
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.name != "config.json" and not (folder / f.name).exists():
+            (folder / f.name).symlink_to(f.resolve())
+    cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=sliding_window)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder

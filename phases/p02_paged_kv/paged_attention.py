@@ -103,9 +103,12 @@ class AttentionMetadata:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, window: int | None = None) -> torch.Tensor:
+                    meta: AttentionMetadata, window: int | None = None,
+                    prompt_attention=causal_attention) -> torch.Tensor:
     """q: (N, H, d); k_cache, v_cache: (num_blocks, block_size, KVH, d) -> (N, H, d). `window`:
-    the layer's sliding window in tokens (None: every earlier token)."""
+    the layer's sliding window in tokens (None: every earlier token). `prompt_attention`: a
+    prompt row's attention over the keys gathered for it, `causal_attention`'s arguments (a later
+    phase's faster one)."""
     block_size = k_cache.shape[1]
     if not meta.prefill_rows:  # only decodes (most steps): no gather and scatter of the rows
         return decode_attention(q, k_cache, v_cache, *meta.decode_inputs(block_size, q.dtype, window))
@@ -119,7 +122,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         blocks = meta.block_tables[b, first: -(-lens[b] // block_size)]
         k = k_cache[blocks].flatten(0, 1)[: lens[b] - first * block_size]   # (L, KVH, d)
         v = v_cache[blocks].flatten(0, 1)[: lens[b] - first * block_size]
-        out[starts[b]: starts[b + 1]] = causal_attention(qb, k, v, num_past=lens[b] - len(qb) - first * block_size,
+        out[starts[b]: starts[b + 1]] = prompt_attention(qb, k, v, num_past=lens[b] - len(qb) - first * block_size,
                                                          window=window)
     if len(meta.decode_token_idx):
         idx = meta.decode_token_idx

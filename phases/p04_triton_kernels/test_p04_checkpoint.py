@@ -454,6 +454,35 @@ def test_c_decode_reads_each_row_s_window(window):
     torch.testing.assert_close(c_decode_attention(q, spoiled, v_cache, meta, window=window), out, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("tq, past, window", [(600, 0, 37), (600, 0, 256), (300, 700, 100), (20, 5, 8),
+                                              (513, 0, 2000), (257, 300, 1)])
+def test_a_windowed_prompt_attends_in_tiles_over_its_windows_keys(tq, past, window):
+    """`window_prefill_attention`: queries in tiles, each tile over the keys its window reaches,
+    gives phase 1's windowed causal attention (tiles across the window's edge, after cached keys, a
+    window longer than the context, a window of 1); keys before every query's window, made huge,
+    change nothing; a prompt through `cpu_prompt_attention` over a paged cache, the same."""
+    from phases.p01_naive_attention.attention import causal_attention
+    from phases.p04_triton_kernels.cpu_attention import cpu_prompt_attention, window_prefill_attention
+
+    g = torch.Generator().manual_seed(tq + past)
+    q, k, v = torch.randn(tq, 6, 64, generator=g), torch.randn(past + tq, 2, 64, generator=g), torch.randn(past + tq, 2, 64, generator=g)
+    out = window_prefill_attention(q, k, v, past, window)
+    torch.testing.assert_close(out, causal_attention(q, k, v, past, window), atol=2e-5, rtol=1e-5)
+    spoiled = k.clone()
+    spoiled[: max(0, past - window + 1)] = 1e4    # before the first query's window: no query sees them
+    torch.testing.assert_close(window_prefill_attention(q, spoiled, v, past, window), out, atol=0, rtol=0)
+    if window < past + tq:
+        assert not torch.allclose(out, causal_attention(q, k, v, past), atol=1e-3)
+    meta, k_cache, v_cache, _ = make_batch([(past + tq, tq)], 16, 2, 64, torch.float32, "cpu")
+    slots = meta.slot_mapping
+    k_cache.view(-1, 2, 64)[slots], v_cache.view(-1, 2, 64)[slots] = k[past:], v[past:]   # the step's K/V written
+    table = meta.block_tables[0]
+    for t in range(past):                                                                # the cached ones
+        k_cache[table[t // 16], t % 16], v_cache[table[t // 16], t % 16] = k[t], v[t]
+    paged = cpu_prompt_attention(q, k[past:], v[past:], k_cache, v_cache, meta, window)
+    torch.testing.assert_close(paged, out, atol=2e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(not KERNELS.available(), reason="cpu_attention.c needs an AVX2 CPU and a C compiler")
 def test_c_decode_fetching_ahead_changes_no_number(monkeypatch):
     """FETCH_AHEAD (the next block's lines asked of memory while one is read, where the platform's

@@ -46,9 +46,9 @@ using WindowFn = void (*)(const float *, const float *, const float *, float *, 
 /* a layer's row of the layer table (int64 each; pointers as integers); BITS: 32, 8 or 4 for the float32, int8
  * and int4 products, 1 for a float32 weight read from its codes (GROUP: their bits) */
 enum { FN, BITS, WEIGHT, SCALE, ZERO, BIAS, OUT, IN, GROUP, MANY, LAYER_FIELDS };
-/* the step's attention row */
+/* the step's attention row (LAYER_KV: each layer's own tables, cpu_step.c's; here the eager attention's) */
 enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET, WINDOWS,
-       W_FN, STARTS };
+       W_FN, STARTS, LAYER_KV };
 
 struct Step {
     const int64_t *layers = nullptr;
@@ -185,7 +185,7 @@ at::Tensor opaque_linear(const at::Tensor &x, int64_t index, int64_t out_feature
 at::Tensor unified_attention(int64_t layer_idx, const at::Tensor &query, const at::Tensor &key,
                              const at::Tensor &value) {
     const int64_t *a = step.attention;
-    if (!a || query.scalar_type() != at::kFloat || query.dim() != 3 || key.scalar_type() != at::kFloat
+    if (!a || a[LAYER_KV] || query.scalar_type() != at::kFloat || query.dim() != 3 || key.scalar_type() != at::kFloat
             || value.scalar_type() != at::kFloat) {
         static auto eager = c10::Dispatcher::singleton().findSchemaOrThrow("tinyvllm::unified_attention_eager", "")
                                 .typed<at::Tensor(int64_t, const at::Tensor &, const at::Tensor &, const at::Tensor &)>();

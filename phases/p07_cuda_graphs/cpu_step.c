@@ -39,7 +39,10 @@ typedef void (*WindowFn)(const float *, const float *, const float *, float *, f
 /* a product's row (layer_row), the step's attention row (attention_row), as cpu_ops.cpp reads them */
 enum { FN, BITS, WEIGHT, SCALE, ZERO, BIAS, OUT, IN, GROUP, MANY, LAYER_FIELDS };
 enum { A_FN, SLOTS, TABLES, TABLE_STRIDE, LENS, MAX_LEN, BLOCK, KV_HEADS, KV, LAYER_STRIDE, V_OFFSET, WINDOWS,
-       W_FN, STARTS };
+       W_FN, STARTS, LAYER_KV };
+/* LAYER_KV, where not 0: each layer's own place (phase 11: layers in groups, each group with its
+ * own block tables): its K's offset from KV, in floats, its slots, its tables and their row stride */
+enum { OWN_OFFSET, OWN_SLOTS, OWN_TABLES, OWN_STRIDE, OWN_FIELDS };
 /* a decoder layer's row of the plan: its norms' weights (q's and k's per head, Qwen3's, or 0),
  * then its four products' rows */
 enum { POST_NORM, NEXT_NORM, Q_NORM, K_NORM, QKV, O_PROJ = QKV + LAYER_FIELDS, GATE_UP = O_PROJ + LAYER_FIELDS,
@@ -79,23 +82,28 @@ static void rope(const float *x, const float *cos, const float *sin, float *out,
     }
 }
 
-/* layer l's attention over the step's M rows (the new k, v written first): in its sliding window
- * where the row gives it one shorter than the longest row, each row b from its key lens[b] - window
- * on (as cpu_attention.c_decode_attention starts it), else over every key */
+/* layer l's attention over the step's M rows (the new k, v written first), through its own part of
+ * the cache where the row gives each layer one (LAYER_KV): in its sliding window where the row gives
+ * it one shorter than the longest row, each row b from its key lens[b] - window on (as
+ * cpu_attention.c_decode_attention starts it), else over every key */
 void attend(const int64_t *a, int64_t l, const float *q, const float *k, const float *v, float *out,
             float *scores, int64_t M, int64_t H, int64_t KVH, int64_t d) {
-    float *k_cache = (float *)a[KV] + l * a[LAYER_STRIDE];
+    const int64_t *own = a[LAYER_KV] ? (const int64_t *)a[LAYER_KV] + l * OWN_FIELDS : NULL;
+    float *k_cache = (float *)a[KV] + (own ? own[OWN_OFFSET] : l * a[LAYER_STRIDE]);
+    const int64_t *slots = (const int64_t *)(own ? own[OWN_SLOTS] : a[SLOTS]);
+    const int64_t *tables = (const int64_t *)(own ? own[OWN_TABLES] : a[TABLES]);
+    const int64_t stride = own ? own[OWN_STRIDE] : a[TABLE_STRIDE];
     const int64_t *lens = (const int64_t *)a[LENS], T = a[MAX_LEN];
     const int64_t window = a[WINDOWS] ? ((const int64_t *)a[WINDOWS])[l] : 0;
     const float scale = (float)(1.0 / sqrt((double)d));
     if (window > 0 && window < T) {
         int64_t *starts = (int64_t *)a[STARTS];
         for (int64_t b = 0; b < M; b++) starts[b] = lens[b] > window ? lens[b] - window : 0;
-        ((WindowFn)a[W_FN])(q, k, v, k_cache, k_cache + a[V_OFFSET], (const int64_t *)a[SLOTS],
-            (const int64_t *)a[TABLES], lens, starts, out, scores, M, H, KVH, d, a[BLOCK], a[TABLE_STRIDE], T, scale);
+        ((WindowFn)a[W_FN])(q, k, v, k_cache, k_cache + a[V_OFFSET], slots, tables, lens, starts, out, scores, M, H,
+            KVH, d, a[BLOCK], stride, T, scale);
     } else {
-        ((AttentionFn)a[A_FN])(q, k, v, k_cache, k_cache + a[V_OFFSET], (const int64_t *)a[SLOTS],
-            (const int64_t *)a[TABLES], lens, out, scores, M, H, KVH, d, a[BLOCK], a[TABLE_STRIDE], T, scale);
+        ((AttentionFn)a[A_FN])(q, k, v, k_cache, k_cache + a[V_OFFSET], slots, tables, lens, out, scores, M, H, KVH,
+            d, a[BLOCK], stride, T, scale);
     }
 }
 

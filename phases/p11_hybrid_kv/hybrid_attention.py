@@ -25,7 +25,8 @@ import torch
 
 from phases.p02_paged_kv import AttentionMetadata, KVCache, check_metadata, paged_attention
 from phases.p02_paged_kv.kv_cache import zeros
-from phases.p04_triton_kernels.cpu_attention import c_decode_attention, c_decode_runs
+from phases.p04_triton_kernels.cpu_attention import (CpuPagedAttention, attention_row, c_decode_attention,
+                                                     c_decode_runs, cpu_prompt_attention)
 from phases.p05_quantization.kv_quant import QuantizedKVCache, quantized_bytes_per_block
 from tinyvllm.config import ModelConfig
 
@@ -58,8 +59,8 @@ class HybridKVCache(KVCache):
         self.num_blocks, self.block_size, self.windows = num_blocks, block_size, windows
         self.kv = zeros(len(groups[0].layers), 2, num_blocks, block_size, model.num_key_value_heads,
                         model.head_dim, dtype=dtype, device=device)
-        self.group_of, position = group_positions(model, groups)     # layer -> its group, its place in it
-        self.views = [tuple(self.kv[j].unbind(0)) for j in position]
+        self.group_of, self.position = group_positions(model, groups)     # layer -> its group, its place in it
+        self.views = [tuple(self.kv[j].unbind(0)) for j in self.position]
 
 
 class HybridQuantizedKVCache(QuantizedKVCache):
@@ -104,8 +105,9 @@ def group_metadata(meta: AttentionMetadata, plan, tables: list[list], block_size
 
 class HybridAttention:
     """The attention backend of a step: each layer writes and reads through its group's tables,
-    attending in its window (phase 2's `paged_attention`; a step of decodes only in one call of
-    phase 4's C decode kernel, which starts each row at its window, where `c_decode` and it runs)."""
+    attending in its window (phase 2's `paged_attention`; with `c_decode`, on a CPU, a step of
+    decodes only in one call of phase 4's C decode kernel, which starts each row at its window,
+    where it runs, and a step with prompts through phase 4's `cpu_prompt_attention`)."""
 
     def __init__(self, cache: HybridKVCache, meta: HybridMetadata, c_decode: bool = False):
         self.cache, self.meta, self.c_decode = cache, meta, c_decode
@@ -120,10 +122,33 @@ class HybridAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = self.meta.groups[self.cache.group_of[layer_idx]]
         k_cache, v_cache = self.cache.layer(layer_idx)
+        window = self.cache.windows[layer_idx]
         if self.c_decode and not meta.prefill_rows and c_decode_runs(q, k_cache):   # the write too
-            return c_decode_attention(q, k_cache, v_cache, meta, k, v, self.cache.windows[layer_idx])
+            return c_decode_attention(q, k_cache, v_cache, meta, k, v, window)
         self.cache.write(layer_idx, meta.slot_mapping, k, v)
-        return paged_attention(q, k_cache, v_cache, meta, self.cache.windows[layer_idx])
+        if self.c_decode and meta.prefill_rows:   # phase 4's prompt paths on a CPU
+            return cpu_prompt_attention(q, k, v, k_cache, v_cache, meta, window)
+        return paged_attention(q, k_cache, v_cache, meta, window)
+
+
+def group_attention_row(attention) -> torch.Tensor | None:
+    """A step of decodes through `HybridAttention` as phase 7's cpu_step.c reads it: phase 4's
+    `attention_row` of group 0, with each layer's own place filled in (the row's last field):
+    where its position's K starts in the pool (floats from the pool's start), its group's slots,
+    block tables and their row stride. None where phase 4's row would be None (not the C kernel,
+    a prefill in the step), so cpu_step.c serves no step of such an engine."""
+    if type(attention) is not HybridAttention or not attention.c_decode:
+        return None
+    cache, metas = attention.cache, attention.meta.groups
+    row = attention_row(CpuPagedAttention(cache, metas[0]))
+    if row is None or any(m.decode_block_tables.stride(1) != 1 for m in metas):
+        return None
+    layer_stride = cache.kv.stride(0)
+    own = torch.tensor([[cache.position[layer] * layer_stride, m.slot_mapping.data_ptr(),
+                         m.decode_block_tables.data_ptr(), m.decode_block_tables.stride(0)]
+                        for layer, m in enumerate(metas[g] for g in cache.group_of)])
+    row[-1], row.own, row.metas = own.data_ptr(), own, metas   # the tensors it points into, alive with it
+    return row
 
 
 class GroupAttention:

@@ -13,11 +13,15 @@ phase 10's.
                 with kv_cache_dtype int8/fp8, `HybridQuantizedKVCache` and `GroupAttention`:
                 phase 5's 8-bit pool and attention, per group; with batch_invariant, phase 3's
     runner      `HybridModelRunner`: phase 2's inputs, with every group's tables and slots
-                (`HybridSpecModelRunner` with `speculative_config`: phase 6's, drafts scored too)
+                (`HybridSpecModelRunner` with `speculative_config`: phase 6's, drafts scored too);
+                a step of decodes only as phase 7's (`DecodeStep`: one call of cpu_step.c, each
+                layer through its group's tables, or phase 7's `decode_forward`)
     scheduler   `HybridScheduler`: phase 3's rules, asking the manager what a sequence's groups take
                 (`HybridSpecScheduler`: phase 6's, rejected drafts rolled back in every group;
                 with async_scheduling, phase 9's around it: `HybridAsyncScheduler`)
-    model       phase 6's (eager): phase 7's static decode step reads one block table per sequence
+    model       phase 6's, its products fused as phase 7's (unless enforce_eager, and for Llama's
+                layers: Gemma 3 runs its own forward); not compiled, and no persistent batch:
+                phase 7's static path keeps one block table per sequence
 
 Refused by name for such a model: several ranks and a KV connector (their parts hold one table
 per sequence).
@@ -31,13 +35,16 @@ from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p02_paged_kv.kv_cache import num_kv_blocks
 from phases.p03_continuous_batching.batch_invariant import BatchInvariantAttention
 from phases.p03_continuous_batching.recipe import max_num_batched_tokens
+from phases.p04_triton_kernels.cpu_layers import use_bfloat16_products
 from phases.p04_triton_kernels.recipe import attention_backend
 from phases.p05_quantization.kv_quant import QuantizedPagedAttention
 from phases.p06_speculative_decoding import RECIPE as PHASE6
 from phases.p06_speculative_decoding.recipe import spec_config
+from phases.p07_cuda_graphs.fused import fuse_projections, fused_model
 from phases.p10_kv_tiers import RECIPE as PHASE10
 from tinyvllm import platform
 
+from .decode_step import DecodeStep
 from .hybrid_attention import GroupAttention, HybridAttention, HybridKVCache, HybridQuantizedKVCache, bytes_per_block
 from .kv_cache_interface import group_layers, layer_specs
 from .kv_cache_manager import HybridKVCacheManager
@@ -69,8 +76,20 @@ def check_hybrid(setup: EngineSetup) -> None:
                              f"have yet; leave {name} at {default!r}, or pass max_model_len <= {w}")
 
 
+def fused_step(setup: EngineSetup) -> bool:
+    """A hybrid model's decode steps run as phase 7's (`DecodeStep`): unless enforce_eager, for
+    Llama's layers (not Gemma 3's)."""
+    return not setup.config.enforce_eager and not setup.model_config.post_norms
+
+
 def make_model(setup: EngineSetup, parts: Parts):
-    return PHASE6.model(setup, parts) if is_hybrid(setup) else PREVIOUS.model(setup, parts)
+    if not is_hybrid(setup):
+        return PREVIOUS.model(setup, parts)
+    model = PHASE6.model(setup, parts)
+    if fused_step(setup):   # phase 7's fused products (not compiled: phase 7's static path does not run it)
+        fuse_projections(model)
+        use_bfloat16_products(model, setup.bf16_rows)
+    return model
 
 
 def make_kv_cache(setup: EngineSetup, parts: Parts):
@@ -110,7 +129,13 @@ def make_runner(setup: EngineSetup, parts: Parts):
     if not is_hybrid(setup):
         return PREVIOUS.runner(setup, parts)
     runner = HybridModelRunner if spec_config(setup) is None else HybridSpecModelRunner
-    return runner(parts.model, parts.attention, setup.config.block_size, setup.device, manager=parts.allocator)
+    step = None
+    if fused_step(setup) and fused_model(parts.model):
+        rules, on_cpu = platform.current(), setup.device.type == "cpu"
+        step = DecodeStep(parts.model, c_norm=on_cpu and bool(rules.rule("c_norm_decode")),
+                          c_step=on_cpu and bool(rules.rule("c_step")))
+    return runner(parts.model, parts.attention, setup.config.block_size, setup.device, manager=parts.allocator,
+                  decode_step=step)
 
 
 def make_scheduler(setup: EngineSetup, parts: Parts):

@@ -3,7 +3,9 @@
 The scheduler's rules are phase 3's. Two of its questions change: can a running sequence grow
 by n tokens (`can_grow`: the free blocks against what every group takes, less what its windows
 give back), and can a request ever fit (`check_fits`: the most its groups hold at once, against
-the pool). The runner builds phase 2's inputs, then each group's tables and slots beside them.
+the pool). The runner builds phase 2's inputs, then each group's tables and slots beside them;
+a step of decodes only it runs as phase 7 does (decode_step.py: cpu_step.c, every layer reading
+its group's tables).
 With `speculative_config`, phase 6's scheduler and runner do the same (`HybridSpecScheduler`,
 `HybridSpecModelRunner`): a sequence's drafts are tokens every group grows by, and rejected
 ones go back from every group's table. With `async_scheduling`, phase 9's scheduler wraps it
@@ -11,6 +13,8 @@ ones go back from every group's table. With `async_scheduling`, phase 9's schedu
 """
 
 from __future__ import annotations
+
+import torch
 
 from phases.p02_paged_kv import ModelInputs, ModelRunner
 from phases.p02_paged_kv.scheduler import max_len
@@ -21,6 +25,7 @@ from tinyvllm.sampling_params import SamplingParams
 from tinyvllm.sequence import Sequence
 from tinyvllm.step import SchedulerOutput
 
+from .decode_step import DecodeStep
 from .hybrid_attention import group_metadata
 from .kv_cache_manager import HybridKVCacheManager
 
@@ -67,11 +72,17 @@ class HybridAsyncScheduler(AsyncScheduler):
 
 
 class HybridModelRunner(ModelRunner):
-    """Phase 2's `ModelRunner`, with each group's tables and slots in the metadata."""
+    """Phase 2's `ModelRunner`, with each group's tables and slots in the metadata; a step of
+    decodes only through `decode_step` where one is given (`DecodeStep`)."""
 
-    def __init__(self, *args, manager: HybridKVCacheManager, **kwargs):
+    def __init__(self, *args, manager: HybridKVCacheManager, decode_step: DecodeStep | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.manager = manager
+        self.manager, self.decode_step = manager, decode_step
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        if self.decode_step is None or inputs.meta.prefill_rows:
+            return super().forward(inputs)
+        return self.decode_step(inputs.input_ids, inputs.positions, self.attention(inputs.meta))
 
     def prepare(self, plan: SchedulerOutput) -> ModelInputs:
         inputs = super().prepare(plan)       # group 0's tables are the ones the scheduler holds

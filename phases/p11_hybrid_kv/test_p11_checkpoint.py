@@ -157,6 +157,32 @@ def test_an_int8_kv_cache_shared_by_the_groups(family, folders):
     assert manager.num_free_blocks == manager.num_blocks - 1
 
 
+@pytest.mark.parametrize("kind", ["avx2", None])
+def test_decode_steps_run_as_phase_7_s_over_each_group_s_tables(kind, folders):
+    """A step of decodes only runs as phase 7 runs one: as the avx2 kind (where cpu_step.c serves a
+    float32 model) in one call of cpu_step.c, each layer attending through its own group's slots
+    and tables (Qwen2: a full group, then a windowed one; Mistral: one windowed group); as this
+    machine acts, cpu_step.c or phase 7's `decode_forward`. Transformers' tokens at 7.5 windows,
+    chunked and preempted; Gemma 3 and enforce_eager keep the model's own forward."""
+    from contextlib import nullcontext
+
+    from tinyvllm import platform
+
+    if kind is not None and kind not in platform.acting_kinds():
+        pytest.skip(f"this CPU cannot act as {kind}")
+    with platform.using(platform.platform_as(kind)) if kind else nullcontext():
+        for family, blocks in (("mistral", 16), ("qwen2", 24)):
+            llm = LLM(str(folders[family]), **ARGS, num_kv_blocks=blocks, max_num_batched_tokens=16)
+            assert generate(llm, 20) == hf_greedy(folders[family], 20), f"{family}: not transformers' tokens"
+            step = llm.llm_engine.parts.runner.decode_step
+            assert step is not None, f"{family}: decode steps run the model's own forward"
+            if kind == "avx2":
+                assert step.num_c_steps >= 15, f"{family}: cpu_step.c ran {step.num_c_steps} steps"
+        for family, args in (("gemma3", {}), ("qwen2", {"enforce_eager": True})):
+            llm = LLM(str(folders[family]), **ARGS, **args, num_kv_blocks=40)
+            assert llm.llm_engine.parts.runner.decode_step is None
+
+
 def test_batch_invariant_in_each_window(folders):
     """batch_invariant=True: phase 3's fixed-order attention per group, in each layer's window:
     transformers' tokens, and each prompt's log-probabilities the same alone as beside the others,
