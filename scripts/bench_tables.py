@@ -221,7 +221,7 @@ def rungs(spec: dict) -> list[dict]:
         ta, tb = _shown_tok_s(a), _shown_tok_s(b)
         out.append({"new": a, "old": b, "tok_s": ta, "old_tok_s": tb, "speedup": round(ta / tb, 2),
                     "workload": _workload_line(report), "machine": short_machine(report["machine"]),
-                    "label": label.strip()})
+                    "model": report.get("model", {}).get("name"), "label": label.strip()})
     return out
 
 

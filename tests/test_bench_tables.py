@@ -131,7 +131,7 @@ LEARNER_PAGES = ("README.md", "docs/index.md", "phases/p")
 
 
 def _numbers_on_the_learners_path() -> dict[tuple, set]:
-    """(machine, workload, engine, its settings) -> {(output tok/s shown, where)} over the tables
+    """(machine, model, workload, engine, its settings) -> {(output tok/s shown, where)} over the tables
     of the learner's pages; the rows of one ladder apart (each rung is a run of its own, and the
     ladder says so under it)."""
     seen: dict[tuple, set] = {}
@@ -142,7 +142,7 @@ def _numbers_on_the_learners_path() -> dict[tuple, set]:
         if spec.get("rungs"):
             for r in bench_tables.rungs(spec):
                 for e, tok_s in ((r["new"], r["tok_s"]), (r["old"], r["old_tok_s"])):
-                    key = (r["machine"], r["workload"], e["name"], bench_tables._settings(e))
+                    key = (r["machine"], r["model"], r["workload"], e["name"], bench_tables._settings(e))
                     seen.setdefault(key, set()).add((bench_tables._num(tok_s), f"{page}, a ladder"))
             continue
         reports = {name: bench_tables.load(name) for name in spec["reports"]}
@@ -152,8 +152,8 @@ def _numbers_on_the_learners_path() -> dict[tuple, set]:
             shown = [(n, e) for n, e in shown if any(e["name"] == w and src in ("", n) for w, _, src in wanted)]
         for name, e in shown:
             report = reports[name]
-            key = (bench_tables.short_machine(report["machine"]), bench_tables._workload_line(report), e["name"],
-                   bench_tables._settings(e))
+            key = (bench_tables.short_machine(report["machine"]), report.get("model", {}).get("name"),
+                   bench_tables._workload_line(report), e["name"], bench_tables._settings(e))
             seen.setdefault(key, set()).add((bench_tables._num(e["output_tok_per_s"]), f"{page}, {name}"))
     return seen
 
@@ -163,11 +163,11 @@ def test_one_workload_on_one_machine_shows_one_number_on_the_learner_s_path():
     workload on one machine (a lesson shows the README's run, or one on a machine its table
     names); two rungs of one ladder that ran the same engine are said to be two runs under it."""
     clashes = []
-    for (machine, workload, engine, settings), shown in _numbers_on_the_learners_path().items():
+    for (machine, model, workload, engine, settings), shown in _numbers_on_the_learners_path().items():
         numbers = {n for n, _ in shown}
         in_a_ladder = {n for n, w in shown if w.endswith("a ladder")}   # runs a ladder shows, and says so
         if len(numbers) > 1 and not numbers <= in_a_ladder:
-            clashes.append(f"{engine} ({settings or 'default settings'}), {workload}, on {machine}: "
+            clashes.append(f"{engine} ({settings or 'default settings'}), {workload} of {model}, on {machine}: "
                            + "; ".join(f"{n} in {w}" for n, w in sorted(shown)))
     assert not clashes, "one workload, one machine, several numbers:\n" + "\n".join(clashes)
     ladder = (REPO / "README.md").read_text()
