@@ -128,6 +128,18 @@ def test_two_ranks_give_transformers_tokens_past_the_window(folder):
     assert generate(llm) == hf_greedy(path)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_phase_11_on_two_ranks_gives_transformers_tokens(family, folder):
+    """Phase 11 on two ranks: each rank's pool of its KV heads in groups, the worker built as phase
+    11 (its groups' tables sent with each forward); chunked and preempted in a small pool."""
+    path = folder(family)
+    blocks = {"gemma3": 40, "qwen2": 24}[family]   # each preempts
+    llm = LLM(str(path), phase=11, tensor_parallel_size=2, block_size=4, num_kv_blocks=blocks, max_num_batched_tokens=16,
+              dtype="float32")
+    assert generate(llm) == hf_greedy(path)
+    assert llm.llm_engine.get_stats()["num_preemptions"] > 0
+
+
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_an_int8_kv_cache_attends_in_each_window_on_the_cpu_path(family, folder):
     """Phase 5's int8 KV cache on its default CPU attention (a windowed layer through phase 2's

@@ -1,6 +1,6 @@
-"""`python -m phases.p08_tensor_parallel RANK WORLD STORE RUN_ID PARENT_PID MODEL ENGINE_ARGS_JSON`:
+"""`python -m phases.p08_tensor_parallel RANK WORLD STORE RUN_ID PARENT_PID MODEL ENGINE_ARGS_JSON [PHASE]`:
 one worker rank, as its host starts it (worker.start_workers), with the group's token in its
-environment (TINYVLLM_TP_TOKEN): it builds phase 8's parts with its rank. STORE is the
+environment (TINYVLLM_TP_TOKEN): it builds phase PHASE's parts (8 unless given) with its rank. STORE is the
 rendezvous, "file:PATH" or "tcp:HOST:PORT" (parallel.open_store); RUN_ID (hex) the run every
 signed value of this engine carries; PARENT_PID the process that started it, whose end ends this
 one too."""
@@ -10,12 +10,14 @@ import sys
 
 from phases.p01_naive_attention import EngineSetup
 
-from .recipe import RECIPE
+from phases import get_recipe
+
 from .worker import worker_main
 
 if __name__ == "__main__":
     rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     run_id, parent_pid = bytes.fromhex(sys.argv[4]), int(sys.argv[5])
     model, engine_args = sys.argv[6], json.loads(sys.argv[7])
+    recipe = get_recipe(int(sys.argv[8]) if len(sys.argv) > 8 else 8)
     sys.exit(worker_main(rank, world, store_path, run_id, parent_pid,
-                         lambda: EngineSetup.create(model, engine_args, rank), RECIPE.build))
+                         lambda: EngineSetup.create(model, engine_args, rank), recipe.build))

@@ -90,7 +90,7 @@ class TensorParallelExecutor:
     """
 
     def __init__(self, inner: object, group: TensorParallelGroup, model_path: str, engine_args: dict,
-                 num_blocks: int, device: torch.device):
+                 num_blocks: int, device: torch.device, phase: int = 8):
         self.inner, self.group = inner, group
         config = EngineConfig.from_kwargs(**engine_args)
         # the workers build the same engine with their rank and the driver's pool of blocks, and
@@ -111,7 +111,7 @@ class TensorParallelExecutor:
                                          late_hosts_hint(config, model_path))
             address = bind_address(config)
             self.rendezvous.local = start_workers(range(1, per_host), group.world, spec, token, run_id,
-                                                  model_path, worker_args, address)
+                                                  model_path, worker_args, address, phase)
             self.workers = list(self.rendezvous.local.values())
             self.rendezvous.wait_ready()
             group.who_is_gone = self.rendezvous.who_is_gone

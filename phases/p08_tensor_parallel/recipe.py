@@ -74,23 +74,36 @@ def make_model_loader(setup: EngineSetup, parts: Parts):
     return ShardedLoader(TensorParallelGroup(setup.tensor_parallel_rank, world))
 
 
+def rank_setup(setup: EngineSetup, parts: Parts) -> EngineSetup:
+    """`setup` as this rank sees its share: the model's shape with its heads (a KV pool of its KV
+    heads is built from it); `setup` itself with one rank."""
+    if setup.config.tensor_parallel_size == 1:
+        return setup
+    return dataclasses.replace(setup, model_config=parts.model_loader.shard_config)
+
+
 def make_kv_cache(setup: EngineSetup, parts: Parts):
     """This rank's share of the KV cache: phase 7's pool (float or quantized), for its KV heads."""
-    if setup.config.tensor_parallel_size == 1:
-        return PHASE7.kv_cache(setup, parts)
-    return PHASE7.kv_cache(dataclasses.replace(setup, model_config=parts.model_loader.shard_config), parts)
+    return PHASE7.kv_cache(rank_setup(setup, parts), parts)
 
 
-def make_runner(setup: EngineSetup, parts: Parts):
-    inner = PHASE7.runner(setup, parts)
+def run_on_ranks(setup: EngineSetup, parts: Parts, inner, phase: int = 8):
+    """The driver's runner: `inner` (a phase's runner) with the worker ranks started beside it
+    (`TensorParallelExecutor`), each building phase `phase`'s parts, phase 7's decode steps
+    broadcast; `inner` itself with one rank or on a worker (whose runner is never called: it
+    runs what the driver sends)."""
     if setup.config.tensor_parallel_size == 1 or setup.tensor_parallel_rank != 0:
-        return inner   # a worker's runner is never called: the worker runs what the driver sends
+        return inner
     group = parts.model_loader.group
     decode_runner = getattr(inner, "decode_runner", None)
     if decode_runner is not None:
         broadcast_decode_runs(decode_runner, group)
     return TensorParallelExecutor(inner, group, str(setup.model_path), setup.engine_args, parts.kv_cache.num_blocks,
-                                  setup.device)
+                                  setup.device, phase)
+
+
+def make_runner(setup: EngineSetup, parts: Parts):
+    return run_on_ranks(setup, parts, PHASE7.runner(setup, parts))
 
 
 RECIPE = PHASE7.extend(

@@ -177,17 +177,19 @@ def worker_args(engine_args: dict, rank: int, ranks_per_host: int) -> dict:
 
 
 def start_workers(ranks: range, world: int, store_spec: str, token: bytes, run_id: bytes, model_path: str,
-                  engine_args: dict, host: str = LOOPBACK) -> dict[int, subprocess.Popen]:
+                  engine_args: dict, host: str = LOOPBACK, phase: int = 8) -> dict[int, subprocess.Popen]:
     """Start this host's worker ranks (`ranks`), each told the run and its parent (this process),
     and given the token in its environment; who waits for them to be ready is the rendezvous
-    (`Rendezvous.wait_ready` on node 0)."""
+    (`Rendezvous.wait_ready` on node 0). Each builds phase `phase`'s parts (a later phase whose
+    workers hold other parts: phase 11's KV cache for a model with windows)."""
     env = worker_env(token, host)
     per_host = world // EngineConfig.from_kwargs(**engine_args).nnodes
     procs = {}
     try:
         for rank in ranks:
             cmd = [sys.executable, "-m", "phases.p08_tensor_parallel", str(rank), str(world), store_spec,
-                   run_id.hex(), str(os.getpid()), model_path, json.dumps(worker_args(engine_args, rank, per_host))]
+                   run_id.hex(), str(os.getpid()), model_path, json.dumps(worker_args(engine_args, rank, per_host)),
+                   str(phase)]
             procs[rank] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
     except BaseException:
         stop_workers(list(procs.values()))

@@ -23,8 +23,10 @@ phase 10's.
                 layers: Gemma 3 runs its own forward); not compiled, and no persistent batch:
                 phase 7's static path keeps one block table per sequence
 
-Refused by name for such a model: several ranks and a KV connector (their parts hold one table
-per sequence).
+With several ranks, each rank's pool holds its KV heads and phase 8's executor runs the driver's
+runner, each forward sent to the workers with every group's tables (the model's own forward: the
+decode step in one C call runs on one rank). Refused by name for such a model: a KV connector
+(phase 10's parts hold one table per sequence).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from phases.p05_quantization.kv_quant import QuantizedPagedAttention
 from phases.p06_speculative_decoding import RECIPE as PHASE6
 from phases.p06_speculative_decoding.recipe import spec_config
 from phases.p07_cuda_graphs.fused import fuse_projections, fused_model
+from phases.p08_tensor_parallel.recipe import rank_setup, run_on_ranks
 from phases.p10_kv_tiers import RECIPE as PHASE10
 from tinyvllm import platform
 
@@ -67,13 +70,16 @@ def check_hybrid(setup: EngineSetup) -> None:
     if not is_hybrid(setup):
         return
     c, w = setup.config, setup.model_config.sliding_window
-    for name, value, default in (("tensor_parallel_size", c.tensor_parallel_size, 1),
-                                 ("kv_transfer_config", c.kv_transfer_config, None)):
-        if value != default:
-            raise ValueError(f"{name}={value!r}: phase 11 runs a model with a sliding window "
-                             f"(sliding_window={w}, shorter than max_model_len={setup.max_model_len}) "
-                             f"with a block table per group of layers, which this feature does not "
-                             f"have yet; leave {name} at {default!r}, or pass max_model_len <= {w}")
+    if c.nnodes > 1:
+        raise ValueError(f"nnodes={c.nnodes}: phase 11 runs a model with a sliding window (sliding_window={w}, "
+                         f"shorter than max_model_len={setup.max_model_len}) on several ranks of one host; the "
+                         f"ranks of other hosts build phase 8's parts, which hold one block table per sequence. "
+                         f"Pass nnodes=1, or max_model_len <= {w}")
+    if c.kv_transfer_config is not None:
+        raise ValueError(f"kv_transfer_config={c.kv_transfer_config!r}: phase 11 runs a model with a sliding "
+                         f"window (sliding_window={w}, shorter than max_model_len={setup.max_model_len}) "
+                         f"with a block table per group of layers, which a KV connector does not have yet; "
+                         f"leave kv_transfer_config at None, or pass max_model_len <= {w}")
 
 
 def fused_step(setup: EngineSetup) -> bool:
@@ -96,13 +102,14 @@ def make_kv_cache(setup: EngineSetup, parts: Parts):
     if not is_hybrid(setup):
         return PREVIOUS.kv_cache(setup, parts)
     c, gs, windows = setup.config, groups(setup), setup.model_config.layer_windows(setup.max_model_len)
-    per_block = bytes_per_block(setup.model_config, gs, c.block_size, setup.dtype, c.kv_cache_dtype)
-    blocks = num_kv_blocks(c, setup.model_config, setup.max_model_len, setup.dtype, setup.device, per_block)
+    model = rank_setup(setup, parts).model_config   # with several ranks, this rank's KV heads
+    per_block = bytes_per_block(model, gs, c.block_size, setup.dtype, c.kv_cache_dtype)
+    blocks = num_kv_blocks(c, model, setup.max_model_len, setup.dtype, setup.device, per_block)
     if c.kv_cache_dtype != "auto":   # phase 5's 8-bit pool, shared by the groups as the float one
-        cache = HybridQuantizedKVCache(setup.model_config, gs, blocks, c.block_size, setup.dtype, setup.device,
+        cache = HybridQuantizedKVCache(model, gs, blocks, c.block_size, setup.dtype, setup.device,
                                        c.kv_cache_dtype, windows)
     else:
-        cache = HybridKVCache(setup.model_config, gs, blocks, c.block_size, setup.dtype, setup.device, windows)
+        cache = HybridKVCache(model, gs, blocks, c.block_size, setup.dtype, setup.device, windows)
     cache.checked = setup.check_kernels
     return cache
 
@@ -130,12 +137,13 @@ def make_runner(setup: EngineSetup, parts: Parts):
         return PREVIOUS.runner(setup, parts)
     runner = HybridModelRunner if spec_config(setup) is None else HybridSpecModelRunner
     step = None
-    if fused_step(setup) and fused_model(parts.model):
+    if fused_step(setup) and fused_model(parts.model) and setup.config.tensor_parallel_size == 1:
         rules, on_cpu = platform.current(), setup.device.type == "cpu"
         step = DecodeStep(parts.model, c_norm=on_cpu and bool(rules.rule("c_norm_decode")),
                           c_step=on_cpu and bool(rules.rule("c_step")))
-    return runner(parts.model, parts.attention, setup.config.block_size, setup.device, manager=parts.allocator,
-                  decode_step=step)
+    runner = runner(parts.model, parts.attention, setup.config.block_size, setup.device, manager=parts.allocator,
+                    decode_step=step)
+    return run_on_ranks(setup, parts, runner, phase=11)   # several ranks: phase 8's executor, workers of phase 11
 
 
 def make_scheduler(setup: EngineSetup, parts: Parts):

@@ -262,6 +262,13 @@ def test_what_holds_one_table_per_sequence_refuses_a_windowed_model_by_name(engi
         LLM(str(folders["mistral"]), **ARGS, num_kv_blocks=64, **engine_args)
 
 
+def test_ranks_on_other_hosts_refuse_a_windowed_model_by_name(folders, monkeypatch):
+    monkeypatch.setenv("TINYVLLM_TP_TOKEN", "ab" * 32)
+    with pytest.raises(ValueError, match=r"nnodes=2: phase 11 runs a model with a sliding window \(sliding_window=8"):
+        LLM(str(folders["mistral"]), **ARGS, num_kv_blocks=64, tensor_parallel_size=2, nnodes=2,
+            master_addr="127.0.0.1")
+
+
 def test_a_model_without_a_window_runs_phase_9s_parts(tiny_model_dir):
     from phases.p11_hybrid_kv import HybridKVCacheManager
 
