@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import signal
 from contextlib import contextmanager
 from pathlib import Path
@@ -412,3 +413,47 @@ def hf_reference(request):
         return value
 
     return reference
+
+
+@pytest.fixture
+def namespaces():
+    """Three network namespaces, each a host of its own: A (node 0) joined to B (node 1) by one veth
+    pair, and to C (an outsider) by another (`tinyvllm.testing`'s NETNS_ addresses); removed
+    afterwards, with anything still running in them. Needs root and iproute2 (else skipped)."""
+    from tinyvllm.testing import NETNS_NODE0, NETNS_NODE1, NETNS_OUTSIDER, NETNS_OUTSIDER_LINK, ip_command
+
+    if os.geteuid() != 0:
+        pytest.skip("making network namespaces needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("needs iproute2's `ip` (scripts/setup.sh installs it where it runs as root)")
+    tag = f"tv{os.getpid() % 100000}"
+    names = [f"{tag}a", f"{tag}b", f"{tag}c"]
+    made = []
+    try:
+        for name in names:
+            r = ip_command("netns", "add", name)
+            if r.returncode:
+                pytest.skip(f"cannot make a network namespace here: {r.stderr.strip()}")
+            made.append(name)
+        a, b, c = names
+        steps = [("link", "add", f"{a}b", "type", "veth", "peer", "name", f"{b}a"),
+                 ("link", "add", f"{a}c", "type", "veth", "peer", "name", f"{c}a"),
+                 ("link", "set", f"{a}b", "netns", a), ("link", "set", f"{b}a", "netns", b),
+                 ("link", "set", f"{a}c", "netns", a), ("link", "set", f"{c}a", "netns", c),
+                 ("-n", a, "addr", "add", f"{NETNS_NODE0}/24", "dev", f"{a}b"),
+                 ("-n", b, "addr", "add", f"{NETNS_NODE1}/24", "dev", f"{b}a"),
+                 ("-n", a, "addr", "add", f"{NETNS_OUTSIDER_LINK}/24", "dev", f"{a}c"),
+                 ("-n", c, "addr", "add", f"{NETNS_OUTSIDER}/24", "dev", f"{c}a")]
+        steps += [("-n", ns, "link", "set", dev, "up") for ns, dev in
+                  [(a, "lo"), (b, "lo"), (c, "lo"), (a, f"{a}b"), (b, f"{b}a"), (a, f"{a}c"), (c, f"{c}a")]]
+        steps.append(("-n", c, "route", "add", f"{NETNS_NODE0}/32", "via", NETNS_OUTSIDER_LINK))   # C reaches node 0 only
+        for step in steps:
+            r = ip_command(*step)
+            if r.returncode:
+                pytest.skip(f"cannot join network namespaces here (ip {' '.join(step)}): {r.stderr.strip()}")
+        yield names
+    finally:
+        for name in made:
+            for pid in ip_command("netns", "pids", name).stdout.split():
+                os.kill(int(pid), signal.SIGKILL)
+            ip_command("netns", "del", name)

@@ -1,7 +1,8 @@
 """The secrets tinyvllm reads from its environment, kept out of every other process.
 
-Two variables hold secrets (`SECRET_VARIABLES`): `TINYVLLM_TP_TOKEN`, the key every rank of an
-engine over several hosts signs its messages with, and `TINYVLLM_API_KEY`, the server's key. A
+Three variables hold secrets (`SECRET_VARIABLES`): `TINYVLLM_TP_TOKEN`, the key every rank of an
+engine over several hosts signs its messages with, `TINYVLLM_API_KEY`, the server's key, and
+`TINYVLLM_KV_TOKEN`, the key a KV producer and its consumers sign their frames with. A
 process's environment is copied into every process it starts: a C compiler (`tinyvllm.ckernel`),
 inductor's compile workers, a tensor-parallel worker. So a secret does not stay there:
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-SECRET_VARIABLES = ("TINYVLLM_TP_TOKEN", "TINYVLLM_API_KEY")
+SECRET_VARIABLES = ("TINYVLLM_TP_TOKEN", "TINYVLLM_API_KEY", "TINYVLLM_KV_TOKEN")
 
 # The secrets taken out of os.environ, by variable: a registry of this process's, read by later
 # engines of the same process
@@ -48,3 +49,15 @@ def child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
     env.update(extra)
     return env
+
+
+def secrets_for(engine_args: dict, nnodes: int = 1) -> dict[str, str]:
+    """The secret variables an engine with these arguments signs with, to be given on purpose to
+    the process that runs it: TINYVLLM_TP_TOKEN over several hosts (`nnodes`), TINYVLLM_KV_TOKEN
+    for a KV producer or consumer on a socket (`kv_transfer_config`'s kv_port). Those not set are
+    left out (the engine names them when it starts)."""
+    kv = engine_args.get("kv_transfer_config")
+    wanted = (["TINYVLLM_TP_TOKEN"] if nnodes > 1 else []) + \
+        (["TINYVLLM_KV_TOKEN"] if isinstance(kv, dict) and kv.get("kv_port") is not None else [])
+    found = {name: take_secret(name) for name in wanted}
+    return {name: value for name, value in found.items() if value}

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import subprocess
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -505,3 +509,34 @@ def make_windowed_like(source: str | os.PathLike, folder: str | os.PathLike, sli
     cfg.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=sliding_window)
     (folder / "config.json").write_text(json.dumps(cfg, indent=2))
     return folder
+
+
+# -- hosts of their own on one machine: network namespaces (tests of phases 8 and 10) -----------------
+# The addresses of the conftest's `namespaces` fixture: A (node 0) and B (node 1) on one link, C (an
+# outsider) on another link to A only.
+NETNS_NODE0, NETNS_NODE1, NETNS_OUTSIDER, NETNS_OUTSIDER_LINK = "10.231.0.1", "10.231.0.2", "10.231.1.2", "10.231.1.1"
+
+
+def ip_command(*args: str) -> subprocess.CompletedProcess:
+    """`ip ARGS` (iproute2), its output captured."""
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+
+
+def lines_of(stream) -> queue.Queue:
+    """The lines of `stream`, as they come (a thread reads them)."""
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
+    return lines
+
+
+def wait_for_line(lines: queue.Queue, seen: list, until, timeout: float, what: str) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if until(line):
+            return line
+    raise AssertionError(f"no {what} within {timeout} s; seen:\n{''.join(seen)}")

@@ -16,12 +16,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import queue
-import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,11 +27,12 @@ import pytest
 from phases.p08_tensor_parallel.parallel import TOKEN_ENV, Stamp, sign_bytes
 from phases.p08_tensor_parallel.rendezvous import HOST_GONE_AFTER_S, engine_key, ready_key
 from tinyvllm import LLM, SamplingParams
+from tinyvllm.testing import NETNS_NODE0, NETNS_NODE1, NETNS_OUTSIDER, ip_command, lines_of, wait_for_line
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "5e" * 32
 PORT = 29555
-NODE0, NODE1, OUTSIDER, OUTSIDER_LINK = "10.231.0.1", "10.231.0.2", "10.231.1.2", "10.231.1.1"
+NODE0, NODE1, OUTSIDER = NETNS_NODE0, NETNS_NODE1, NETNS_OUTSIDER
 PROMPTS = [[5, 6, 7, 8], list(range(20, 57))]
 ARGS = {"tensor_parallel_size": 2, "nnodes": 2, "master_addr": NODE0, "master_port": PORT, "kv_cache_memory": 1 << 22}
 
@@ -73,76 +71,11 @@ print(json.dumps({k: store.get(k).hex() for k in keys if store.check([k])}), flu
 """
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True)
-
-
-@pytest.fixture
-def namespaces():
-    """Three network namespaces: A (node 0) joined to B (node 1) by one veth pair, and to C (the
-    outsider) by another; removed afterwards, with anything still running in them."""
-    if os.geteuid() != 0:
-        pytest.skip("making network namespaces needs root")
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's `ip` (scripts/setup.sh installs it where it runs as root)")
-    tag = f"tv{os.getpid() % 100000}"
-    names = [f"{tag}a", f"{tag}b", f"{tag}c"]
-    made = []
-    try:
-        for name in names:
-            r = _ip("netns", "add", name)
-            if r.returncode:
-                pytest.skip(f"cannot make a network namespace here: {r.stderr.strip()}")
-            made.append(name)
-        a, b, c = names
-        steps = [("link", "add", f"{a}b", "type", "veth", "peer", "name", f"{b}a"),
-                 ("link", "add", f"{a}c", "type", "veth", "peer", "name", f"{c}a"),
-                 ("link", "set", f"{a}b", "netns", a), ("link", "set", f"{b}a", "netns", b),
-                 ("link", "set", f"{a}c", "netns", a), ("link", "set", f"{c}a", "netns", c),
-                 ("-n", a, "addr", "add", f"{NODE0}/24", "dev", f"{a}b"),
-                 ("-n", b, "addr", "add", f"{NODE1}/24", "dev", f"{b}a"),
-                 ("-n", a, "addr", "add", f"{OUTSIDER_LINK}/24", "dev", f"{a}c"),
-                 ("-n", c, "addr", "add", f"{OUTSIDER}/24", "dev", f"{c}a")]
-        steps += [("-n", ns, "link", "set", dev, "up") for ns, dev in
-                  [(a, "lo"), (b, "lo"), (c, "lo"), (a, f"{a}b"), (b, f"{b}a"), (a, f"{a}c"), (c, f"{c}a")]]
-        steps.append(("-n", c, "route", "add", f"{NODE0}/32", "via", OUTSIDER_LINK))   # C reaches node 0 only
-        for step in steps:
-            r = _ip(*step)
-            if r.returncode:
-                pytest.skip(f"cannot join network namespaces here (ip {' '.join(step)}): {r.stderr.strip()}")
-        yield names
-    finally:
-        for name in made:
-            for pid in _ip("netns", "pids", name).stdout.split():
-                os.kill(int(pid), signal.SIGKILL)
-            _ip("netns", "del", name)
-
-
 def _in(namespace: str, args: list[str], **kwargs) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), TOKEN_ENV: TOKEN, "TINYVLLM_RENDEZVOUS_TIMEOUT_S": "30",
            **kwargs.pop("env", {})}
     return subprocess.Popen(["ip", "netns", "exec", namespace, *args], env=env, cwd=ROOT, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
-
-
-def _lines(stream) -> queue.Queue:
-    """The lines of `stream`, as they come (a thread reads them)."""
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in stream], daemon=True).start()
-    return lines
-
-
-def _wait_for(lines: queue.Queue, seen: list, until, timeout: float, what: str) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.1)
-        except queue.Empty:
-            continue
-        seen.append(line)
-        if until(line):
-            return line
-    raise AssertionError(f"no {what} within {timeout} s; seen:\n{''.join(seen)}")
 
 
 @pytest.mark.timing
@@ -162,21 +95,21 @@ def test_two_namespaced_hosts_refuse_an_outsider_and_name_a_dead_host(namespaces
     try:
         node0 = _in(a, [sys.executable, "-c", NODE0_SCRIPT, str(tiny_model_dir), json.dumps(ARGS), json.dumps(PROMPTS)])
         procs.append(node0)
-        out0, err0, seen0, seen0_err = _lines(node0.stdout), _lines(node0.stderr), [], []
+        out0, err0, seen0, seen0_err = lines_of(node0.stdout), lines_of(node0.stderr), [], []
         outsider = _in(c, [sys.executable, "-c", OUTSIDER_SCRIPT, NODE0, str(PORT), json.dumps(writes),
                            json.dumps(keys)], env={TOKEN_ENV: ""})
         procs.append(outsider)
-        out_c, seen_c = _lines(outsider.stdout), []
+        out_c, seen_c = lines_of(outsider.stdout), []
 
         def write(i: int) -> None:
             outsider.stdin.write("next\n")
             outsider.stdin.flush()
-            _wait_for(out_c, seen_c, lambda line: line == f"written {i}\n", 60, f"outsider's write {i}")
+            wait_for_line(out_c, seen_c, lambda line: line == f"written {i}\n", 60, f"outsider's write {i}")
 
         # node 0 refuses each value written at rank 1's "ready", before node 1 starts
         for i, who in enumerate(("from a process without this engine's token", "signed by host 1 (rank 1)")):
             write(i)
-            _wait_for(err0, seen0_err, lambda line, who=who: "refused a value" in line and who in line, 30,
+            wait_for_line(err0, seen0_err, lambda line, who=who: "refused a value" in line and who in line, 30,
                       f"refusal ({who}) in node 0's log")
         write(2)                       # a recorded answer, waiting for node 1's hello
         started = time.monotonic()
@@ -185,16 +118,16 @@ def test_two_namespaced_hosts_refuse_an_outsider_and_name_a_dead_host(namespaces
                         "--master-port", str(PORT), "--headless", "--kv-cache-memory", str(1 << 22)],
                     start_new_session=True)
         procs.append(node1)
-        err1, seen1_err = _lines(node1.stderr), []
-        line = _wait_for(out0, seen0, lambda line: line.startswith("{"), 120, "tokens from node 0")
+        err1, seen1_err = lines_of(node1.stderr), []
+        line = wait_for_line(out0, seen0, lambda line: line.startswith("{"), 120, "tokens from node 0")
         assert json.loads(line)["tokens"] == one_host
         assert time.monotonic() - started < 60
-        _wait_for(err1, seen1_err, lambda line: "refused a value: tinyvllm/node1/engine: node 0's answer to another hello" in line, 10,
+        wait_for_line(err1, seen1_err, lambda line: "refused a value: tinyvllm/node1/engine: node 0's answer to another hello" in line, 10,
                   "node 1 refusing the recorded answer")
         # the outsider reads every key of the run: signed values, no token in any of them
         outsider.stdin.write("read\n")
         outsider.stdin.flush()
-        read = json.loads(_wait_for(out_c, seen_c, lambda line: line.startswith("{"), 30, "outsider's reading"))
+        read = json.loads(wait_for_line(out_c, seen_c, lambda line: line.startswith("{"), 30, "outsider's reading"))
         assert set(read) == set(keys)
         assert not any(TOKEN in v or token.hex() in v for v in read.values())
         # host 1 dies, all of it: the next step fails, naming it
@@ -202,7 +135,7 @@ def test_two_namespaced_hosts_refuse_an_outsider_and_name_a_dead_host(namespaces
         node1.wait()
         node0.stdin.write("go\n")
         node0.stdin.flush()
-        failure = json.loads(_wait_for(out0, seen0, lambda line: line.startswith("{"), 60, "node 0's failed step"))
+        failure = json.loads(wait_for_line(out0, seen0, lambda line: line.startswith("{"), 60, "node 0's failed step"))
         assert f"host 1 ({NODE1}, rank 1) is gone" in failure["error"], failure
         assert failure["seconds"] < HOST_GONE_AFTER_S + 5
         assert node0.wait(timeout=30) == 0
@@ -210,9 +143,9 @@ def test_two_namespaced_hosts_refuse_an_outsider_and_name_a_dead_host(namespaces
         # every value the outsider wrote was refused: none made node 0 fail or node 1 build another engine
         assert "boom" not in "".join(seen0_err) + "".join(err0.queue)
         deadline = time.monotonic() + 10
-        while any(_ip("netns", "pids", ns).stdout.split() for ns in namespaces) and time.monotonic() < deadline:
+        while any(ip_command("netns", "pids", ns).stdout.split() for ns in namespaces) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_ip("netns", "pids", ns).stdout.split() for ns in namespaces), "a process was left running"
+        assert not any(ip_command("netns", "pids", ns).stdout.split() for ns in namespaces), "a process was left running"
     finally:
         for p in procs:
             if p.poll() is None:

@@ -66,7 +66,7 @@ from tinyvllm.errors import EngineDeadError, StepError
 from tinyvllm.inputs import PromptType, parse_prompt
 from tinyvllm.outputs import RequestOutput
 from tinyvllm.sampling_params import SamplingParams
-from tinyvllm.secret_env import child_env, take_secret
+from tinyvllm.secret_env import child_env, secrets_for
 
 from . import serial
 from .core import socket_paths
@@ -125,10 +125,10 @@ class _CoreProcess:
         in_path, out_path = socket_paths(self.ipc_dir)
         self.inputs.bind(in_path)
         self.outputs.bind(out_path)
-        # the one child that needs a secret is given it: ranks on several hosts sign with it
-        token = take_secret("TINYVLLM_TP_TOKEN") if nnodes > 1 else None
+        # the one child that needs a secret is given it: ranks on several hosts sign with it, and
+        # so do a KV producer and its consumers on a socket
         path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))   # this code, not another copy
-        env = child_env(PYTHONPATH=path, **({"TINYVLLM_TP_TOKEN": token} if token else {}))
+        env = child_env(PYTHONPATH=path, **secrets_for(engine_args, nnodes))
         cmd = [sys.executable, "-m", "phases.p09_engine_core", self.ipc_dir, str(os.getpid()), str(phase),
                model_path, args]
         try:   # a session of its own: a Ctrl-C at the terminal reaches the front, which stops the core

@@ -64,11 +64,15 @@ class OffloadingConnectorScheduler:
         allocator: the prefix-caching allocator of the pool.
         load_blocks_per_step: while other requests run, the most blocks a waiting request loads a
             step (0: all at once); it waits, its loaded blocks held, until the rest are in.
+        remote: a consumer's connection to a producer on another host (kv_remote.py), which
+            sends the blocks of a prompt this tier lacks (`fetch`).
     """
 
-    def __init__(self, store: OffloadStore, allocator, load_blocks_per_step: int = 0):
+    def __init__(self, store: OffloadStore, allocator, load_blocks_per_step: int = 0, remote=None):
         self.store, self.allocator = store, allocator
         self.load_blocks_per_step = load_blocks_per_step
+        self.remote, self.remote_failed = remote, False
+        self.fetches: dict[Sequence, tuple | None] = {}    # a request's blocks on their way: (digests, Future)
         self.held: dict[Sequence, PrefixBlockTable] = {}   # blocks loaded for a request still loading
         self.block_size = allocator.block_size
         self.digests: dict[Sequence, list[bytes]] = {}     # each running sequence's block digests
@@ -124,6 +128,8 @@ class OffloadingConnectorScheduler:
         if self.store.role == "kv_producer" or not self.store.open():
             return True
         cached = a.match_prefix(seq.token_ids)
+        if self.remote is not None and not self.fetch(seq, len(cached), wait=not others_running):
+            return False   # its blocks are on their way from the producer: it waits, the others run
         num_external = self.get_num_new_matched_tokens(seq, len(cached) * bs)
         if not num_external and before is None:
             return True
@@ -152,6 +158,37 @@ class OffloadingConnectorScheduler:
             self.held[seq] = table
             return False
         a.free(table)   # back to the cache, evictable, till the scheduler shares them
+        return True
+
+    def fetch(self, seq: Sequence, num_cached_blocks: int, wait: bool) -> bool:
+        """A consumer fed over a socket: ask the producer, once per request, for the blocks of its
+        prompt this tier lacks (from the first it lacks, after the pool's); True once they have
+        landed in this tier (or the fetch failed: a warning, and they are computed), False while
+        they are on their way (with `wait`, as when nothing else runs, it waits for them)."""
+        if seq not in self.fetches:
+            digests = self.block_digests(seq, (seq.num_tokens - 1) // self.block_size)[num_cached_blocks:]
+            first = next((i for i, d in enumerate(digests) if self.store.lookup(d) is None), None)
+            wanted = None if first is None or self.remote_failed else digests[first:]
+            self.fetches[seq] = None if wanted is None else (wanted, self.remote.submit(wanted))
+        pending = self.fetches[seq]
+        if pending is None:
+            return True
+        if not pending[1].done() and not wait:
+            return False
+        self.fetches[seq] = None
+        try:
+            blocks = pending[1].result()
+        except (OSError, ValueError) as e:   # (RefusedValue is a ValueError)
+            logger.warning("kv_consumer: the producer at %s did not send the blocks (%s); this request's prompt, "
+                           "and every later one's, is computed here", self.remote.address, e)
+            self.remote_failed = True
+            return True
+        for digest, data in blocks:
+            slot = self.store.allocate(digest)
+            if slot is None:
+                break
+            self.store.write(slot, digest, data)
+            self.num_fetched_blocks += 1
         return True
 
     # -- one step's record ------------------------------------------------------------------------
@@ -188,6 +225,7 @@ class OffloadingConnectorScheduler:
         """`seq` left: forget its digests. True would keep its blocks until a save still under way
         ends (vLLM's asynchronous connectors); here every save ends with its step."""
         self.digests.pop(seq, None)
+        self.fetches.pop(seq, None)   # (blocks still on their way are dropped when they land)
         held = self.held.pop(seq, None)
         if held is not None:   # it left while loading: its blocks go back to the cache
             self.allocator.free(held)
@@ -210,10 +248,10 @@ class OffloadingConnectorScheduler:
         return {"kv_offload_loaded_blocks": self.num_loaded_blocks, "kv_offload_saved_blocks": self.num_saved_blocks,
                 "kv_offload_save_skipped": self.num_save_skipped, "kv_offload_evicted_blocks": self.store.num_evicted,
                 "kv_offload_refused_blocks": self.store.num_refused, "kv_offload_bytes": self.store.num_bytes,
-                "kv_offload_capacity_bytes": self.store.capacity_bytes}
+                "kv_offload_capacity_bytes": self.store.capacity_bytes, "kv_remote_fetched_blocks": self.num_fetched_blocks}
 
     def reset_stats(self) -> None:
-        self.num_loaded_blocks = self.num_saved_blocks = self.num_save_skipped = 0
+        self.num_loaded_blocks = self.num_saved_blocks = self.num_save_skipped = self.num_fetched_blocks = 0
 
 
 class OffloadingConnectorWorker:
@@ -227,6 +265,7 @@ class OffloadingConnectorWorker:
 
     def __init__(self, store: OffloadStore, kv: torch.Tensor):
         self.store, self.kv = store, kv
+        self.remote = None   # a producer's KVBlockServer, a consumer's KVBlockClient (kv_port: kv_remote.py)
         self.num_layers = kv.shape[0]
         self.meta: KVConnectorMetadata | None = None
         self.loaded: set[int] = set()   # layers of this step whose loads are made

@@ -122,4 +122,6 @@ class ConnectorAttention:
         return LayerwiseAttention(backend, self.worker) if self.worker.has_layer_work else backend
 
     def close(self) -> None:
+        if self.worker.remote is not None:
+            self.worker.remote.close()
         self.worker.store.close()

@@ -4,6 +4,8 @@ vLLM's KVTransferConfig (vllm/config/kv_transfer.py) as a dict, with its names:
 
     {"kv_connector": "OffloadingConnector",     the only connector built here
      "kv_role": "kv_both",                      this engine both saves and loads
+     "kv_ip": "127.0.0.1", "kv_port": 14579,    a kv_producer serves its tier there, a kv_consumer
+                                                reads it from there (another host: kv_remote.py)
      "kv_connector_extra_config": {
          "cpu_bytes_to_use": 1073741824,        the tier file's largest size (default 1 GiB)
          "path": "/data/kv-tier.bin",           a file kept between runs (default: a private
@@ -18,6 +20,9 @@ vLLM's KVTransferConfig (vllm/config/kv_transfer.py) as a dict, with its names:
 kv_role "kv_producer" / "kv_consumer": prefill in one engine, decode in another. The producer
 saves every block it computes into `path`, the consumer loads the prompt's blocks from there (on
 one host, a file in /dev/shm is shared memory); both give the same `path` and `cpu_bytes_to_use`.
+With `kv_port` the two need not share a file (nor a host): the producer serves its tier on
+kv_ip:kv_port, the consumer asks it there for each prompt's blocks and keeps them in a tier of its
+own (`path` is then the producer's own, optional, and no consumer's).
 
 Anything else is refused, naming the key.
 """
@@ -32,7 +37,8 @@ CONNECTORS = ("OffloadingConnector",)
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 DEFAULT_CPU_BYTES = 1 << 30
 DEFAULT_LOAD_BLOCKS = 16
-_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config"}
+_KEYS = {"kv_connector", "kv_role", "kv_connector_extra_config", "kv_ip", "kv_port"}
+DEFAULT_KV_IP = "127.0.0.1"
 _EXTRA_KEYS = {"cpu_bytes_to_use", "path", "dir", "load_blocks_per_step"}
 
 
@@ -44,6 +50,8 @@ class KVTransferConfig:
     path: str | None = None
     directory: str | None = None
     load_blocks_per_step: int = DEFAULT_LOAD_BLOCKS
+    kv_ip: str = DEFAULT_KV_IP
+    kv_port: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> "KVTransferConfig | None":
@@ -77,10 +85,23 @@ class KVTransferConfig:
             if extra.get(key) is not None and not isinstance(extra[key], str):
                 raise TypeError(f"kv_transfer_config['kv_connector_extra_config'][{key!r}] must be a str, "
                                 f"got {extra[key]!r}")
-        if role != "kv_both" and extra.get("path") is None:
+        ip, port = d.get("kv_ip", DEFAULT_KV_IP), d.get("kv_port")
+        if not isinstance(ip, str) or not ip:
+            raise TypeError(f"kv_transfer_config['kv_ip'] must be a host name or address (a str), got {ip!r}")
+        if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535):
+            raise ValueError(f"kv_transfer_config['kv_port'] must be an int from 0 to 65535 (0: any free port, "
+                             f"a producer's), got {port!r}")
+        if port is not None and role == "kv_both":
+            raise ValueError("kv_transfer_config['kv_port'] is for kv_role 'kv_producer' (serves its tier there) or "
+                             "'kv_consumer' (reads it from there), not 'kv_both'")
+        if port is not None and role == "kv_consumer" and extra.get("path") is not None:
+            raise ValueError("kv_transfer_config['kv_connector_extra_config']['path'] with kv_port: a consumer reads "
+                             "the producer's blocks over the socket into a tier of its own; leave path unset")
+        if role != "kv_both" and port is None and extra.get("path") is None:
             raise ValueError(f"kv_transfer_config['kv_connector_extra_config']['path'] is needed with kv_role={role!r}: "
-                             f"the file the producer writes and the consumer reads (on one host, in /dev/shm)")
-        return cls(connector, role, size, extra.get("path"), extra.get("dir"), per_step)
+                             f"the file the producer writes and the consumer reads (on one host, in /dev/shm); "
+                             f"or kv_port, where the producer serves it")
+        return cls(connector, role, size, extra.get("path"), extra.get("dir"), per_step, ip, port)
 
 
 def model_fingerprint(folder: Path) -> str:

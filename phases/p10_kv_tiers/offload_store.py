@@ -264,13 +264,15 @@ class OffloadStore:
         """A slot for a new block `digest`: a free one, else the least recently used entry's that no
         step is loading from (pinned); None when every slot is pinned. A producer's block goes to
         one of its `ways`: its own slot if it is there already, else a free one, else the one
-        written longest ago, replacing what was there."""
+        written longest ago, replacing what was there (not one a step loads from: None if all are)."""
         if self.role != "kv_both":
             slot = self.index.get(digest)
             if slot is None:
-                ways = self.ways(digest)
+                ways = [w for w in self.ways(digest) if w not in self.pinned]   # (a consumer's loads this step)
                 slot = next((w for w in ways if w not in self.owner), None)
                 if slot is None:
+                    if not ways:
+                        return None
                     slot = min(ways, key=self.written.__getitem__)
                     self.index.pop(self.owner.pop(slot), None)
                     self.num_evicted += 1
@@ -298,6 +300,12 @@ class OffloadStore:
         """Slot `slot`'s block in place, (layers, 2, block_size, KV heads, head_dim)."""
         off = self._offset(slot)
         return self.data[off:off + self.block_bytes].view(self.dtype).view(self.block_shape)
+
+    def write(self, slot: int, digest: bytes, data: bytes) -> None:
+        """Slot `slot` takes block `digest`'s bytes, as another engine sent them (kv_remote.py)."""
+        off = self._offset(slot)
+        self.mm[off:off + self.block_bytes] = data
+        self.commit(slot, digest)
 
     def commit(self, slot: int, digest: bytes) -> None:
         """Slot `slot` now holds block `digest` in full: its header, with the bytes' CRC-32."""

@@ -10,11 +10,14 @@ The connector is vLLM's OffloadingConnector: every block a step fills is saved t
 (offload_store.py: a memory-mapped file of `cpu_bytes_to_use` bytes, least recently used out), and
 a request whose prefix the pool has evicted loads it from there instead of recomputing it. With
 kv_role "kv_producer" one engine only saves into a file and another, "kv_consumer", only loads
-from it: prefill in one engine, decode in the other. With `kv_transfer_config=None` (the default)
-every part is phase 9's.
+from it: prefill in one engine, decode in the other; with `kv_port`, on two hosts (the producer
+serves its tier on a socket, the consumer asks it for each prompt's blocks: kv_remote.py). With
+`kv_transfer_config=None` (the default) every part is phase 9's.
 """
 
 from __future__ import annotations
+
+import logging
 
 from phases.p01_naive_attention import EngineSetup, Parts
 from phases.p09_engine_core import RECIPE as PHASE9
@@ -22,8 +25,11 @@ from tinyvllm import platform
 
 from .connector import OffloadingConnectorScheduler, OffloadingConnectorWorker
 from .connector_parts import ConnectorAttention, ConnectorModelRunner, ConnectorScheduler
+from .kv_remote import KVBlockClient, KVBlockServer, kv_token
 from .kv_transfer import KVTransferConfig, model_fingerprint
 from .offload_store import OffloadStore
+
+logger = logging.getLogger("tinyvllm.kv_offload")
 
 
 def transfer_config(setup: EngineSetup) -> KVTransferConfig | None:
@@ -61,7 +67,15 @@ def make_attention(setup: EngineSetup, parts: Parts):
                          config.path, config.directory, config.kv_role)
     if config.kv_role != "kv_both":
         store.open()   # at start: a consumer whose producer's file is missing or another's is refused now
-    return ConnectorAttention(inner, OffloadingConnectorWorker(store, kv))
+    worker = OffloadingConnectorWorker(store, kv)
+    if config.kv_port is not None:   # the producer and the consumer on two hosts: over a socket
+        token = kv_token()
+        if config.kv_role == "kv_producer":
+            worker.remote = KVBlockServer(store, config.kv_ip, config.kv_port, token)
+            logger.info("kv_producer: serving its KV tier on %s:%d", *worker.remote.address)
+        else:   # refused now where the producer cannot be reached or holds another model's blocks
+            worker.remote = KVBlockClient(config.kv_ip, config.kv_port, token, store.identity, store.block_bytes)
+    return ConnectorAttention(inner, worker)
 
 
 def make_runner(setup: EngineSetup, parts: Parts):
@@ -76,7 +90,9 @@ def make_scheduler(setup: EngineSetup, parts: Parts):
     if not isinstance(parts.attention, ConnectorAttention):
         return inner
     worker = parts.attention.worker
-    connector = OffloadingConnectorScheduler(worker.store, parts.allocator, transfer_config(setup).load_blocks_per_step)
+    remote = worker.remote if isinstance(worker.remote, KVBlockClient) else None
+    connector = OffloadingConnectorScheduler(worker.store, parts.allocator, transfer_config(setup).load_blocks_per_step,
+                                             remote)
     return ConnectorScheduler(inner, connector, worker)
 
 

@@ -17,9 +17,11 @@ prefix has left the pool, and degrades to recomputing, never to a failed request
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
+import secrets
 import types
 
 import pytest
@@ -192,6 +194,36 @@ def test_matched_tokens_count_whole_blocks_and_leave_one_token(tmp_path):
     assert got == 0, f"after block 0, the tier lacks block 1: nothing more matches; got {got}"
 
 
+def test_a_fetch_in_flight_keeps_its_request_waiting_and_lands_once(tmp_path):
+    """A consumer fed over a socket asks the producer once, for the blocks from the first its tier
+    lacks; while they are on their way the request waits (False), then they land in the tier (the
+    bytes sent), and the request goes on (True). A failed fetch: it goes on, and no later request
+    asks again."""
+    from concurrent.futures import Future
+
+    store = _store(tmp_path, 16)
+    asked, future = [], Future()
+    stub = types.SimpleNamespace(submit=lambda d: asked.append(d) or future, address="producer:1")
+    connector = OffloadingConnectorScheduler(store, types.SimpleNamespace(block_size=BS), remote=stub)
+    seq = _Seq(list(range(100, 120)))                  # 5 full blocks: 4 may be loaded
+    digests = connector.block_digests(seq, 4)
+    _put(store, digests[0])                            # block 0 is here already
+    assert connector.fetch(seq, 0, wait=False) is False and asked == [digests[1:]]
+    assert connector.fetch(seq, 0, wait=False) is False and len(asked) == 1, "asked again"
+    data = torch.arange(64, dtype=torch.float32).numpy().tobytes()
+    future.set_result([(d, data) for d in digests[1:3]])   # the producer held blocks 1 and 2
+    assert connector.fetch(seq, 0, wait=False) is True
+    assert [store.lookup(d) is not None for d in digests] == [True, True, True, False]
+    assert store.verify(digests[2], store.slot_of(digests[2]))
+    assert store.block(store.slot_of(digests[2])).numpy().tobytes() == data
+    assert connector.num_fetched_blocks == 2 and connector.fetch(seq, 0, wait=False) is True and len(asked) == 1
+    failed, later = Future(), _Seq(list(range(200, 220)))
+    failed.set_exception(ConnectionError("the other engine closed the connection"))
+    stub.submit = lambda d: asked.append(d) or failed
+    assert connector.fetch(later, 0, wait=True) is True and connector.remote_failed
+    assert connector.fetch(_Seq(list(range(300, 320))), 0, wait=True) is True and len(asked) == 2
+
+
 def test_the_tier_evicts_its_least_recently_used_block(tmp_path):
     store = _store(tmp_path, 3)
     for d in (b"a", b"b", b"c"):
@@ -314,6 +346,124 @@ def test_a_producer_prefills_and_a_consumer_decodes_from_its_blocks(tiny_model_d
     assert c["kv_offload_loaded_blocks"] == 4 * 10, f"the consumer should load 10 blocks of each of 4 prompts: {c}"
     assert c["kv_offload_saved_blocks"] == 0 and p["kv_offload_loaded_blocks"] == 0
     assert p["kv_offload_saved_blocks"] >= 4 * 10
+
+
+def remote(kv_role: str, port: int, **extra) -> dict:
+    return {"kv_connector": "OffloadingConnector", "kv_role": kv_role, "kv_ip": "127.0.0.1", "kv_port": port,
+            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 22, **extra}}
+
+
+@pytest.fixture
+def kv_token(monkeypatch):
+    """The secret both engines of a pair over a socket sign with (a fresh one each test)."""
+    from tinyvllm import secret_env
+
+    token = secrets.token_hex(32)
+    monkeypatch.setenv("TINYVLLM_KV_TOKEN", token)
+    monkeypatch.delitem(secret_env._TAKEN, "TINYVLLM_KV_TOKEN", raising=False)
+    return token
+
+
+def test_a_consumer_reads_the_producer_s_blocks_over_a_socket(tiny_model_dir, in_process, kv_token):
+    """No shared file: the producer serves its tier on a port, the consumer asks it for each
+    prompt's blocks (in the background, the request waiting for them), keeps them in a tier of its
+    own, loads them and gives phase 9's tokens; a block it received is bit for bit the producer's."""
+    ps = prompts(4, 41, seed=10)
+    want = run(make(tiny_model_dir, phase=9), [ps])
+    producer = make(tiny_model_dir, kv_transfer_config=remote("kv_producer", 0))
+    server = producer.llm_engine.parts.attention.worker.remote
+    port = server.address[1]
+    consumer = make(tiny_model_dir, num_kv_blocks=64, kv_transfer_config=remote("kv_consumer", port))
+    producer.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1))
+    got = run(consumer, [ps])
+    c = consumer.llm_engine.get_stats()
+    assert got == want, f"the consumer gave {got}, phase 9 {want}"
+    assert c["kv_remote_fetched_blocks"] == 4 * 10 and c["kv_offload_loaded_blocks"] == 4 * 10, c
+    assert server.num_served_blocks == 4 * 10
+    mine, theirs = consumer.llm_engine.parts.attention.worker.store, producer.llm_engine.parts.attention.worker.store
+    for digest, slot in list(theirs.index.items())[:5]:
+        assert torch.equal(mine.block(mine.slot_of(digest)), theirs.block(slot))
+    # a prompt the producer never saw: nothing to fetch, computed here, the same tokens
+    other = prompts(1, 41, seed=77)
+    assert run(consumer, [other]) == run(make(tiny_model_dir, phase=9), [other])
+    assert consumer.llm_engine.get_stats()["kv_remote_fetched_blocks"] == 4 * 10
+
+
+def test_a_killed_producer_leaves_the_consumer_computing(tiny_model_dir, in_process, kv_token, caplog):
+    """The producer gone (its server closed) after the consumer connected: the consumer's fetch
+    fails with a warning naming the producer, the prompt is computed here (phase 9's tokens), and
+    so is every later one."""
+    ps = prompts(2, 41, seed=21)
+    want = run(make(tiny_model_dir, phase=9), [[p] for p in ps])
+    producer = make(tiny_model_dir, kv_transfer_config=remote("kv_producer", 0))
+    server = producer.llm_engine.parts.attention.worker.remote
+    consumer = make(tiny_model_dir, kv_transfer_config=remote("kv_consumer", server.address[1]))
+    producer.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1))
+    server.close()
+    consumer.llm_engine.parts.attention.worker.remote.conn.shutdown(2)   # as a dead host's connection ends
+    with caplog.at_level("WARNING", logger="tinyvllm.kv_offload"):
+        assert run(consumer, [[p] for p in ps]) == want
+    assert "did not send the blocks" in caplog.text and f"127.0.0.1:{server.address[1]}" in caplog.text
+    assert consumer.llm_engine.get_stats()["kv_remote_fetched_blocks"] == 0
+
+
+@pytest.mark.parametrize("change, error", [
+    ("no producer", r"the kv_producer at 127.0.0.1:\d+ cannot be reached"),
+    ("block_size", r"holds other blocks: the producer's block_size is 4, the consumer's 8"),
+    ("token", r"refused this engine \(the other engine closed the connection\).*the same TINYVLLM_KV_TOKEN"),
+])
+def test_a_consumer_over_a_socket_is_refused_at_start_by_name(change, error, tiny_model_dir, in_process,
+                                                              kv_token, monkeypatch):
+    port = 9   # (discard: nothing listens there)
+    if change != "no producer":
+        producer = make(tiny_model_dir, kv_transfer_config=remote("kv_producer", 0))
+        port = producer.llm_engine.parts.attention.worker.remote.address[1]
+    if change == "token":   # the consumer's host holds another secret
+        from tinyvllm import secret_env
+
+        monkeypatch.setitem(secret_env._TAKEN, "TINYVLLM_KV_TOKEN", secrets.token_hex(32))
+    with pytest.raises(ValueError, match=error):
+        LLM(str(tiny_model_dir), phase=10, num_kv_blocks=24, block_size=8 if change == "block_size" else BS,
+            compilation_mode=0, kv_transfer_config=remote("kv_consumer", port))
+
+
+def test_frames_without_the_token_or_sent_again_are_refused_unread(tiny_model_dir, in_process, kv_token, caplog):
+    """A process without the token, and one that sends the consumer's fetch again (a replay on a
+    new connection, or twice on one), gets nothing: the server drops the connection with a log
+    line, and goes on serving the real consumer."""
+    import socket
+
+    from phases.p08_tensor_parallel.parallel import Stamp, sign_bytes
+    from phases.p10_kv_tiers.kv_remote import HELLO, read_frame, send_frame
+
+    producer = make(tiny_model_dir, kv_transfer_config=remote("kv_producer", 0))
+    server = producer.llm_engine.parts.attention.worker.remote
+    ps = prompts(1, 41, seed=5)
+    producer.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1))
+    identity = producer.llm_engine.parts.attention.worker.store.identity
+    token = bytes.fromhex(kv_token)
+
+    def session(key_token: bytes, counters: list[int]) -> list[bytes]:
+        """A connection: the hello under `key_token`, then a fetch of one digest per counter."""
+        got = []
+        with socket.create_connection(server.address, timeout=10) as conn:
+            nonce = read_frame(conn, 64)[len(HELLO):]
+            send_frame(conn, sign_bytes(json.dumps(identity).encode(), key_token, Stamp("kv-hello", nonce, 1, 0)))
+            try:
+                got.append(read_frame(conn, 1 << 20))
+                for c in counters:
+                    send_frame(conn, sign_bytes(bytes(32), key_token, Stamp("kv-fetch", nonce, 1, c)))
+                    got.append(read_frame(conn, 1 << 20))
+            except ConnectionError:
+                pass
+        return got
+
+    with caplog.at_level("WARNING", logger="tinyvllm.kv_offload"):
+        assert session(secrets.token_bytes(32), [1]) == []          # another token: not even a hello back
+        assert len(session(token, [1, 1])) == 2                      # the hello and the first fetch, not the second
+    assert caplog.text.count("refused, connection dropped") == 2, caplog.text
+    consumer = make(tiny_model_dir, kv_transfer_config=remote("kv_consumer", server.address[1]))
+    assert run(consumer, [ps]) and consumer.llm_engine.get_stats()["kv_remote_fetched_blocks"] == 10
 
 
 def test_blocks_that_name_one_slot_share_its_ways(tmp_path):
