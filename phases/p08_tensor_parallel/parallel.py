@@ -211,31 +211,43 @@ class RefusedValue(ValueError):
         self.sender = sender
 
 
-def _signature(data: bytes, token: bytes) -> bytes:
+def _signature(token: bytes, *parts) -> bytes:
+    """HMAC-SHA256 under `token` of the parts one after another (each hashed in place: a large one
+    is not copied)."""
     if len(token) < 16:
         raise ValueError(f"token must be at least 16 random bytes, got {len(token)}")
-    return hmac.new(token, data, hashlib.sha256).digest()
+    mac = hmac.new(token, digestmod=hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.digest()
+
+
+def sign_parts(parts: list, token: bytes, stamp: Stamp) -> list:
+    """`sign_bytes` in pieces: [signature, stamp, *parts], to be sent one after another, so that
+    large data is neither joined nor copied."""
+    header = STAMP.pack(stamp.run_id, stamp.rank, stamp.counter)
+    return [_signature(token, stamp.key.encode() + b"\0", header, *parts), header, *parts]
 
 
 def sign_bytes(data: bytes, token: bytes, stamp: Stamp) -> bytes:
     """`data` behind its stamp and their HMAC-SHA256 under `token` (which covers the key too):
     bytes only a holder of the token can make, for one slot, run, sender and counter."""
-    header = STAMP.pack(stamp.run_id, stamp.rank, stamp.counter)
-    return _signature(stamp.key.encode() + b"\0" + header + data, token) + header + data
+    return b"".join(sign_parts([data], token, stamp))
 
 
 def open_bytes(value: bytes, token: bytes, key: str) -> tuple[Stamp, bytes]:
     """The stamp and the data `sign_bytes` made for the slot `key`, once the signature checks out
-    (RefusedValue otherwise): the data is not read here."""
+    (RefusedValue otherwise): the data is not read here. `value` may be a memoryview: the data is
+    then a view into it, not a copy."""
     if len(value) < SIGNATURE_BYTES + STAMP.size:
         raise RefusedValue(f"{key}: {len(value)} bytes, too short to be signed with this engine's token: "
                            f"refused unread")
     signature, header, data = (value[:SIGNATURE_BYTES], value[SIGNATURE_BYTES:SIGNATURE_BYTES + STAMP.size],
                                value[SIGNATURE_BYTES + STAMP.size:])
-    if not hmac.compare_digest(signature, _signature(key.encode() + b"\0" + header + data, token)):
+    if not hmac.compare_digest(bytes(signature), _signature(token, key.encode() + b"\0", header, data)):
         raise RefusedValue(f"{key}: not signed with this engine's token: refused unread")
     run_id, rank, counter = STAMP.unpack(header)
-    return Stamp(key, run_id, rank, counter), data
+    return Stamp(key, bytes(run_id), rank, counter), data
 
 
 def check_stamp(stamp: Stamp, expected: Stamp) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from array import array
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -72,7 +73,7 @@ class OffloadingConnectorScheduler:
         self.store, self.allocator = store, allocator
         self.load_blocks_per_step = load_blocks_per_step
         self.remote, self.remote_failed = remote, False
-        self.fetches: dict[Sequence, tuple | None] = {}    # a request's blocks on their way: (digests, Future)
+        self.fetches: dict[Sequence, Future | list | None] = {}   # a request's blocks on their way, or landing
         self.held: dict[Sequence, PrefixBlockTable] = {}   # blocks loaded for a request still loading
         self.block_size = allocator.block_size
         self.digests: dict[Sequence, list[bytes]] = {}     # each running sequence's block digests
@@ -164,31 +165,38 @@ class OffloadingConnectorScheduler:
         """A consumer fed over a socket: ask the producer, once per request, for the blocks of its
         prompt this tier lacks (from the first it lacks, after the pool's); True once they have
         landed in this tier (or the fetch failed: a warning, and they are computed), False while
-        they are on their way (with `wait`, as when nothing else runs, it waits for them)."""
+        they are on their way or landing (with `wait`, as when nothing else runs, it waits for
+        them and lands them all; else `load_blocks_per_step` land a step)."""
         if seq not in self.fetches:
             digests = self.block_digests(seq, (seq.num_tokens - 1) // self.block_size)[num_cached_blocks:]
             first = next((i for i, d in enumerate(digests) if self.store.lookup(d) is None), None)
             wanted = None if first is None or self.remote_failed else digests[first:]
-            self.fetches[seq] = None if wanted is None else (wanted, self.remote.submit(wanted))
+            self.fetches[seq] = None if wanted is None else self.remote.submit(wanted)
         pending = self.fetches[seq]
         if pending is None:
             return True
-        if not pending[1].done() and not wait:
-            return False
-        self.fetches[seq] = None
-        try:
-            blocks = pending[1].result()
-        except (OSError, ValueError) as e:   # (RefusedValue is a ValueError)
-            logger.warning("kv_consumer: the producer at %s did not send the blocks (%s); this request's prompt, "
-                           "and every later one's, is computed here", self.remote.address, e)
-            self.remote_failed = True
-            return True
-        for digest, data in blocks:
+        if isinstance(pending, Future):
+            if not pending.done() and not wait:
+                return False
+            try:
+                pending = self.fetches[seq] = pending.result()
+            except (OSError, ValueError) as e:   # (RefusedValue is a ValueError)
+                logger.warning("kv_consumer: the producer at %s did not send the blocks (%s); this request's "
+                               "prompt, and every later one's, is computed here", self.remote.address, e)
+                self.fetches[seq], self.remote_failed = None, True
+                return True
+        # they land a few a step while others run (load_blocks_per_step), as they load
+        take = len(pending) if wait or not self.load_blocks_per_step else self.load_blocks_per_step
+        for digest, crc, data in pending[:take]:
             slot = self.store.allocate(digest)
             if slot is None:
                 break
-            self.store.write(slot, digest, data)
+            self.store.write(slot, digest, data, crc)
             self.num_fetched_blocks += 1
+        del pending[:take]
+        if pending:
+            return False
+        self.fetches[seq] = None
         return True
 
     # -- one step's record ------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from phases.p08_tensor_parallel.parallel import RefusedValue, Stamp, open_signed, sign_bytes
+from phases.p08_tensor_parallel.parallel import RefusedValue, Stamp, open_signed, sign_bytes, sign_parts
 from tinyvllm.secret_env import take_secret
 
 from .offload_store import SLOT_HEADER, SLOT_MAGIC, _SLOT, OffloadStore
@@ -68,27 +68,30 @@ def kv_token() -> bytes:
     return token
 
 
-def send_frame(conn: socket.socket, data: bytes) -> None:
-    conn.sendall(_LENGTH.pack(len(data)) + data)
+def send_frame(conn: socket.socket, *parts) -> None:
+    """One frame: its length, then its parts one after another (a block's bytes are not joined)."""
+    conn.sendall(_LENGTH.pack(sum(len(p) for p in parts)))
+    for part in parts:
+        conn.sendall(part)
 
 
-def read_frame(conn: socket.socket, limit: int) -> bytes:
-    """One frame of at most `limit` bytes (a ConnectionError past it, or at the connection's end)."""
+def read_frame(conn: socket.socket, limit: int) -> memoryview:
+    """One frame of at most `limit` bytes (a ConnectionError past it, or at the connection's end),
+    received in place: a view of its buffer."""
     n = _LENGTH.unpack(_read(conn, _LENGTH.size))[0]
     if n > limit:
         raise ConnectionError(f"a frame of {n} bytes, more than the {limit} expected")
     return _read(conn, n)
 
 
-def _read(conn: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _read(conn: socket.socket, n: int) -> memoryview:
+    view, got = memoryview(bytearray(n)), 0
     while got < n:
         k = conn.recv_into(view[got:])
         if not k:
             raise ConnectionError("the other engine closed the connection")
         got += k
-    return bytes(buf)
+    return view
 
 
 def same_blocks(mine: dict, theirs: dict) -> str | None:
@@ -128,8 +131,8 @@ class KVBlockServer:
         with conn:
             try:
                 send_frame(conn, HELLO + nonce)
-                theirs = json.loads(open_signed(read_frame(conn, MAX_REQUEST), self.token,
-                                                Stamp("kv-hello", nonce, CONSUMER, 0)))
+                theirs = json.loads(bytes(open_signed(read_frame(conn, MAX_REQUEST), self.token,
+                                                      Stamp("kv-hello", nonce, CONSUMER, 0))))
                 problem = same_blocks(theirs if isinstance(theirs, dict) else {}, self.store.identity)
                 answer = {"refused": problem} if problem else {"identity": self.store.identity}
                 send_frame(conn, sign_bytes(json.dumps(answer).encode(), self.token,
@@ -141,20 +144,20 @@ class KVBlockServer:
                 while True:
                     request = open_signed(read_frame(conn, MAX_REQUEST), self.token,
                                           Stamp("kv-fetch", nonce, CONSUMER, counter))
-                    digests = [request[i:i + DIGEST_BYTES] for i in range(0, len(request), DIGEST_BYTES)]
-                    send_frame(conn, sign_bytes(self.blocks(digests), self.token,
-                                                Stamp("kv-blocks", nonce, PRODUCER, counter)))
+                    digests = [bytes(request[i:i + DIGEST_BYTES]) for i in range(0, len(request), DIGEST_BYTES)]
+                    send_frame(conn, *sign_parts(self.blocks(digests), self.token,
+                                                 Stamp("kv-blocks", nonce, PRODUCER, counter)))
                     counter += 1
             except RefusedValue as e:
                 logger.warning("KV block server: a frame from %s refused, connection dropped: %s", peer[0], e)
             except (ConnectionError, OSError, ValueError):
                 pass   # the consumer went away (or sent what is not a hello): its connection ends
 
-    def blocks(self, digests: list[bytes]) -> bytes:
-        """The leading blocks of `digests` this tier holds whole, in order: how many, then each
-        block's CRC-32 and bytes. A block is copied, then its slot's header read again: one the
-        engine replaced meanwhile (its digest or CRC changed, or its bytes no longer match) ends
-        the answer there."""
+    def blocks(self, digests: list[bytes]) -> list[bytes]:
+        """The leading blocks of `digests` this tier holds whole, in order, as the parts of a
+        frame: how many, then each block's CRC-32 and bytes. A block is copied, then its slot's
+        header read again: one the engine replaced meanwhile (its digest or CRC changed, or its
+        bytes no longer match) ends the answer there."""
         out, n, store = [], 0, self.store
         for digest in digests:
             slot = store.slot_of(digest) if store.usable else None
@@ -171,14 +174,15 @@ class KVBlockServer:
             out += [_CRC.pack(crc), data]
             n += 1
         self.num_served_blocks += n
-        return struct.pack("<I", n) + b"".join(out)
+        return [struct.pack("<I", n), *out]
 
 
 class KVBlockClient:
     """The consumer's side: one connection to the producer at `host:port`, the identities
     compared at once (a ValueError naming both where they differ, or where it cannot be
-    reached); `submit(digests)` fetches in the background (a Future of [(digest, bytes)], the
-    leading blocks the producer holds, each CRC checked)."""
+    reached); `submit(digests)` fetches in the background (a Future of [(digest, CRC-32,
+    bytes)], the leading blocks the producer holds, each checked against its CRC; the bytes a
+    view of the received frame)."""
 
     def __init__(self, host: str, port: int, token: bytes, identity: dict, block_bytes: int, timeout: float = 30.0):
         self.token, self.block_bytes, self.address = token, block_bytes, f"{host}:{port}"
@@ -187,11 +191,11 @@ class KVBlockClient:
             hello = read_frame(self.conn, len(HELLO) + NONCE_BYTES)
             if hello[:len(HELLO)] != HELLO:
                 raise ConnectionError("not a tinyvllm KV producer")
-            self.nonce = hello[len(HELLO):]
+            self.nonce = bytes(hello[len(HELLO):])
             send_frame(self.conn, sign_bytes(json.dumps(identity).encode(), token,
                                              Stamp("kv-hello", self.nonce, CONSUMER, 0)))
-            answer = json.loads(open_signed(read_frame(self.conn, MAX_REQUEST), token,
-                                            Stamp("kv-hello", self.nonce, PRODUCER, 0)))
+            answer = json.loads(bytes(open_signed(read_frame(self.conn, MAX_REQUEST), token,
+                                                  Stamp("kv-hello", self.nonce, PRODUCER, 0))))
         except (OSError, ConnectionError, RefusedValue) as e:
             raise ValueError(f"kv_consumer: the kv_producer at {self.address} cannot be reached or refused this "
                              f"engine ({e}); start the producer first, with kv_port and the same "
@@ -209,9 +213,9 @@ class KVBlockClient:
     def submit(self, digests: list[bytes]) -> Future:
         return self.pool.submit(self.fetch, digests)
 
-    def fetch(self, digests: list[bytes]) -> list[tuple[bytes, bytes]]:
-        """The leading blocks of `digests` the producer holds, each with its bytes (checked
-        against the CRC it sent). A frame not the producer's answer raises RefusedValue."""
+    def fetch(self, digests: list[bytes]) -> list[tuple[bytes, int, memoryview]]:
+        """The leading blocks of `digests` the producer holds, each with its CRC and its bytes
+        (checked against that CRC). A frame not the producer's answer raises RefusedValue."""
         counter, self.counter = self.counter, self.counter + 1
         send_frame(self.conn, sign_bytes(b"".join(digests), self.token, Stamp("kv-fetch", self.nonce, CONSUMER, counter)))
         limit = 4 + len(digests) * (_CRC.size + self.block_bytes) + 256
@@ -222,7 +226,7 @@ class KVBlockClient:
             block = data[at + _CRC.size: at + _CRC.size + self.block_bytes]
             if len(block) != self.block_bytes or zlib.crc32(block) != crc:
                 break
-            out.append((digest, block))
+            out.append((digest, crc, block))
             at += _CRC.size + self.block_bytes
         self.num_fetched_blocks += len(out)
         return out

@@ -301,14 +301,17 @@ class OffloadStore:
         off = self._offset(slot)
         return self.data[off:off + self.block_bytes].view(self.dtype).view(self.block_shape)
 
-    def write(self, slot: int, digest: bytes, data: bytes) -> None:
-        """Slot `slot` takes block `digest`'s bytes, as another engine sent them (kv_remote.py)."""
+    def write(self, slot: int, digest: bytes, data, crc: int) -> None:
+        """Slot `slot` takes block `digest`'s bytes as another engine sent them (kv_remote.py),
+        with the CRC-32 they were checked against."""
         off = self._offset(slot)
         self.mm[off:off + self.block_bytes] = data
-        self.commit(slot, digest)
+        self.commit(slot, digest, crc)
 
-    def commit(self, slot: int, digest: bytes) -> None:
-        """Slot `slot` now holds block `digest` in full: its header, with the bytes' CRC-32."""
+    def commit(self, slot: int, digest: bytes, crc: int | None = None) -> None:
+        """Slot `slot` now holds block `digest` in full: its header, with the bytes' CRC-32 (made
+        here unless given)."""
         off = self._offset(slot)
-        crc = zlib.crc32(memoryview(self.mm)[off:off + self.block_bytes])
+        if crc is None:
+            crc = zlib.crc32(memoryview(self.mm)[off:off + self.block_bytes])
         _SLOT.pack_into(self.mm, off - SLOT_HEADER, SLOT_MAGIC, digest, crc, self.block_bytes)

@@ -23,6 +23,7 @@ import os
 import random
 import secrets
 import types
+import zlib
 
 import pytest
 import torch
@@ -211,7 +212,7 @@ def test_a_fetch_in_flight_keeps_its_request_waiting_and_lands_once(tmp_path):
     assert connector.fetch(seq, 0, wait=False) is False and asked == [digests[1:]]
     assert connector.fetch(seq, 0, wait=False) is False and len(asked) == 1, "asked again"
     data = torch.arange(64, dtype=torch.float32).numpy().tobytes()
-    future.set_result([(d, data) for d in digests[1:3]])   # the producer held blocks 1 and 2
+    future.set_result([(d, zlib.crc32(data), data) for d in digests[1:3]])   # the producer held blocks 1 and 2
     assert connector.fetch(seq, 0, wait=False) is True
     assert [store.lookup(d) is not None for d in digests] == [True, True, True, False]
     assert store.verify(digests[2], store.slot_of(digests[2]))
@@ -447,7 +448,7 @@ def test_frames_without_the_token_or_sent_again_are_refused_unread(tiny_model_di
         """A connection: the hello under `key_token`, then a fetch of one digest per counter."""
         got = []
         with socket.create_connection(server.address, timeout=10) as conn:
-            nonce = read_frame(conn, 64)[len(HELLO):]
+            nonce = bytes(read_frame(conn, 64)[len(HELLO):])
             send_frame(conn, sign_bytes(json.dumps(identity).encode(), key_token, Stamp("kv-hello", nonce, 1, 0)))
             try:
                 got.append(read_frame(conn, 1 << 20))
