@@ -18,6 +18,6 @@ if __name__ == "__main__":
     rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     run_id, parent_pid = bytes.fromhex(sys.argv[4]), int(sys.argv[5])
     model, engine_args = sys.argv[6], json.loads(sys.argv[7])
-    recipe = get_recipe(int(sys.argv[8]) if len(sys.argv) > 8 else 8)
+    phase = int(sys.argv[8]) if len(sys.argv) > 8 else 8
     sys.exit(worker_main(rank, world, store_path, run_id, parent_pid,
-                         lambda: EngineSetup.create(model, engine_args, rank), recipe.build))
+                         lambda: EngineSetup.create(model, engine_args, rank), get_recipe(phase).build))

@@ -212,8 +212,7 @@ class RefusedValue(ValueError):
 
 
 def _signature(token: bytes, *parts) -> bytes:
-    """HMAC-SHA256 under `token` of the parts one after another (each hashed in place: a large one
-    is not copied)."""
+    """HMAC-SHA256 under `token` of the parts one after another, each hashed in place (not copied)."""
     if len(token) < 16:
         raise ValueError(f"token must be at least 16 random bytes, got {len(token)}")
     mac = hmac.new(token, digestmod=hashlib.sha256)
@@ -223,8 +222,7 @@ def _signature(token: bytes, *parts) -> bytes:
 
 
 def sign_parts(parts: list, token: bytes, stamp: Stamp) -> list:
-    """`sign_bytes` in pieces: [signature, stamp, *parts], to be sent one after another, so that
-    large data is neither joined nor copied."""
+    """`sign_bytes` in pieces to send one after another (large data not copied): [signature, stamp, *parts]."""
     header = STAMP.pack(stamp.run_id, stamp.rank, stamp.counter)
     return [_signature(token, stamp.key.encode() + b"\0", header, *parts), header, *parts]
 
@@ -237,8 +235,7 @@ def sign_bytes(data: bytes, token: bytes, stamp: Stamp) -> bytes:
 
 def open_bytes(value: bytes, token: bytes, key: str) -> tuple[Stamp, bytes]:
     """The stamp and the data `sign_bytes` made for the slot `key`, once the signature checks out
-    (RefusedValue otherwise): the data is not read here. `value` may be a memoryview: the data is
-    then a view into it, not a copy."""
+    (RefusedValue otherwise): the data, unread (a view into `value` where that is a memoryview)."""
     if len(value) < SIGNATURE_BYTES + STAMP.size:
         raise RefusedValue(f"{key}: {len(value)} bytes, too short to be signed with this engine's token: "
                            f"refused unread")

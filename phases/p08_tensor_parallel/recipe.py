@@ -75,8 +75,7 @@ def make_model_loader(setup: EngineSetup, parts: Parts):
 
 
 def rank_setup(setup: EngineSetup, parts: Parts) -> EngineSetup:
-    """`setup` as this rank sees its share: the model's shape with its heads (a KV pool of its KV
-    heads is built from it); `setup` itself with one rank."""
+    """`setup` with the shape of this rank's share of the model (its KV pool is made from it)."""
     if setup.config.tensor_parallel_size == 1:
         return setup
     return dataclasses.replace(setup, model_config=parts.model_loader.shard_config)
@@ -88,10 +87,8 @@ def make_kv_cache(setup: EngineSetup, parts: Parts):
 
 
 def run_on_ranks(setup: EngineSetup, parts: Parts, inner, phase: int = 8):
-    """The driver's runner: `inner` (a phase's runner) with the worker ranks started beside it
-    (`TensorParallelExecutor`), each building phase `phase`'s parts, phase 7's decode steps
-    broadcast; `inner` itself with one rank or on a worker (whose runner is never called: it
-    runs what the driver sends)."""
+    """`inner` (a phase's runner) on the driver, with worker ranks that build phase `phase`'s parts
+    (`TensorParallelExecutor`); itself with one rank, or on a worker (which runs what it is sent)."""
     if setup.config.tensor_parallel_size == 1 or setup.tensor_parallel_rank != 0:
         return inner
     group = parts.model_loader.group

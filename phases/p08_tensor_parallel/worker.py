@@ -180,8 +180,7 @@ def start_workers(ranks: range, world: int, store_spec: str, token: bytes, run_i
                   engine_args: dict, host: str = LOOPBACK, phase: int = 8) -> dict[int, subprocess.Popen]:
     """Start this host's worker ranks (`ranks`), each told the run and its parent (this process),
     and given the token in its environment; who waits for them to be ready is the rendezvous
-    (`Rendezvous.wait_ready` on node 0). Each builds phase `phase`'s parts (a later phase whose
-    workers hold other parts: phase 11's KV cache for a model with windows)."""
+    (`Rendezvous.wait_ready` on node 0). Each builds phase `phase`'s parts (phase 11's: its KV groups)."""
     env = worker_env(token, host)
     per_host = world // EngineConfig.from_kwargs(**engine_args).nnodes
     procs = {}
