@@ -50,6 +50,7 @@ DIGEST_BYTES = 32
 _LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
 MAX_REQUEST = 1 << 20          # bytes of a request frame at most (32,768 digests)
+HELLO_TIMEOUT_S = 30.0
 # what must be equal for one engine's blocks to be another's (not the tier's size: each has its own)
 SAME = ("model", "block_size", "dtype", "block_shape")
 
@@ -130,6 +131,7 @@ class KVBlockServer:
         nonce = secrets.token_bytes(NONCE_BYTES)
         with conn:
             try:
+                conn.settimeout(HELLO_TIMEOUT_S)   # a connection that never says hello ends
                 send_frame(conn, HELLO + nonce)
                 theirs = json.loads(bytes(open_signed(read_frame(conn, MAX_REQUEST), self.token,
                                                       Stamp("kv-hello", nonce, CONSUMER, 0))))
@@ -140,6 +142,7 @@ class KVBlockServer:
                 if problem:
                     logger.warning("KV block server: refused a consumer at %s: %s", peer[0], problem)
                     return
+                conn.settimeout(None)
                 counter = 1
                 while True:
                     request = open_signed(read_frame(conn, MAX_REQUEST), self.token,
