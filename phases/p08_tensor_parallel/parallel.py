@@ -165,19 +165,20 @@ def take_token() -> bytes:
     return token
 
 
-def shared_token() -> bytes:
+def shared_token(name: str = TOKEN_ENV, needed_by: str = "nnodes > 1", signers: str = "ranks") -> bytes:
     """The token of an engine over several hosts: no host can hand it to another, so the user
-    sets the same secret in TINYVLLM_TP_TOKEN on every host (hex, at least 16 bytes). It is taken
-    out of this process's environment (`take_secret`): only the workers get it, on purpose."""
-    value = take_secret(TOKEN_ENV) or ""
+    sets the same secret in variable `name` (TINYVLLM_TP_TOKEN) on every host (hex, at least 16
+    bytes). It is taken out of this process's environment (`take_secret`): only the workers get
+    it, on purpose. (Phase 10's KV producer and consumer take theirs the same way.)"""
+    value = take_secret(name) or ""
     try:
         token = bytes.fromhex(value)
     except ValueError:
         token = b""
     if len(token) < 16:
-        raise ValueError(f"nnodes > 1: set {TOKEN_ENV} to the same secret on every host, at least 16 "
+        raise ValueError(f"{needed_by}: set {name} to the same secret on every host, at least 16 "
                          f"bytes in hex (python -c 'import secrets; print(secrets.token_hex(32))'); the "
-                         f"ranks sign and check every message with it")
+                         f"{signers} sign and check every message with it")
     return token
 
 

@@ -35,8 +35,7 @@ import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from phases.p08_tensor_parallel.parallel import RefusedValue, Stamp, open_signed, sign_bytes, sign_parts
-from tinyvllm.secret_env import take_secret
+from phases.p08_tensor_parallel.parallel import RefusedValue, Stamp, open_signed, shared_token, sign_bytes, sign_parts
 
 from .offload_store import SLOT_HEADER, SLOT_MAGIC, _SLOT, OffloadStore
 
@@ -57,16 +56,7 @@ SAME = ("model", "block_size", "dtype", "block_shape")
 
 def kv_token() -> bytes:
     """The secret both engines sign with (`TOKEN_ENV`), taken out of this process's environment."""
-    value = take_secret(TOKEN_ENV) or ""
-    try:
-        token = bytes.fromhex(value)
-    except ValueError:
-        token = b""
-    if len(token) < 16:
-        raise ValueError(f"kv_transfer_config with kv_port: set {TOKEN_ENV} to the same secret on the producer's "
-                         f"and the consumer's host, at least 16 bytes in hex (python -c 'import secrets; "
-                         f"print(secrets.token_hex(32))'); every frame between them is signed with it")
-    return token
+    return shared_token(TOKEN_ENV, "kv_transfer_config with kv_port", "producer and its consumers")
 
 
 def send_frame(conn: socket.socket, *parts) -> None:

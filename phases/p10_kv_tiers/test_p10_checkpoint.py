@@ -428,6 +428,12 @@ def test_a_consumer_over_a_socket_is_refused_at_start_by_name(change, error, tin
             compilation_mode=0, kv_transfer_config=remote("kv_consumer", port))
 
 
+def test_a_pair_on_a_socket_without_its_secret_is_refused_by_name(tiny_model_dir, in_process, monkeypatch):
+    monkeypatch.delenv("TINYVLLM_KV_TOKEN", raising=False)
+    with pytest.raises(ValueError, match=r"kv_transfer_config with kv_port: set TINYVLLM_KV_TOKEN to the same secret"):
+        make(tiny_model_dir, kv_transfer_config=remote("kv_producer", 0))
+
+
 def test_frames_without_the_token_or_sent_again_are_refused_unread(tiny_model_dir, in_process, kv_token, caplog):
     """A process without the token, and one that sends the consumer's fetch again (a replay on a
     new connection, or twice on one), gets nothing: the server drops the connection with a log
