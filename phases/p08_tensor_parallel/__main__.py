@@ -1,16 +1,15 @@
 """`python -m phases.p08_tensor_parallel RANK WORLD STORE RUN_ID PARENT_PID MODEL ENGINE_ARGS_JSON [PHASE]`:
 one worker rank, as its host starts it (worker.start_workers), with the group's token in its
-environment (TINYVLLM_TP_TOKEN): it builds phase PHASE's parts (8 unless given) with its rank. STORE is the
-rendezvous, "file:PATH" or "tcp:HOST:PORT" (parallel.open_store); RUN_ID (hex) the run every
+environment (TINYVLLM_TP_TOKEN): it builds phase PHASE's parts (8 unless given) with its rank.
+STORE is the rendezvous, "file:PATH" or "tcp:HOST:PORT" (parallel.open_store); RUN_ID (hex) the run every
 signed value of this engine carries; PARENT_PID the process that started it, whose end ends this
 one too."""
 
 import json
 import sys
 
-from phases.p01_naive_attention import EngineSetup
-
 from phases import get_recipe
+from phases.p01_naive_attention import EngineSetup
 
 from .worker import worker_main
 
