@@ -200,7 +200,7 @@ def test_kv_write_puts_each_token_in_its_slot():
 @given(st.integers(1, 8), st.integers(4, 40),
        st.lists(st.tuples(st.sampled_from(["alloc", "append", "free"]), st.integers(0, 7), st.integers(1, 30)),
                 max_size=80))
-@example(4, 8, [("alloc", 0, 5), ("append", 0, 1), ("free", 0, 1), ("alloc", 0, 3)])   # always: a table in use freed
+@example(4, 8, [("alloc", 0, 5), ("free", 0, 1), ("alloc", 0, 3)])   # always: a table in use freed
 def test_allocator_never_leaks_or_double_books(block_size, num_blocks, ops):
     alloc = BlockAllocator(num_blocks, block_size)
     tables = [BlockTable() for _ in range(8)]
