@@ -37,7 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from phases.p08_tensor_parallel.parallel import RefusedValue, Stamp, open_signed, shared_token, sign_bytes, sign_parts
 
-from .offload_store import SLOT_HEADER, SLOT_MAGIC, _SLOT, OffloadStore
+from .offload_store import OffloadStore
 
 logger = logging.getLogger("tinyvllm.kv_offload")
 
@@ -147,27 +147,16 @@ class KVBlockServer:
                 pass   # the consumer went away (or sent what is not a hello): its connection ends
 
     def blocks(self, digests: list[bytes]) -> list[bytes]:
-        """The leading blocks of `digests` this tier holds whole, in order, as the parts of a
-        frame: how many, then each block's CRC-32 and bytes. A block is copied, then its slot's
-        header read again: one the engine replaced meanwhile (its digest or CRC changed, or its
-        bytes no longer match) ends the answer there."""
-        out, n, store = [], 0, self.store
+        """The leading blocks of `digests` this tier holds whole (`OffloadStore.read`), in order,
+        as the parts of a frame: how many, then each block's CRC-32 and bytes."""
+        out = []
         for digest in digests:
-            slot = store.slot_of(digest) if store.usable else None
-            if slot is None:
+            block = self.store.read(digest)
+            if block is None:
                 break
-            off = store._offset(slot)
-            before = _SLOT.unpack_from(store.mm, off - SLOT_HEADER)
-            data = bytes(store.mm[off:off + store.block_bytes])
-            after = _SLOT.unpack_from(store.mm, off - SLOT_HEADER)
-            magic, saved, crc, nbytes = after
-            if before != after or magic != SLOT_MAGIC or saved != digest or nbytes != store.block_bytes \
-                    or zlib.crc32(data) != crc:
-                break
-            out += [_CRC.pack(crc), data]
-            n += 1
-        self.num_served_blocks += n
-        return [struct.pack("<I", n), *out]
+            out += [_CRC.pack(block[0]), block[1]]
+        self.num_served_blocks += len(out) // 2
+        return [struct.pack("<I", len(out) // 2), *out]
 
 
 class KVBlockClient:

@@ -301,6 +301,22 @@ class OffloadStore:
         off = self._offset(slot)
         return self.data[off:off + self.block_bytes].view(self.dtype).view(self.block_shape)
 
+    def read(self, digest: bytes) -> tuple[int, bytes] | None:
+        """Block `digest`'s CRC-32 and a copy of its bytes, for another engine (kv_remote.py); None
+        where this tier lacks it whole: absent, its bytes not their CRC's, or its slot's header
+        changed while they were copied (the engine replaced it). Reads only: safe beside the engine."""
+        slot = self.slot_of(digest) if self.usable else None
+        if slot is None:
+            return None
+        off = self._offset(slot)
+        before = _SLOT.unpack_from(self.mm, off - SLOT_HEADER)
+        data = bytes(self.mm[off:off + self.block_bytes])
+        magic, saved, crc, nbytes = after = _SLOT.unpack_from(self.mm, off - SLOT_HEADER)
+        if before != after or magic != SLOT_MAGIC or saved != digest or nbytes != self.block_bytes \
+                or zlib.crc32(data) != crc:
+            return None
+        return crc, data
+
     def write(self, slot: int, digest: bytes, data, crc: int) -> None:
         """Slot `slot` takes block `digest`'s bytes as another engine sent them (kv_remote.py),
         with the CRC-32 they were checked against."""

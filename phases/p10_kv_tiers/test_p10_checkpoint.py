@@ -225,6 +225,18 @@ def test_a_fetch_in_flight_keeps_its_request_waiting_and_lands_once(tmp_path):
     assert connector.fetch(_Seq(list(range(300, 320))), 0, wait=True) is True and len(asked) == 2
 
 
+def test_a_block_read_for_another_engine_is_whole_or_none(tmp_path):
+    """`OffloadStore.read` (what a producer's server sends): a saved block's CRC and bytes; nothing
+    for a block the tier lacks, or one whose bytes no longer match their CRC."""
+    store = _store(tmp_path, 4)
+    _put(store, b"a" * 32)
+    crc, data = store.read(b"a" * 32)
+    assert data == store.block(store.slot_of(b"a" * 32)).numpy().tobytes() and zlib.crc32(data) == crc
+    assert store.read(b"b" * 32) is None
+    store.block(store.slot_of(b"a" * 32))[0, 0, 0, 0, 0] = 7.0   # damaged after its save
+    assert store.read(b"a" * 32) is None
+
+
 def test_the_tier_evicts_its_least_recently_used_block(tmp_path):
     store = _store(tmp_path, 3)
     for d in (b"a", b"b", b"c"):
